@@ -1,0 +1,4 @@
+"""Attention and GEMM kernels with pure-torch reference twins.
+
+Installed as ``localgen.kernels``; nothing here imports the rest of localgen.
+"""

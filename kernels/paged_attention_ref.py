@@ -1,0 +1,82 @@
+"""Pure-torch paged attention: the reference twin of the Triton kernels, and the CPU path.
+
+The KV cache of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+a sequence's tokens live in the blocks its block table lists, in order (PagedAttention, §4.1).
+GQA/MQA: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new keys/values ``[num_tokens, num_kv_heads, head_dim]`` at flat slots
+    ``block_id * block_size + offset`` (``slot_mapping``: ``[num_tokens]``, int64)."""
+    kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence: ``[length, num_kv_heads, head_dim]``."""
+    block_size = cache.shape[1]
+    n_blocks = -(-length // block_size)
+    return cache[block_table[:n_blocks]].flatten(0, 1)[:length]
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """One query token per sequence attending to its whole cached context.
+
+    q: ``[num_seqs, num_heads, head_dim]``; block_tables: ``[num_seqs, max_blocks]`` (int, padded
+    entries ignored); context_lens: ``[num_seqs]`` tokens in the cache, incl. the current one.
+    Returns ``[num_seqs, num_heads, head_dim]`` in q's dtype. Softmax in float32.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    max_len = int(context_lens.max())
+    n_blocks = -(-max_len // block_size)
+    tables = block_tables[:, :n_blocks]
+    k = k_cache[tables].flatten(1, 2)[:, :max_len]  # [B, L, kvh, d]
+    v = v_cache[tables].flatten(1, 2)[:, :max_len]
+    group = num_heads // kv_heads
+    qg = q.view(num_seqs, kv_heads, group, head_dim).float()
+    scores = torch.einsum("bkgd,blkd->bkgl", qg, k.float()) * scale
+    pos = torch.arange(max_len, device=q.device)
+    mask = pos[None, :] >= context_lens[:, None].to(q.device)
+    scores.masked_fill_(mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bkgl,blkd->bkgd", probs, v.float())
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, context_lens: list[int],
+                            query_lens: list[int], scale: float) -> torch.Tensor:
+    """Causal attention for packed variable-length queries over their cached context.
+
+    q: ``[sum(query_lens), num_heads, head_dim]``; sequence ``i``'s queries are its last
+    ``query_lens[i]`` tokens of ``context_lens[i]`` (tokens before them are a reused prefix).
+    Returns ``[sum(query_lens), num_heads, head_dim]``.
+    """
+    num_heads, head_dim = q.shape[1:]
+    kv_heads = k_cache.shape[2]
+    outs, start = [], 0
+    for i, (ctx, ql) in enumerate(zip(context_lens, query_lens)):
+        qi = q[start:start + ql].transpose(0, 1)  # [H, ql, d]
+        k = gather_kv(k_cache, block_tables[i], ctx).transpose(0, 1)  # [kvh, ctx, d]
+        v = gather_kv(v_cache, block_tables[i], ctx).transpose(0, 1)
+        if kv_heads != num_heads:
+            k = k.repeat_interleave(num_heads // kv_heads, dim=0)
+            v = v.repeat_interleave(num_heads // kv_heads, dim=0)
+        # key j is visible to query t (absolute position ctx - ql + t) when j <= that position
+        qpos = torch.arange(ctx - ql, ctx, device=q.device)[:, None]
+        mask = torch.arange(ctx, device=q.device)[None, :] <= qpos
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qi, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+        outs.append(o.transpose(0, 1))
+        start += ql
+    return torch.cat(outs, dim=0)

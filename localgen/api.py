@@ -1,0 +1,140 @@
+"""The public façade: load a model, submit requests, stream tokens, read metrics.
+
+    from localgen.api import LLM, Request, SamplingParams
+    llm = LLM.load()                      # the embedded SmolLM2-135M-Instruct
+    out = llm.generate([Request(messages=[{"role": "user", "content": "Hi"}],
+                                sampling=SamplingParams(temperature=0, max_tokens=32))])
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+
+from localgen.models.model import CausalLM
+from localgen.runtime.engine import Engine, EngineConfig
+from localgen.runtime.metrics import Metrics
+from localgen.runtime.request import (Priority, PromptTooLongError, Request, RequestOutput,
+                                      SamplingParams)
+
+__all__ = ["LLM", "Request", "RequestOutput", "SamplingParams", "Priority", "PromptTooLongError",
+           "EngineConfig", "default_device", "default_dtype"]
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    # float32 on the CPU is the correctness oracle's dtype; bf16 where tensor cores make it fast
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if name is None:
+        return default_dtype(device)
+    if isinstance(name, torch.dtype):
+        return name
+    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+             "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if name not in table:
+        raise ValueError(f"dtype {name!r} is not one of {', '.join(table)}")
+    return table[name]
+
+
+class LLM:
+    """A loaded model and its engine. Not thread-safe: drive it from one thread."""
+
+    def __init__(self, engine: Engine, model_name: str, source=None):
+        self.engine, self.model_name, self.source = engine, model_name, source
+
+    @classmethod
+    def load(cls, model: str | None = None, *, revision: str | None = None,
+             device: str | None = None, dtype: str | torch.dtype | None = None,
+             kv_cache_memory: int | None = None, max_num_seqs: int = 64,
+             max_num_batched_tokens: int = 8192, block_size: int = 16,
+             enable_prefix_caching: bool = True, max_model_len: int | None = None) -> "LLM":
+        """Load ``model`` (None: the embedded default; a GGUF path; a Hugging Face directory; a
+        hub id from the local cache). Raises FileNotFoundError / UnsupportedModelError with the
+        reason, ValueError for bad settings."""
+        from localgen.models.sources import resolve_model
+
+        src = resolve_model(model, revision=revision)
+        cfg = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=max_num_batched_tokens,
+                           enable_prefix_caching=enable_prefix_caching,
+                           kv_cache_memory=kv_cache_memory, max_model_len=max_model_len)
+        return cls.from_parts(src.config, src.weights, src.tokenizer, cfg, device=device,
+                              dtype=dtype, name=src.name, source=src)
+
+    @classmethod
+    def from_parts(cls, config, weights, tokenizer, engine_config: EngineConfig | None = None, *,
+                   device: str | None = None, dtype=None, name: str = "model", source=None) -> "LLM":
+        """Build from a ModelConfig, a weight store and a tokenizer (tests, custom sources)."""
+        dev = torch.device(device) if device else default_device()
+        model = CausalLM(config, weights, _dtype(dtype, dev), dev)
+        eos = set(config.eos_token_ids)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(tokenizer.eos_token_id)
+        engine = Engine(model, tokenizer, engine_config, tuple(sorted(eos)))
+        return cls(engine, name, source)
+
+    # -- the engine's surface -------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def config(self):
+        return self.engine.model.cfg
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.engine.metrics
+
+    def add_request(self, req: Request) -> str:
+        return self.engine.add_request(req)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        return self.engine.abort(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        return self.engine.step()
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    # -- conveniences ---------------------------------------------------------------------
+    def generate(self, requests: Iterable[Request | str],
+                 sampling: SamplingParams | None = None) -> list[RequestOutput]:
+        """Run requests (strings become chat messages) to completion; final outputs in order."""
+        reqs = [_as_request(r, sampling) for r in requests]
+        ids = [self.add_request(r) for r in reqs]
+        done: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def stream(self, request: Request | str,
+               sampling: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield each update of one request (other queued requests advance too)."""
+        rid = self.add_request(_as_request(request, sampling))
+        finished = False
+        while not finished and self.has_unfinished():
+            for out in self.step():
+                if out.request_id == rid:
+                    finished = out.finished
+                    yield out
+
+
+def _as_request(r: Request | str, sampling: SamplingParams | None) -> Request:
+    if isinstance(r, Request):
+        return r
+    return Request(messages=[{"role": "user", "content": r}], sampling=sampling or SamplingParams())

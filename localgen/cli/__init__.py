@@ -1,0 +1,1 @@
+"""Typer commands (see main.py)."""

@@ -1,0 +1,159 @@
+"""`localgen batch IN.jsonl -o OUT.jsonl`: run a file of prompts, resumably.
+
+Heavy imports (torch, the engine) happen inside functions so `localgen --help` stays fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from localgen.cli.units import parse_size
+
+
+def load_llm(
+    model: str | None,
+    *,
+    kv_cache_memory: int | None = None,
+    max_num_seqs: int = 64,
+    dtype: str | None = None,
+    device: str | None = None,
+) -> Any:
+    """Load the engine (tests replace this function with a fake)."""
+    from localgen.api import LLM
+
+    return LLM.load(model, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, dtype=dtype, device=device)
+
+
+def _size_option(value: Optional[str]) -> Optional[int]:
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+def batch(
+    input: Path = typer.Argument(
+        ..., exists=True, dir_okay=False, readable=True, metavar="IN.jsonl", help="Input JSONL: native {id, prompt|messages, ...} or OpenAI Batch API lines."
+    ),
+    output: Path = typer.Option(..., "--output", "-o", dir_okay=False, metavar="OUT.jsonl", help="Output JSONL; results are appended, ids already in it are skipped (resume)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model: local HF dir, hub id or GGUF path (default: the embedded SmolLM2-135M-Instruct)."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=0, help="Only the first N input lines."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1, help="Cap on generated tokens per line (default for lines that set none)."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="Temperature for lines that set none (0 = greedy)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed for lines that set none."),
+    raw: bool = typer.Option(False, "--raw", help="Send native \"prompt\" text as is instead of as a user turn through the chat template."),
+    kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help="KV cache size, e.g. 512MiB, 2GiB, 1.5GB (default: sized from free memory)."),
+    max_num_seqs: int = typer.Option(64, "--max-num-seqs", min=1, help="Most sequences decoded together."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype, e.g. float32, bfloat16 (default: chosen for the device)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: best available)."),
+    progress_bar: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar (on stderr)."),
+) -> None:
+    """Generate answers for every line of IN.jsonl, appending one result per line to OUT.jsonl.
+
+    Bad lines get an error record with their line number and the rest still run; the exit status is 1 when any line failed. Rerunning the same command resumes: lines whose id already has a result in OUT are skipped.
+    """
+    from rich.console import Console
+
+    from localgen.batch.runner import BatchInterrupted, run_batch
+    from localgen.runtime.request import SamplingParams
+
+    err = Console(stderr=True, highlight=False)
+    kv_bytes = _size_option(kv_cache_memory)
+    if input.resolve() == output.resolve():
+        raise typer.BadParameter("the output file must differ from the input file", param_hint="--output")
+    defaults: dict[str, Any] = {}
+    if temperature is not None:
+        defaults["temperature"] = temperature
+    if seed is not None:
+        defaults["seed"] = seed
+    try:
+        SamplingParams(**defaults).validate()
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+    err.print(f"loading model {model or '(embedded default)'} ...")
+    llm = load_llm(model, kv_cache_memory=kv_bytes, max_num_seqs=max_num_seqs, dtype=dtype, device=device)
+    ctx = getattr(llm, "max_model_len", None)
+    err.print(f"model {getattr(llm, 'model_name', '?')}" + (f", context {ctx} tokens" if ctx else ""))
+
+    bar = _ProgressBar(err) if progress_bar else None
+    interrupted = False
+    try:
+        if bar:
+            bar.start()
+        summary = run_batch(
+            llm,
+            input,
+            output,
+            limit=limit,
+            max_tokens=max_tokens,
+            default_sampling=defaults,
+            raw_prompts=raw,
+            progress=bar.update if bar else None,
+        )
+    except BatchInterrupted as e:
+        summary = e.summary
+        interrupted = True
+    finally:
+        if bar:
+            bar.stop()
+
+    _print_summary(summary, output, err)
+    if interrupted:
+        err.print("[yellow]interrupted[/]: every result above is saved; rerun the same command to resume.")
+        raise typer.Exit(130)
+    raise typer.Exit(1 if summary.failed else 0)
+
+
+def _print_summary(summary: Any, output: Path, err: Any) -> None:
+    typer.echo(
+        f"done {summary.done}, skipped {summary.skipped_resume} (already in {output}), "
+        f"failed {summary.failed}, of {summary.total} lines; "
+        f"{summary.tokens} tokens in {summary.seconds:.1f} s ({summary.tokens_per_s:.1f} tokens/s)"
+    )
+    if summary.failed:
+        for e in summary.errors[:10]:
+            err.print(f"  [red]line {e.line_no}[/]: {e.message}", markup=True, soft_wrap=True)
+        if summary.failed > 10:
+            err.print(f"  ... and {summary.failed - 10} more; error records are in {output}")
+
+
+class _ProgressBar:
+    """done/total, tokens/s and ETA on stderr."""
+
+    def __init__(self, console: Any):
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self._progress = Progress(
+            TextColumn("batch"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[tps]:.1f} tok/s"),
+            TextColumn("[red]{task.fields[failed]} failed" ),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console,
+        )
+        self._task = self._progress.add_task("batch", total=None, tps=0.0, failed=0)
+
+    def start(self) -> None:
+        self._progress.start()
+
+    def stop(self) -> None:
+        self._progress.stop()
+
+    def update(self, p: Any) -> None:
+        self._progress.update(self._task, total=p.total, completed=p.done + p.failed, tps=p.tokens_per_s, failed=p.failed)

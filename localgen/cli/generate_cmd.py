@@ -1,0 +1,157 @@
+"""`localgen generate "PROMPT"`: stream one answer to stdout, stats to stderr.
+
+Heavy imports (torch, the engine) happen inside functions so `localgen --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, List, Optional
+
+import typer
+
+from localgen.cli.units import parse_size
+
+
+def load_llm(
+    model: str | None,
+    *,
+    kv_cache_memory: int | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
+) -> Any:
+    """Load the engine (tests replace this function with a fake)."""
+    from localgen.api import LLM
+
+    return LLM.load(model, kv_cache_memory=kv_cache_memory, max_num_seqs=1, dtype=dtype, device=device)
+
+
+def generate(
+    prompt: Optional[str] = typer.Argument(None, help="The prompt; omit it or give - to read it from stdin."),
+    system: Optional[str] = typer.Option(None, "--system", "-s", help="System message (chat template only)."),
+    raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the model's chat template."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model: local HF dir, hub id or GGUF path (default: the embedded SmolLM2-135M-Instruct)."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="0 = greedy (default 1.0)."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling, in (0, 1] (1 = off)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    min_p: Optional[float] = typer.Option(None, "--min-p", help="Drop tokens below min_p × the top probability (0 = off)."),
+    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="> 1 discourages repeats (1 = off)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for reproducible sampling."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help="Most tokens to generate (default 256)."),
+    stop: Optional[List[str]] = typer.Option(None, "--stop", help="Stop string (repeat for several); not printed."),
+    kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help="KV cache size, e.g. 512MiB, 2GiB."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype, e.g. float32, bfloat16."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: best available)."),
+) -> None:
+    """Generate an answer to PROMPT (or stdin), streaming it to stdout.
+
+    The prompt goes through the model's chat template as a user turn (after --system, if given) unless --raw. A one-line summary (tokens, tokens/s, time to first token) goes to stderr.
+    """
+    from localgen.runtime.request import Priority, PromptTooLongError, Request, SamplingParams
+
+    if prompt is None or prompt == "-":
+        if prompt is None and sys.stdin.isatty():
+            raise typer.BadParameter("give a PROMPT, or pipe one on stdin", param_hint="PROMPT")
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise typer.BadParameter("the prompt is empty", param_hint="PROMPT")
+    if raw and system is not None:
+        raise typer.BadParameter("--system needs the chat template; drop --raw", param_hint="--system")
+    kv_bytes = None
+    if kv_cache_memory is not None:
+        try:
+            kv_bytes = parse_size(kv_cache_memory)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--kv-cache-memory") from None
+
+    given = {
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "min_p": min_p,
+        "repetition_penalty": repetition_penalty,
+        "seed": seed,
+        "max_tokens": max_tokens,
+        "stop": tuple(stop) if stop else None,
+    }
+    try:
+        sampling = SamplingParams(**{k: v for k, v in given.items() if v is not None}).validate()
+    except ValueError as e:
+        name = str(e).split("=", 1)[0]
+        raise typer.BadParameter(str(e), param_hint="--" + name.replace("_", "-")) from None
+
+    if raw:
+        req = Request(prompt=prompt, sampling=sampling, priority=Priority.INTERACTIVE)
+    else:
+        messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        req = Request(messages=messages, sampling=sampling, priority=Priority.INTERACTIVE)
+    req.request_id = f"generate-{req.request_id}"
+
+    llm = load_llm(model, kv_cache_memory=kv_bytes, dtype=dtype, device=device)
+    t0 = time.perf_counter()
+    try:
+        llm.add_request(req)
+    except PromptTooLongError as e:
+        ctx = getattr(llm, "max_model_len", None)
+        typer.echo(f"error: prompt too long for the model's context{f' ({ctx} tokens)' if ctx else ''}: {e}", err=True)
+        raise typer.Exit(1)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1)
+
+    out_stream = sys.stdout
+    t_first: float | None = None
+    last = None
+    wrote_any = False
+    try:
+        while True:
+            outputs = llm.step()
+            for out in outputs:
+                if out.request_id != req.request_id:
+                    continue
+                last = out
+                if t_first is None and out.completion_tokens > 0:
+                    t_first = time.perf_counter()
+                if out.text_delta:
+                    out_stream.write(out.text_delta)
+                    out_stream.flush()
+                    wrote_any = True
+            if last is not None and last.finished:
+                break
+            if not outputs and not llm.has_unfinished():
+                raise RuntimeError("the engine finished without a final output for the request")
+    except KeyboardInterrupt:
+        try:
+            llm.abort(req.request_id)
+        except Exception:
+            pass
+        out_stream.write("\n")
+        out_stream.flush()
+        typer.echo("interrupted", err=True)
+        raise typer.Exit(130)
+    t_end = time.perf_counter()
+    if wrote_any:
+        out_stream.write("\n")
+        out_stream.flush()
+    typer.echo(_stats_line(last, t0, t_first, t_end), err=True)
+
+
+def _stats_line(out: Any, t0: float, t_first: float | None, t_end: float) -> str:
+    n = out.completion_tokens if out is not None else 0
+    total = t_end - t0
+    parts = [f"{n} tokens in {total:.2f} s"]
+    if n > 1 and t_first is not None and t_end > t_first:
+        parts.append(f"{(n - 1) / (t_end - t_first):.1f} tokens/s")  # decode rate after the first token
+    elif n and total > 0:
+        parts.append(f"{n / total:.1f} tokens/s")
+    if t_first is not None:
+        parts.append(f"time to first token {t_first - t0:.2f} s")
+    if out is not None:
+        parts.append(f"prompt {out.prompt_tokens} tokens")
+        if out.cached_prompt_tokens:
+            parts.append(f"{out.cached_prompt_tokens} cached")
+        parts.append(f"finish {out.finish_reason}")
+    return " · ".join(parts)

@@ -1,0 +1,22 @@
+"""The `localgen` command: thin Typer commands that parse, call the API and print.
+
+Each command lives in its own module and imports heavy libraries (torch, transformers) inside the
+function, so `localgen --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="localgen",
+    help="Run LLMs locally: paged KV cache, continuous batching, offloading policy search.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+# Registration: one line per command module (keep this list sorted by command name).
+from localgen.cli import batch_cmd; app.command("batch")(batch_cmd.batch)  # noqa: E402,E702
+from localgen.cli import generate_cmd; app.command("generate")(generate_cmd.generate)  # noqa: E402,E702
+
+from localgen.cli import models_cmd; app.command("models")(models_cmd.models)  # noqa: E402,E702

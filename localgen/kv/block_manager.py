@@ -1,0 +1,144 @@
+"""Block allocator with per-sequence block tables, reference counts and prefix caching.
+
+A sequence's KV cache is a list of fixed-size blocks (its block table, PagedAttention §4.2). A full
+block is identified by a hash chained over all tokens up to its end, so two sequences with the same
+prefix (a system prompt, a chat history) share those blocks (vLLM automatic prefix caching; LightLLM
+TokenAttention, FineInfer report §3.4). Freed blocks keep their contents and hash until reused, in
+least-recently-freed order, so a finished conversation's prefix stays reusable while memory allows.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised when an allocation needs more blocks than are free; the scheduler checks first."""
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    tokens: tuple[int, ...] = field(default=())
+
+
+def chain_hash(prev_hash: int | None, tokens: Sequence[int]) -> int:
+    return hash((prev_hash, tuple(tokens)))
+
+
+class BlockManager:
+    """Owns ``num_blocks`` KV blocks of ``block_size`` tokens each."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_id: dict[int, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache lookups -------------------------------------------------------------
+    def _prefix_hits(self, token_ids: Sequence[int]) -> list[int]:
+        """Block ids caching the longest prefix of full blocks, leaving >= 1 token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, h, bs = [], None, self.block_size
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(h, tokens)
+            bid = self.hash_to_id.get(h)
+            if bid is None or self.blocks[bid].tokens != tokens:
+                break
+            hits.append(bid)
+        return hits
+
+    def can_allocate(self, token_ids: Sequence[int]) -> bool:
+        hits = self._prefix_hits(token_ids)
+        in_use_hits = sum(1 for b in hits if self.blocks[b].ref_count > 0)
+        return self.blocks_for(len(token_ids)) - in_use_hits <= self.num_free_blocks
+
+    # -- allocation -----------------------------------------------------------------------
+    def _take_free(self) -> Block:
+        if not self.free_ids:
+            raise NoFreeBlocksError("no free KV cache block")
+        bid, _ = self.free_ids.popitem(last=False)
+        block = self.blocks[bid]
+        if block.hash is not None and self.hash_to_id.get(block.hash) == bid:
+            del self.hash_to_id[block.hash]  # its old contents are about to be overwritten
+        block.hash, block.tokens, block.ref_count = None, (), 1
+        return block
+
+    def _register(self, block: Block, prev_hash: int | None, tokens: Sequence[int]) -> None:
+        if not self.enable_prefix_caching:
+            return
+        block.tokens = tuple(tokens)
+        block.hash = chain_hash(prev_hash, block.tokens)
+        self.hash_to_id[block.hash] = block.block_id
+
+    def allocate(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
+        """Block table for a new (or recomputed) sequence and how many tokens are already cached.
+
+        Full blocks get their hash at once: their K/V are written in the coming prefill before any
+        sequence reads them (each layer writes all new K/V before attending).
+        Raises NoFreeBlocksError (after undoing) when blocks run out.
+        """
+        if not self.can_allocate(token_ids):
+            raise NoFreeBlocksError(f"{self.blocks_for(len(token_ids))} blocks needed, "
+                                    f"{self.num_free_blocks} free")
+        hits = self._prefix_hits(token_ids)
+        table: list[int] = []
+        for bid in hits:
+            block = self.blocks[bid]
+            if block.ref_count == 0:
+                del self.free_ids[bid]
+            block.ref_count += 1
+            table.append(bid)
+        bs = self.block_size
+        for i in range(len(hits), self.blocks_for(len(token_ids))):
+            block = self._take_free()
+            table.append(block.block_id)
+            chunk = token_ids[i * bs:(i + 1) * bs]
+            if len(chunk) == bs:
+                self._register(block, self.blocks[table[i - 1]].hash if i else None, chunk)
+        return table, len(hits) * bs
+
+    def can_append(self, table: list[int], num_tokens: int) -> bool:
+        """Whether a sequence holding ``num_tokens`` (after the append) has or can get room."""
+        return self.blocks_for(num_tokens) <= len(table) or self.num_free_blocks > 0
+
+    def append(self, table: list[int], token_ids: Sequence[int]) -> None:
+        """Make room for the last of ``token_ids`` (the token being decoded); when that token
+        completes a block, register the block for prefix reuse."""
+        n, bs = len(token_ids), self.block_size
+        if self.blocks_for(n) > len(table):
+            table.append(self._take_free().block_id)
+        if n % bs == 0:
+            idx = n // bs - 1
+            prev = self.blocks[table[idx - 1]].hash if idx else None
+            if idx == 0 or prev is not None:
+                self._register(self.blocks[table[idx]], prev, token_ids[idx * bs:n])
+
+    def free(self, table: list[int]) -> None:
+        """Release a sequence's blocks; cached contents stay reusable until the block is taken."""
+        for bid in reversed(table):  # tail blocks first: they are the least likely to be shared
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_ids[bid] = None
+        table.clear()

@@ -1,0 +1,62 @@
+"""The paged KV cache tensors and how many blocks fit in memory.
+
+Layout per layer, for K and for V: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import psutil
+import torch
+
+from localgen.kv.attention import LayerKV
+from localgen.models.config import ModelConfig
+
+# Share of free memory the cache may take when the user gives no --kv-cache-memory.
+GPU_FREE_FRACTION = 0.9
+CPU_AVAILABLE_FRACTION = 0.25
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V of all layers for one block."""
+    return cfg.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size()) * block_size
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory of the device: CUDA free memory, or the host's available RAM."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * GPU_FREE_FRACTION)
+    return int(psutil.virtual_memory().available * CPU_AVAILABLE_FRACTION)
+
+
+def plan_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
+                    kv_cache_memory: int | None, max_useful_tokens: int) -> int:
+    """Blocks to allocate: ``kv_cache_memory`` bytes if given, else a share of free memory,
+    never more than ``max_useful_tokens`` need (max_num_seqs full contexts).
+
+    Raises ValueError when the budget holds less than one block.
+    """
+    per_block = bytes_per_block(cfg, block_size, dtype)
+    budget = kv_cache_memory if kv_cache_memory is not None else free_memory_bytes(device)
+    n = budget // per_block
+    if kv_cache_memory is None:
+        n = min(n, -(-max_useful_tokens // block_size))
+    if n < 1:
+        raise ValueError(f"KV cache budget of {budget} bytes holds no block of {per_block} bytes; "
+                         "raise --kv-cache-memory")
+    return int(n)
+
+
+class PagedKVCache:
+    """K and V tensors for every layer; ``layer(i)`` is the view the model's layer ``i`` gets."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device):
+        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.views = [LayerKV(self.data[i, 0], self.data[i, 1]) for i in range(cfg.num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()

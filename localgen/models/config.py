@@ -1,0 +1,179 @@
+"""ModelConfig: one normalized description of a decoder-only model, whatever its source.
+
+Every model source (embedded GGUF, local Hugging Face directory, hub id, GGUF path) produces a
+`ModelConfig` plus a weight store whose tensor names follow the Hugging Face parameter names of the
+family (``model.layers.{i}.self_attn.q_proj.weight`` …), so the per-family layer math and the policy
+cost model read one shape of data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+# Hugging Face `architectures` / `model_type` values we run, mapped to our layer-math family.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "OPTForCausalLM": "opt",
+}
+SUPPORTED_MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "opt": "OPTForCausalLM",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """Raised at load time for an architecture localgen has no layer math for."""
+
+
+def supported_list() -> str:
+    return ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and options of a decoder-only transformer.
+
+    Sizes are element counts; ``head_dim * num_heads`` need not equal ``hidden_size``.
+    ``num_kv_heads < num_heads`` means GQA (``== 1``: MQA). OPT-only fields are ignored by the
+    Llama family and vice versa.
+    """
+
+    architecture: str  # Hugging Face class name, e.g. "LlamaForCausalLM"
+    family: str  # "llama" | "opt": which layer math runs it
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # MLP width (OPT: ffn_dim)
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    # Llama family
+    rope_theta: float = 10000.0
+    rope_scaling: Mapping[str, Any] | None = None  # HF dict: {"rope_type": "llama3"|"linear"|…}
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    mlp_bias: bool = False
+    # OPT
+    word_embed_proj_dim: int | None = None  # != hidden_size -> project_in / project_out
+    do_layer_norm_before: bool = True
+    enable_bias: bool = True
+    activation: str = "silu"  # "relu" for OPT
+    # tokens
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"  # the checkpoint's dtype name, informational
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_parameters(self) -> int:
+        """Parameter count (elements) from the shapes, embeddings counted once when tied."""
+        h, f = self.hidden_size, self.intermediate_size
+        if self.family == "opt":
+            per_layer = 2 * h * self.q_size + 2 * h * self.kv_size + 2 * h * f
+            per_layer += (self.q_size + 2 * self.kv_size + h + f + h + 4 * h) if self.enable_bias else 4 * h
+            e = self.word_embed_proj_dim or h
+            emb = self.vocab_size * e + (self.max_position_embeddings + 2) * h
+            if e != h:
+                emb += 2 * e * h
+            head = 0 if self.tie_word_embeddings else self.vocab_size * e
+            return self.num_layers * per_layer + emb + head + 2 * h
+        per_layer = 2 * h * self.q_size + 2 * h * self.kv_size + 3 * h * f + 2 * h
+        if self.attention_bias:
+            per_layer += self.q_size + 2 * self.kv_size
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.num_layers * per_layer + self.vocab_size * h + head + h
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of K and V, all layers, for one token."""
+        return 2 * self.num_layers * self.kv_size * dtype_bytes
+
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face ``config.json`` dict.
+
+        Raises UnsupportedModelError naming the supported architectures.
+        """
+        arch = _architecture_of(d)
+        family = SUPPORTED_ARCHITECTURES[arch]
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        common = dict(
+            architecture=arch,
+            family=family,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=int(d["num_attention_heads"]),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", family == "opt")),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+            extra=dict(d),
+        )
+        if family == "opt":
+            h = common["hidden_size"]
+            act = d.get("activation_function", "relu")
+            return cls(
+                intermediate_size=int(d["ffn_dim"]),
+                num_kv_heads=common["num_heads"],
+                head_dim=h // common["num_heads"],
+                norm_eps=1e-5,
+                word_embed_proj_dim=int(d.get("word_embed_proj_dim") or h),
+                do_layer_norm_before=bool(d.get("do_layer_norm_before", True)),
+                enable_bias=bool(d.get("enable_bias", True)),
+                activation=act,
+                **common,
+            )
+        n_heads = common["num_heads"]
+        head_dim = d.get("head_dim") or common["hidden_size"] // n_heads
+        rope_scaling = d.get("rope_scaling")
+        rope_theta = d.get("rope_theta")
+        rope_params = d.get("rope_parameters")  # transformers >= 5 folds theta/scaling here
+        if isinstance(rope_params, Mapping):
+            rope_theta = rope_theta or rope_params.get("rope_theta")
+            if rope_params.get("rope_type", "default") != "default" and rope_scaling is None:
+                rope_scaling = dict(rope_params)
+        if isinstance(rope_scaling, Mapping):
+            rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            rope_scaling = None if rtype == "default" else {**rope_scaling, "rope_type": rtype}
+        return cls(
+            intermediate_size=int(d["intermediate_size"]),
+            num_kv_heads=int(d.get("num_key_value_heads") or n_heads),
+            head_dim=int(head_dim),
+            norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=rope_scaling,
+            attention_bias=bool(d.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            activation=d.get("hidden_act", "silu"),
+            **common,
+        )
+
+
+def _architecture_of(d: Mapping[str, Any]) -> str:
+    archs = d.get("architectures") or []
+    for a in archs:
+        if a in SUPPORTED_ARCHITECTURES:
+            return a
+    mt = d.get("model_type")
+    if not archs and mt in SUPPORTED_MODEL_TYPES:
+        return SUPPORTED_MODEL_TYPES[mt]
+    named = ", ".join(archs) or f"model_type={mt!r}"
+    raise UnsupportedModelError(
+        f"unsupported architecture {named}; localgen runs: {supported_list()}"
+    )

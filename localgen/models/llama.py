@@ -1,0 +1,82 @@
+"""Llama-family layer math: Llama 2/3, Mistral, Qwen2 (q/k/v bias), SmolLM; GQA/MQA; any head_dim.
+
+Each function takes the weights it needs, so a runtime can place and stream one layer at a time.
+Hidden states are packed ``[num_tokens, hidden_size]`` (no padding).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from localgen.kv.attention import AttentionMetadata, LayerKV, paged_attention
+from localgen.models.config import ModelConfig
+from localgen.models.rope import apply_rope
+
+_LAYER = {
+    "input_norm": "input_layernorm.weight",
+    "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight",
+    "v": "self_attn.v_proj.weight", "o": "self_attn.o_proj.weight",
+    "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias", "o_bias": "self_attn.o_proj.bias",
+    "post_norm": "post_attention_layernorm.weight",
+    "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight",
+    "gate_bias": "mlp.gate_proj.bias", "up_bias": "mlp.up_proj.bias", "down_bias": "mlp.down_proj.bias",
+}
+OPTIONAL = {"q_bias", "k_bias", "v_bias", "o_bias", "gate_bias", "up_bias", "down_bias"}
+
+
+def layer_weight_names(cfg: ModelConfig, i: int) -> dict[str, str]:
+    """Short name -> Hugging Face parameter name for layer ``i`` (biases are optional)."""
+    return {k: f"model.layers.{i}.{v}" for k, v in _LAYER.items()}
+
+
+def global_weight_names(cfg: ModelConfig) -> dict[str, str]:
+    names = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight"}
+    if not cfg.tie_word_embeddings:
+        names["lm_head"] = "lm_head.weight"
+    return names
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # float32 statistics, as Hugging Face LlamaRMSNorm does, whatever the compute dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def embed(cfg: ModelConfig, w: dict, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """token_ids ``[num_tokens]`` -> hidden ``[num_tokens, hidden_size]``."""
+    return F.embedding(token_ids, w["embed"])
+
+
+def layer(cfg: ModelConfig, w: dict, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+          kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+    """One decoder layer: pre-norm attention then pre-norm gated MLP, both residual."""
+    n = h.shape[0]
+    x = rms_norm(h, w["input_norm"], cfg.norm_eps)
+    q = F.linear(x, w["q"], w.get("q_bias")).view(n, cfg.num_heads, cfg.head_dim)
+    k = F.linear(x, w["k"], w.get("k_bias")).view(n, cfg.num_kv_heads, cfg.head_dim)
+    v = F.linear(x, w["v"], w.get("v_bias")).view(n, cfg.num_kv_heads, cfg.head_dim)
+    cos, sin = rope
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    attn = paged_attention(q, k, v, kv, meta, cfg.head_dim ** -0.5)
+    h = h + F.linear(attn.reshape(n, cfg.q_size), w["o"], w.get("o_bias"))
+    x = rms_norm(h, w["post_norm"], cfg.norm_eps)
+    gate = F.linear(x, w["gate"], w.get("gate_bias"))
+    up = F.linear(x, w["up"], w.get("up_bias"))
+    return h + F.linear(_act(cfg)(gate) * up, w["down"], w.get("down_bias"))
+
+
+def logits(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
+    """hidden ``[n, hidden_size]`` -> logits ``[n, vocab_size]`` in float32."""
+    x = rms_norm(h, w["norm"], cfg.norm_eps)
+    return F.linear(x, w.get("lm_head", w["embed"])).float()
+
+
+def _act(cfg: ModelConfig):
+    if cfg.activation in ("silu", "swish"):
+        return F.silu
+    if cfg.activation in ("gelu_pytorch_tanh", "gelu_new"):
+        return lambda t: F.gelu(t, approximate="tanh")
+    return F.gelu

@@ -1,0 +1,88 @@
+"""CausalLM: a family's layer functions plus the weights they read, run layer by layer.
+
+Weights are read from a WeightStore one layer at a time (so a runtime can place each layer on a
+tier); this class keeps them all resident on one device, the plain path.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Protocol
+
+import torch
+
+from localgen.kv.attention import AttentionMetadata, LayerKV
+from localgen.models import llama, opt
+from localgen.models.config import ModelConfig, UnsupportedModelError, supported_list
+from localgen.models.rope import inv_frequencies, rope_cos_sin
+
+FAMILIES: dict[str, ModuleType] = {"llama": llama, "opt": opt}
+
+
+class WeightSource(Protocol):
+    def names(self) -> list[str]: ...
+    def get(self, name: str) -> torch.Tensor: ...
+
+
+def family_of(cfg: ModelConfig) -> ModuleType:
+    try:
+        return FAMILIES[cfg.family]
+    except KeyError:
+        raise UnsupportedModelError(
+            f"no layer math for family {cfg.family!r}; localgen runs: {supported_list()}") from None
+
+
+def read_weights(store: WeightSource, names: dict[str, str], optional: set[str],
+                 dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Load ``short -> hf_name`` tensors; missing optional ones are skipped.
+
+    Raises KeyError naming the missing tensor.
+    """
+    have = set(store.names())
+    out = {}
+    for short, name in names.items():
+        if name not in have:
+            if short in optional:
+                continue
+            raise KeyError(f"weight {name!r} missing from the checkpoint")
+        out[short] = store.get(name).to(device=device, dtype=dtype)
+    return out
+
+
+class CausalLM:
+    """A decoder-only model resident on ``device`` in ``dtype``.
+
+    ``forward`` maps packed ``token_ids``/``positions`` ``[num_tokens]`` to hidden states
+    ``[num_tokens, hidden_size]``, writing each layer's new K/V into ``kv_caches[layer]``.
+    """
+
+    def __init__(self, cfg: ModelConfig, store: WeightSource, dtype: torch.dtype,
+                 device: torch.device):
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.family = family_of(cfg)
+        self.inv_freq = inv_frequencies(cfg) if cfg.family == "llama" else None
+        gopt = getattr(self.family, "GLOBAL_OPTIONAL", set())
+        self.global_w = read_weights(store, self.family.global_weight_names(cfg), gopt, dtype, self.device)
+        self.layers = [
+            read_weights(store, self.family.layer_weight_names(cfg, i), self.family.OPTIONAL,
+                         dtype, self.device)
+            for i in range(cfg.num_layers)
+        ]
+
+    def weight_bytes(self) -> int:
+        tensors = list(self.global_w.values()) + [t for w in self.layers for t in w.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor:
+        h = self.family.embed(self.cfg, self.global_w, token_ids, positions).to(self.dtype)
+        rope = rope_cos_sin(self.inv_freq, positions, self.dtype) if self.inv_freq is not None else None
+        for w, kv in zip(self.layers, kv_caches):
+            h = self.family.layer(self.cfg, w, h, rope, kv, meta)
+        return h
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden_size]`` -> float32 ``[n, vocab_size]``."""
+        return self.family.logits(self.cfg, self.global_w, hidden)

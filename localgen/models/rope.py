@@ -1,0 +1,54 @@
+"""Rotary position embeddings (RoFormer), Hugging Face's rotate-half layout, with the
+``linear`` and ``llama3`` frequency scalings (Llama 3.1 report, §3: "RoPE scaling")."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from localgen.models.config import ModelConfig, UnsupportedModelError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """``[head_dim // 2]`` float32 inverse frequencies after the configured scaling."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = cfg.rope_scaling or {}
+    rtype = scaling.get("rope_type", "default")
+    if rtype == "default":
+        return inv
+    if rtype == "linear":
+        return inv / float(scaling["factor"])
+    if rtype == "llama3":
+        return _llama3_scaling(inv, scaling)
+    raise UnsupportedModelError(
+        f"rope_type {rtype!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+def _llama3_scaling(inv: torch.Tensor, s: dict) -> torch.Tensor:
+    # Low frequencies are divided by `factor`, high ones kept, the band between interpolated.
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos/sin ``[num_tokens, head_dim]`` for int positions ``[num_tokens]``."""
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[num_tokens, heads, head_dim]`` rotated by position (rotate-half layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -1,0 +1,172 @@
+"""The engine loop: admit requests, run one scheduled step, sample, detokenize, finish.
+
+``step()`` is one iteration of iteration-level scheduling; callers (the batch runner, the TUI's
+worker thread, ``LLM.generate``) drive it and receive RequestOutputs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from localgen.kv.block_manager import BlockManager
+from localgen.kv.cache import PagedKVCache, plan_num_blocks
+from localgen.models.model import CausalLM
+from localgen.runtime.detokenizer import IncrementalDetokenizer
+from localgen.runtime.executor import ModelRunner
+from localgen.runtime.metrics import Metrics
+from localgen.runtime.request import PromptTooLongError, Request, RequestOutput
+from localgen.runtime.sampling import sample
+from localgen.runtime.scheduler import ScheduledBatch, Scheduler
+from localgen.runtime.sequence import Sequence
+
+
+@dataclass
+class EngineConfig:
+    """Engine limits. ``kv_cache_memory`` in bytes (None: sized from free memory)."""
+
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None
+    max_model_len: int | None = None
+
+
+class Engine:
+    def __init__(self, model: CausalLM, tokenizer, config: EngineConfig | None = None,
+                 eos_token_ids: tuple[int, ...] = ()):
+        self.model, self.tokenizer = model, tokenizer
+        self.config = config = config or EngineConfig()
+        mcfg = model.cfg
+        self.max_model_len = min(mcfg.max_position_embeddings, config.max_model_len or 1 << 62)
+        num_blocks = plan_num_blocks(mcfg, config.block_size, model.dtype, model.device,
+                                     config.kv_cache_memory, config.max_num_seqs * self.max_model_len)
+        self.kv_cache = PagedKVCache(mcfg, num_blocks, config.block_size, model.dtype, model.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   max(config.max_num_batched_tokens, config.block_size))
+        self.runner = ModelRunner(model, self.kv_cache)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.seqs: dict[str, Sequence] = {}
+        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        self.metrics = Metrics(kv_blocks_total=num_blocks)
+
+    # -- requests -------------------------------------------------------------------------
+    def tokenize(self, req: Request) -> list[int]:
+        """Prompt token ids; chat ``messages`` go through the model's own chat template."""
+        given = [x is not None for x in (req.prompt, req.messages, req.prompt_token_ids)]
+        if sum(given) != 1:
+            raise ValueError("a request needs exactly one of prompt, messages, prompt_token_ids")
+        if req.prompt_token_ids is not None:
+            return list(req.prompt_token_ids)
+        if req.messages is not None:
+            text = self.tokenizer.apply_chat_template(req.messages, tokenize=False,
+                                                      add_generation_prompt=True)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(req.prompt)["input_ids"])
+
+    def add_request(self, req: Request) -> str:
+        """Queue a request. Raises ValueError (bad sampling values, empty prompt) and
+        PromptTooLongError when the prompt leaves no room for one generated token."""
+        req.sampling.validate()
+        if req.request_id in self.seqs:
+            raise ValueError(f"request id {req.request_id!r} is already running")
+        ids = self.tokenize(req)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        room = min(self.max_model_len, self.block_manager.num_blocks * self.config.block_size)
+        if len(ids) + 1 > room:
+            raise PromptTooLongError(f"prompt of {len(ids)} tokens does not fit the context of "
+                                     f"{room} tokens")
+        gen = None
+        if req.sampling.seed is not None:
+            gen = torch.Generator().manual_seed(req.sampling.seed)
+        seq = Sequence(req.request_id, ids, len(ids), req.sampling, req.priority, gen)
+        self.seqs[seq.request_id] = seq
+        self.detoks[seq.request_id] = IncrementalDetokenizer(self.tokenizer, req.sampling.stop)
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output, if it was known."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, "abort")
+        return self._output(seq, "")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one iteration --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        self.metrics.num_preemptions += len(batch.preempted)
+        outputs = [self._finish(seq, "length") for seq in batch.out_of_memory]
+        if batch.seqs:
+            outputs += self._run(batch)
+        self._update_gauges()
+        return outputs
+
+    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        seqs = batch.seqs
+        if batch.is_prefill:
+            self.metrics.prompt_tokens += sum(s.num_tokens - s.num_computed for s in seqs)
+            self.metrics.cached_prompt_tokens += sum(s.num_computed for s in seqs)
+        logits = self.runner.run(seqs, batch.is_prefill)
+        tokens = sample(logits, [s.sampling for s in seqs], [s.token_ids for s in seqs],
+                        [s.generator for s in seqs])
+        now = time.perf_counter()
+        if batch.is_prefill:
+            self.metrics.prefill_seconds += now - t0
+        else:
+            self.metrics.decode_seconds += now - t0
+            self.metrics.decode_tokens += len(seqs)
+            self.metrics.decode_step_seconds.append(now - t0)
+        self.metrics.generation_tokens += len(seqs)
+        return [self._advance(seq, tok, now) for seq, tok in zip(seqs, tokens)]
+
+    def _advance(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+        seq.token_ids.append(token)
+        seq.num_computed = seq.num_tokens - 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self.metrics.ttft_seconds.append(now - seq.arrival_time)
+        sp, detok = seq.sampling, self.detoks[seq.request_id]
+        if token in self.eos_token_ids and not sp.ignore_eos:
+            return self._finish(seq, "stop", detok.update(seq.output_ids[:-1], final=True)[0])
+        delta, hit_stop = detok.update(seq.output_ids)
+        if hit_stop:
+            return self._finish(seq, "stop", delta)
+        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+            return self._finish(seq, "length", delta + detok.update(seq.output_ids, final=True)[0])
+        return self._output(seq, delta)
+
+    def _finish(self, seq: Sequence, reason: str, delta: str | None = None) -> RequestOutput:
+        if delta is None:
+            delta = self.detoks[seq.request_id].update(seq.output_ids, final=True)[0]
+        self.scheduler.finish(seq, reason)
+        self.metrics.requests_finished += 1
+        return self._output(seq, delta)
+
+    def _output(self, seq: Sequence, delta: str) -> RequestOutput:
+        finished = seq.finish_reason is not None
+        if finished:
+            self.seqs.pop(seq.request_id, None)
+            detok = self.detoks.pop(seq.request_id)
+        else:
+            detok = self.detoks[seq.request_id]
+        return RequestOutput(seq.request_id, delta, detok.emitted, list(seq.output_ids), finished,
+                             seq.finish_reason, seq.num_prompt_tokens, seq.num_output_tokens,
+                             seq.num_cached_prompt_tokens)
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.num_running, m.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        m.kv_blocks_used = self.block_manager.num_blocks - self.block_manager.num_free_blocks

@@ -1,0 +1,55 @@
+"""The model runner: turns a scheduled batch into packed inputs, runs the model, returns the
+logits of each sequence's last token.
+
+Prefill packs every sequence's uncached tokens into one ``[num_tokens]`` batch; decode runs one
+token per sequence. K/V are written at the slots the block tables give.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from localgen.kv.attention import AttentionMetadata
+from localgen.kv.cache import PagedKVCache
+from localgen.models.model import CausalLM
+from localgen.runtime.sequence import Sequence
+
+
+def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def _block_tables(seqs: list[Sequence], device) -> torch.Tensor:
+    width = max(len(s.block_table) for s in seqs)
+    rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_cache: PagedKVCache):
+        self.model, self.kv = model, kv_cache
+        self.device = model.device
+
+    def prepare(self, seqs: list[Sequence], is_prefill: bool):
+        """Packed token ids, positions ``[num_tokens]`` and the step's AttentionMetadata."""
+        bs = self.kv.block_size
+        ids, pos, slots, qlens = [], [], [], []
+        for s in seqs:
+            start = s.num_computed if is_prefill else s.num_tokens - 1
+            ids += s.token_ids[start:]
+            pos += range(start, s.num_tokens)
+            slots += _slots(s.block_table, start, s.num_tokens, bs)
+            qlens.append(s.num_tokens - start)
+        ctx = [s.num_tokens for s in seqs]
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        meta = AttentionMetadata(is_prefill, t(slots), _block_tables(seqs, self.device), t(ctx),
+                                 qlens, ctx)
+        return t(ids), t(pos), meta
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
+        """float32 logits ``[len(seqs), vocab_size]`` for the last token of each sequence."""
+        ids, pos, meta = self.prepare(seqs, is_prefill)
+        hidden = self.model.forward(ids, pos, self.kv.views, meta)
+        last = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1
+        return self.model.logits(hidden[last])

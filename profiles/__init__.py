@@ -1,0 +1,1 @@
+"""Shipped HardwareProfile JSON files (installed as ``localgen.profiles``)."""

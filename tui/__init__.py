@@ -1,0 +1,1 @@
+"""Textual terminal UI (installed as ``localgen.tui``); reaches the engine only through localgen.api."""
