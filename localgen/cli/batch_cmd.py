@@ -94,6 +94,7 @@ def batch(
             max_tokens=max_tokens,
             default_sampling=defaults,
             raw_prompts=raw,
+            max_in_flight=2 * max_num_seqs,
             progress=bar.update if bar else None,
         )
     except BatchInterrupted as e:
@@ -112,7 +113,7 @@ def batch(
 
 def _print_summary(summary: Any, output: Path, err: Any) -> None:
     typer.echo(
-        f"done {summary.done}, skipped {summary.skipped_resume} (already in {output}), "
+        f"done {summary.done}, skipped {summary.skipped_resume} (already done), "
         f"failed {summary.failed}, of {summary.total} lines; "
         f"{summary.tokens} tokens in {summary.seconds:.1f} s ({summary.tokens_per_s:.1f} tokens/s)"
     )

@@ -86,13 +86,13 @@ class GGUFStore(WeightStore):
         self.path = Path(path)
         self.reader = reader if reader is not None else GGUFReader(str(self.path))
         self.arch = str(_field(self.reader, "general.architecture"))
+        self.hf_config = gguf_hf_config(self.reader)  # raises UnsupportedModelError first
         self._tensors = {}
         for t in self.reader.tensors:
             hf = gguf_to_hf_name(t.name)
             if hf is not None:
                 self._tensors[hf] = t
-        n_head = int(_field(self.reader, f"{self.arch}.attention.head_count"))
-        n_kv = _head_count_kv(self.reader, self.arch, n_head)
+        n_head, n_kv = self.hf_config["num_attention_heads"], self.hf_config["num_key_value_heads"]
         # Only the llama converter permutes Q/K; qwen2 (NeoX-style RoPE) is stored as in HF.
         self._permute_heads = (
             {".self_attn.q_proj.": n_head, ".self_attn.k_proj.": n_kv} if self.arch == "llama" else {}
@@ -248,13 +248,13 @@ def _file_type_name(reader) -> str | None:
 def load_gguf(path: str | Path) -> tuple[ModelConfig, GGUFStore]:
     """Open a GGUF file: its `ModelConfig` (dtype = the dequantized dtype) and lazy weights.
 
-    Raises FileNotFoundError, UnsupportedModelError.
+    Raises FileNotFoundError, UnsupportedModelError (archs other than llama/qwen2).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     store = GGUFStore(path)
-    d = gguf_hf_config(store.reader)
+    d = dict(store.hf_config)
     d["torch_dtype"] = str(store.dtype).removeprefix("torch.")
     return ModelConfig.from_hf_dict(d), store
 

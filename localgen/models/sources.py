@@ -285,6 +285,8 @@ def _dir_info(path: Path, name: str, kind: SourceKind) -> ModelInfo:
 
 def _path_info(path: Path) -> ModelInfo:
     try:
+        if not path.exists():
+            raise ModelNotFoundError("no such file or directory")
         if path.is_file() and path.suffix == ".gguf":
             return _gguf_info(path, path.stem, "gguf")
         if (path / "config.json").is_file():

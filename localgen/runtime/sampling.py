@@ -31,7 +31,8 @@ def filter_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     if sp.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) > sp.top_p  # keep the token crossing top_p
+        # drop a token once the more likely ones already reach top_p (as transformers does)
+        drop = cum - torch.softmax(sorted_logits, dim=-1) >= sp.top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     if sp.min_p > 0.0:
         probs = torch.softmax(logits, dim=-1)

@@ -1,0 +1,335 @@
+"""FlexGen's analytical cost model (Sheng et al. 2023, §4.3 and App. A.3), for any ModelConfig.
+
+Per layer and per block of ``bls`` sequences, prefill and decode each take the max of five terms
+(seconds): ``ctog`` CPU->GPU, ``gtoc`` GPU->CPU, ``dtoc`` disk->CPU, ``ctod`` CPU->disk reads/writes,
+and ``comp`` compute, because the block schedule overlaps them (§4.2). Then
+``T = T_pre * l + T_gen * (n - 1) * l`` and throughput is ``bls * n / T`` tokens/s.
+
+Every term and every peak-memory constraint is *affine* in the 9 placement fractions
+``x = (wg, wc, wd, cg, cc, cd, hg, hc, hd)`` once ``(gbs, num_gpu_batches)`` and the boolean options
+are fixed. ``CostModel.terms`` returns them as coefficient vectors, so the LP search
+(``search.py``) and the evaluation of a given policy (``CostModel.predict``) read the same numbers.
+
+Generalized from FlexGen's OPT-only model:
+- weights per layer: q/k/v/o with GQA-sized k/v (``kv_size``) and 2 (OPT) or 3 (Llama) MLP matrices;
+- KV bytes use ``num_kv_heads * head_dim``; attention FLOPs use ``num_heads * head_dim``;
+- 4-bit group-wise compression (g=64, fp16 min and scale per group) scales stored/moved bytes by
+  ``compressed_ratio()`` (~0.28) and adds dequantization, modeled as a memory-bound elementwise pass;
+- matmuls take ``max(FLOPs / mm_flops, weight bytes / device memory bandwidth)`` (roofline, as in
+  Pope et al., "Efficiently Scaling Transformer Inference"), since FlexGen's fitted decode FLOP/s
+  overestimate small batches;
+- CPU attention delegation (``cpu_cache_compute``, §4.2): attention over the CPU/disk part of the
+  cache runs on the CPU and only q/k/v and the output cross PCIe; without it that cache is copied
+  to the GPU every decode step;
+- a CPU-only machine: the CPU is the compute device; GPU fractions are fixed to 0 and the GPU
+  links cost nothing.
+Not modeled: FlexGen's fitted non-linear CPU FLOP/s correction (c1..c3), embeddings' compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from localgen.models.config import ModelConfig
+from localgen.policy.policy import FRACTIONS, Policy
+from localgen.profiler.hardware import HardwareProfile
+
+WG, WC, WD, CG, CC, CD, HG, HC, HD = range(9)
+NVARS = 9
+TERMS = ("ctog", "gtoc", "dtoc", "ctod", "comp")
+TIERS = ("gpu", "cpu", "disk")
+Form = Literal["released", "paper"]
+DEFAULT_MEM_FRACTION = 0.9  # headroom for allocator fragmentation and the CUDA context
+
+
+def compressed_ratio(bits: int = 4, group_size: int = 64, dtype_bytes: int = 2) -> float:
+    """Stored bytes per fp16 byte for group-wise asymmetric quantization (FlexGen §5).
+
+    Each group of ``group_size`` values keeps ``bits``-bit codes plus a min and a scale in the
+    original dtype: (bits/8 + 2*dtype_bytes/group_size) / dtype_bytes; 4 bits, g=64 -> 0.28125.
+    """
+    return (bits / 8 + 2 * dtype_bytes / group_size) / dtype_bytes
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A generation job: ``prompt_len`` (FlexGen s) and ``gen_len`` (n) tokens, in ``dtype_bytes``."""
+
+    prompt_len: int
+    gen_len: int
+    dtype_bytes: int = 2
+
+    def __post_init__(self):
+        if self.prompt_len < 1 or self.gen_len < 1:
+            raise ValueError(f"prompt_len and gen_len must be >= 1, got {self.prompt_len}, {self.gen_len}")
+
+
+def _affine(const: float = 0.0, **coefs: float) -> np.ndarray:
+    """Vector [c_wg, ..., c_hd, const] of an expression affine in the 9 fractions."""
+    v = np.zeros(NVARS + 1)
+    v[NVARS] = const
+    for name, c in coefs.items():
+        v[FRACTIONS.index(name)] += c
+    return v
+
+
+@dataclass
+class Terms:
+    """Affine expressions for one (gbs, num_gpu_batches, options) choice.
+
+    ``prefill``/``decode``: term name -> seconds per layer; ``pre_rows``/``gen_rows``: the
+    expressions whose max is T_pre/T_gen under the chosen overlap ``form``. ``memory``: (tier, bytes) rows; a tier's
+    peak is the max of its rows (FlexGen's max over working buffers, linearized as one row each).
+    ``capacity``: usable bytes per tier. ``fixed_zero``: fractions forced to 0 (no GPU).
+    """
+
+    prefill: dict[str, np.ndarray]
+    decode: dict[str, np.ndarray]
+    pre_rows: list[np.ndarray]  # T_pre = max of these (the overlap form)
+    gen_rows: list[np.ndarray]  # T_gen = max of these
+    memory: list[tuple[str, np.ndarray]]
+    capacity: dict[str, float]
+    fixed_zero: tuple[int, ...]
+    num_layers: int
+    gen_len: int
+    bls: int
+
+
+@dataclass
+class Prediction:
+    """Cost-model output for one policy (seconds, bytes, tokens/s).
+
+    ``prefill_terms``/``decode_terms`` are per layer; ``prefill_time``/``decode_time`` cover all layers
+    and steps. ``peak_mem`` and ``capacity`` are per tier; ``fits`` says every peak is within capacity.
+    """
+
+    prefill_time: float
+    decode_time: float
+    throughput: float
+    prefill_terms: dict[str, float]
+    decode_terms: dict[str, float]
+    peak_mem: dict[str, float]
+    capacity: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total_time(self) -> float:
+        return self.prefill_time + self.decode_time
+
+    @property
+    def prefill_bottleneck(self) -> str:
+        return max(self.prefill_terms, key=self.prefill_terms.get)
+
+    @property
+    def decode_bottleneck(self) -> str:
+        return max(self.decode_terms, key=self.decode_terms.get)
+
+    def fits(self, rel_tol: float = 1e-6) -> bool:
+        return all(self.peak_mem[t] <= self.capacity[t] * (1 + rel_tol) + 1 for t in self.capacity)
+
+
+class CostModel:
+    """FlexGen App. A.3 cost model for ``cfg`` on ``hw`` running ``wl``.
+
+    ``mem_fraction`` of each capacity is usable (FlexGen's relaxation ratio alpha, 0.8 there).
+    ``form`` picks how the five terms overlap: "paper" is App. A.3 as printed, each of T_pre and
+    T_gen the max of the five; "released" (default) is the authors' fitted refinement in FlexGen's
+    ``experimental/cost_model.py``: T_pre = max(ctog + dtoc, gtoc + ctod, comp) (disk->CPU->GPU of
+    the same bytes is a chain) and T_gen = ctog + max(gtoc, dtoc, ctod, comp) (weight loads do not
+    hide behind decode compute). It reproduces the paper's Table 5 placements; "paper" is optimistic.
+    Raises ValueError for an unknown model family or form.
+    """
+
+    def __init__(self, cfg: ModelConfig, hw: HardwareProfile, wl: Workload,
+                 mem_fraction: float = DEFAULT_MEM_FRACTION, form: Form = "released"):
+        if cfg.family not in ("opt", "llama"):
+            raise ValueError(f"cost model has no shapes for family {cfg.family!r}")
+        if form not in ("released", "paper"):
+            raise ValueError(f"form must be 'released' or 'paper', got {form!r}")
+        self.cfg, self.hw, self.wl, self.mem_fraction, self.form = cfg, hw, wl, mem_fraction, form
+
+    # -- shapes ---------------------------------------------------------------------------------
+    def layer_weight_elems(self) -> int:
+        """Matrix elements of one decoder layer: q,o [h1 x q], k,v [h1 x kv], MLP m x [h1 x h2]."""
+        c = self.cfg
+        n_mlp = 2 if c.family == "opt" else 3
+        return 2 * c.hidden_size * c.q_size + 2 * c.hidden_size * c.kv_size + n_mlp * c.hidden_size * c.intermediate_size
+
+    def total_weight_bytes(self, compress_weight: bool = False) -> float:
+        """All parameters (embeddings, norms, biases included) in stored bytes."""
+        return self.cfg.num_parameters() * self.wl.dtype_bytes * self._cw(compress_weight)
+
+    def _cw(self, on: bool) -> float:
+        return compressed_ratio(dtype_bytes=self.wl.dtype_bytes) if on else 1.0
+
+    # -- rates ----------------------------------------------------------------------------------
+    def _dev_mem_bdw(self) -> float | None:
+        return self.hw.gpu_mem_bdw if self.hw.has_gpu else self.hw.cpu_mem_bdw
+
+    def _matmul_time(self, flops: float, weight_bytes: float, flops_rate: float) -> float:
+        """Roofline: compute bound by FLOP/s, or bound by reading the weights once per GPU batch."""
+        bdw = self._dev_mem_bdw()
+        return max(flops / flops_rate, weight_bytes / bdw if bdw else 0.0)
+
+    def _elementwise_time(self, nbytes: float, on_gpu: bool) -> float:
+        """A memory-bound pass (dequantization) touching ``nbytes``."""
+        bdw = (self.hw.gpu_mem_bdw if on_gpu else self.hw.cpu_mem_bdw) or self.hw.cpu_flops
+        return nbytes / bdw
+
+    # -- terms ----------------------------------------------------------------------------------
+    def terms(self, gbs: int, num_gpu_batches: int, compress_weight: bool = False,
+              compress_cache: bool = False, cpu_cache_compute: bool = False) -> Terms:
+        """Affine cost and memory terms (App. A.3) for this batch shape and options."""
+        c, wl, hw = self.cfg, self.wl, self.hw
+        gpu = hw.has_gpu
+        cpu_cache_compute = cpu_cache_compute and gpu  # no GPU: all attention is on the CPU already
+        s, n, B = wl.prompt_len, wl.gen_len, wl.dtype_bytes
+        bls = gbs * num_gpu_batches
+        h1, q, kv, nh, l = c.hidden_size, c.q_size, c.kv_size, c.num_heads, c.num_layers
+        r = compressed_ratio(dtype_bytes=B)
+        cw, ck = (r if compress_weight else 1.0), (r if compress_cache else 1.0)
+        W = self.layer_weight_elems()
+        wi16 = W * B  # one layer, fp16
+        wi = wi16 * cw  # one layer, as stored and moved
+        ctx = s + n / 2  # FlexGen's average decode context
+        hid_p, hid_g = s * h1 * B * bls, h1 * B * bls
+        kv_p = 2 * kv * B * ck * s * bls  # cache written by prefill
+        kv_read = 2 * kv * B * ck * ctx * bls  # cache read per decode step
+        kv_new = 2 * kv * B * ck * bls  # cache appended per decode step
+        kv16 = 2 * kv * B * ctx * bls  # fp16 cache the attention reads (== MHA FLOPs)
+
+        inf = float("inf")
+        ctog = hw.ctog_bdw if gpu else inf
+        gtoc = hw.gtoc_bdw if gpu else inf
+        gtoc_cache = (hw.gtoc_bdw_cache or hw.gtoc_bdw) if gpu else inf
+        dtoc, ctod = hw.dtoc_bdw, hw.ctod_bdw
+
+        deq_w = self._elementwise_time(wi16 * (1 + r), gpu) if compress_weight else 0.0
+        comp_p = (self._matmul_time(2 * W * s * bls, num_gpu_batches * wi16, hw.mm_flops)
+                  + 4 * s * s * q * bls / hw.bmm_flops + deq_w
+                  + (self._elementwise_time(kv_p / ck * (1 + r), gpu) if compress_cache else 0.0))
+        prefill = {
+            "ctog": _affine(wc=wi / ctog, wd=wi / ctog, hc=hid_p / ctog, hd=hid_p / ctog),
+            "gtoc": _affine(cc=kv_p / gtoc_cache, cd=kv_p / gtoc_cache, hc=hid_p / gtoc, hd=hid_p / gtoc),
+            "dtoc": _affine(wd=wi / dtoc, hd=hid_p / dtoc),
+            "ctod": _affine(cd=kv_p / ctod, hd=hid_p / ctod),
+            "comp": _affine(comp_p),
+        }
+
+        mm_g = self._matmul_time(2 * W * bls, num_gpu_batches * wi16, hw.mm_flops_gen) + deq_w
+        deq_kv = kv16 * (1 + r) if compress_cache else 0.0
+        if cpu_cache_compute:
+            qkv_out = (q + 2 * kv) * B * bls  # q,k,v down; attention output (q) up
+            gpu_attn = kv16 / hw.bmm_flops_gen + self._elementwise_time(deq_kv, True)
+            cpu_attn = kv16 / hw.cpu_flops + self._elementwise_time(deq_kv, False)
+            ctog_g = _affine(wc=wi / ctog, wd=wi / ctog, hc=hid_g / ctog, hd=hid_g / ctog,
+                             cc=q * B * bls / ctog, cd=q * B * bls / ctog)
+            gtoc_g = _affine(hc=hid_g / gtoc, hd=hid_g / gtoc, cc=qkv_out / gtoc, cd=qkv_out / gtoc)
+            comp_g = _affine(mm_g, cg=gpu_attn, cc=cpu_attn, cd=cpu_attn)
+        else:
+            attn = (kv16 / hw.bmm_flops_gen if gpu else kv16 / hw.cpu_flops) + self._elementwise_time(deq_kv, gpu)
+            ctog_g = _affine(wc=wi / ctog, wd=wi / ctog, hc=hid_g / ctog, hd=hid_g / ctog,
+                             cc=kv_read / ctog, cd=kv_read / ctog)
+            gtoc_g = _affine(hc=hid_g / gtoc, hd=hid_g / gtoc, cc=kv_new / gtoc, cd=kv_new / gtoc)
+            comp_g = _affine(mm_g + attn)
+        decode = {
+            "ctog": ctog_g,
+            "gtoc": gtoc_g,
+            "dtoc": _affine(cd=kv_read / dtoc, wd=wi / dtoc, hd=hid_g / dtoc),
+            "ctod": _affine(cd=kv_new / ctod, hd=hid_g / ctod),
+            "comp": comp_g,
+        }
+        if not gpu:  # the CPU computes in place: no PCIe copies
+            for t in (prefill, decode):
+                t["ctog"], t["gtoc"] = _affine(), _affine()
+
+        memory = self._memory_rows(gbs, bls, cw, ck, wi, wi16, compress_weight, compress_cache, cpu_cache_compute)
+        cap = {"gpu": hw.gpu_mem * self.mem_fraction, "cpu": hw.cpu_mem * self.mem_fraction,
+               "disk": hw.disk_mem * self.mem_fraction}
+        if not gpu:
+            cap.pop("gpu")
+        pre_rows, gen_rows = _overlap_rows(prefill, decode, self.form)
+        # activations never go to disk (as in FlexGen's runtime: hg + hc = 1)
+        fixed_zero = (HD,) if gpu else (WG, CG, HG, HD)
+        return Terms(prefill, decode, pre_rows, gen_rows, memory, cap, fixed_zero, l, n, bls)
+
+    def _memory_rows(self, gbs, bls, cw, ck, wi, wi16, compress_weight, compress_cache, cpu_cache_compute):
+        """Peak bytes per tier (App. A.3 "peak memory"), one row per candidate GPU working buffer."""
+        c, wl, gpu = self.cfg, self.wl, self.hw.has_gpu
+        s, n, B = wl.prompt_len, wl.gen_len, wl.dtype_bytes
+        h1, q, kv, nh, h2 = c.hidden_size, c.q_size, c.kv_size, c.num_heads, c.intermediate_size
+        n_mlp = 2 if c.family == "opt" else 3
+        wtot = self.total_weight_bytes(compress_weight)
+        cache_full = 2 * kv * B * ck * (s + n) * bls * c.num_layers  # all layers, final length
+        cache_pre = cache_full * s / (s + n)
+        kv_gbs = 2 * kv * B * ck * (s + n) * gbs  # one layer, one GPU batch, final length
+        deq_buf = wi16 if compress_weight else 0.0
+        # largest live intermediates of one GPU batch (fp16): qkv projection, attention, MLP
+        ops_p = [gbs * s * B * (h1 + q + 2 * kv), gbs * B * (s * (2 * q + 2 * kv) + nh * s * s),
+                 gbs * s * B * (h1 + n_mlp * h2)]
+        att_g = gbs * B * (q + nh * (s + n)) + (2 * kv * B * (s + n) * gbs if compress_cache else 0.0)
+        ops_g = [gbs * B * (h1 + q + 2 * kv), att_g, gbs * B * (h1 + n_mlp * h2)]
+        rows = []
+        if gpu:
+            home_p = dict(wg=wtot, hg=s * h1 * B * bls, cg=cache_full)
+            home_g = dict(wg=wtot, hg=h1 * B * bls, cg=cache_full)
+            for op in ops_p:  # double-buffered streamed layer + one GPU batch's activations
+                rows.append(("gpu", _affine(2 * wi + deq_buf + s * h1 * B * gbs + op,
+                                            **_add(home_p, wg=-2 * wi, hg=-s * h1 * B * gbs))))
+            for i, op in enumerate(ops_g):
+                extra = {}
+                if i == 1 and cpu_cache_compute:  # attention on GPU only for the GPU part of the cache
+                    op, extra = 0.0, dict(cg=att_g)
+                elif not cpu_cache_compute:  # CPU/disk cache streamed in, double-buffered
+                    extra = dict(cc=2 * kv_gbs, cd=2 * kv_gbs)
+                rows.append(("gpu", _affine(2 * wi + deq_buf + h1 * B * gbs + op,
+                                            **_add(home_g, extra, wg=-2 * wi, hg=-h1 * B * gbs))))
+            work_p, work_g = 0.0, [0.0]
+        else:  # the CPU is the compute device: its working buffers land in RAM
+            work_p, work_g = deq_buf + max(ops_p), [deq_buf + max(ops_g)]
+        deleg = gbs * (4 * nh * (s + n) + B * (2 * q + 2 * kv)) if cpu_cache_compute else 0.0
+        rows.append(("cpu", _affine(work_p + s * h1 * B * gbs, wc=wtot, hc=s * h1 * B * bls, cc=cache_pre,
+                                    wd=2 * wi, cd=2 * kv * B * ck * s * gbs)))
+        for w in work_g:
+            rows.append(("cpu", _affine(w + deleg + 2 * h1 * B * gbs, wc=wtot, hc=h1 * B * bls,
+                                        cc=cache_full, wd=2 * wi, cd=2 * kv_gbs)))
+        rows.append(("disk", _affine(wd=wtot, hd=s * h1 * B * bls, cd=cache_full)))
+        return rows
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def predict(self, policy: Policy) -> Prediction:
+        """Predicted times, throughput and peak memory of ``policy`` (App. A.3 T, peak memory)."""
+        t = self.terms(policy.gbs, policy.num_gpu_batches, policy.compress_weight,
+                       policy.compress_cache, policy.cpu_cache_compute)
+        return evaluate_terms(t, np.array(policy.fractions()))
+
+
+def evaluate_terms(t: Terms, x: np.ndarray) -> Prediction:
+    """Evaluate ``Terms`` at fractions ``x`` (length 9): max over terms, max over memory rows."""
+    xa = np.append(x, 1.0)
+    pre = {k: float(v @ xa) for k, v in t.prefill.items()}
+    dec = {k: float(v @ xa) for k, v in t.decode.items()}
+    t_pre = max(float(v @ xa) for v in t.pre_rows) * t.num_layers
+    t_dec = max(float(v @ xa) for v in t.gen_rows) * t.num_layers * (t.gen_len - 1)
+    peak = {tier: 0.0 for tier in TIERS}
+    for tier, row in t.memory:
+        peak[tier] = max(peak[tier], float(row @ xa))
+    thr = t.bls * t.gen_len / (t_pre + t_dec)
+    return Prediction(t_pre, t_dec, thr, pre, dec, peak, dict(t.capacity))
+
+
+def _overlap_rows(pre: dict, dec: dict, form: str) -> tuple[list, list]:
+    if form == "paper":
+        return [pre[k] for k in TERMS], [dec[k] for k in TERMS]
+    return ([pre["ctog"] + pre["dtoc"], pre["gtoc"] + pre["ctod"], pre["comp"]],
+            [dec["ctog"] + dec[k] for k in ("gtoc", "dtoc", "ctod", "comp")])
+
+
+def _add(base: dict, extra: dict | None = None, **more) -> dict:
+    out = dict(base)
+    for d in (extra or {}), more:
+        for k, v in d.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
