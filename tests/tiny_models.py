@@ -270,7 +270,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int | None = None) 
     )
 
 
-def _load_hf(hf_model_dir_or_state) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path | None]:
+def _load_hf(hf_model_dir_or_state) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     if isinstance(hf_model_dir_or_state, (str, Path)):
         from safetensors.torch import load_file
 
@@ -278,9 +278,9 @@ def _load_hf(hf_model_dir_or_state) -> tuple[dict[str, torch.Tensor], dict[str, 
         state: dict[str, torch.Tensor] = {}
         for f in sorted(d.glob("*.safetensors")):
             state.update(load_file(f))
-        return state, json.loads((d / "config.json").read_text()), d
+        return state, json.loads((d / "config.json").read_text())
     state, cfg = hf_model_dir_or_state
-    return dict(state), dict(cfg), None
+    return dict(state), dict(cfg)
 
 
 def write_gguf(
@@ -301,7 +301,7 @@ def write_gguf(
     import gguf
     from gguf import GGMLQuantizationType as Q
 
-    state, cfg, _ = _load_hf(hf_model_dir_or_state)
+    state, cfg = _load_hf(hf_model_dir_or_state)
     model_type = cfg.get("model_type", "llama")
     arch = "qwen2" if model_type == "qwen2" else "llama"  # mistral GGUFs use the llama arch
     n_head = int(cfg["num_attention_heads"])

@@ -14,6 +14,7 @@ from localgen.models.config import ModelConfig
 # Share of free memory the cache may take when the user gives no --kv-cache-memory.
 GPU_FREE_FRACTION = 0.9
 CPU_AVAILABLE_FRACTION = 0.25
+CPU_DEFAULT_CAP = 4 << 30  # host RAM is shared with everything else; --kv-cache-memory lifts it
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -22,11 +23,12 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> in
 
 
 def free_memory_bytes(device: torch.device) -> int:
-    """Free memory of the device: CUDA free memory, or the host's available RAM."""
+    """Bytes the KV cache may take by default: a share of free CUDA memory, or of available host
+    RAM (capped at CPU_DEFAULT_CAP)."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free * GPU_FREE_FRACTION)
-    return int(psutil.virtual_memory().available * CPU_AVAILABLE_FRACTION)
+    return min(int(psutil.virtual_memory().available * CPU_AVAILABLE_FRACTION), CPU_DEFAULT_CAP)
 
 
 def plan_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,

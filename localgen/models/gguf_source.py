@@ -68,8 +68,7 @@ def _field(reader, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     if f is None:
         return default
-    v = f.contents()
-    return v
+    return f.contents()
 
 
 class GGUFStore(WeightStore):
@@ -78,6 +77,7 @@ class GGUFStore(WeightStore):
     `get` returns F32 tensors as float32, F16 as float16, BF16 as bfloat16 and every quantized type
     (Q8_0, Q4_0, Q4_1, K-quants… whatever `gguf.quants` can dequantize) as float32, in HF
     orientation ``[out_features, in_features]``. `nbytes` is the stored (quantized) size.
+    Raises UnsupportedModelError for GGUF archs other than llama/qwen2.
     """
 
     def __init__(self, path: str | Path, reader=None):

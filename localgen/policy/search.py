@@ -5,7 +5,7 @@ For fixed batch shape and options, ``min T/bls`` subject to ``wg+wc+wd = cg+cc+c
 the peak-memory rows <= capacity and ``T_pre >= each prefill term``, ``T_gen >= each decode term``
 (the max terms linearized with the auxiliary variables T_pre, T_gen) is a linear program, solved
 with ``scipy.optimize.linprog(method="highs")``. Among policies of equal predicted time a second LP
-picks the one moving the fewest bytes (so the GPU and CPU fill before slower tiers).
+keeps weights nearest the GPU, then the cache, then activations (FlexGen leaves ties to the solver).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Iterable, Literal
 import numpy as np
 
 from localgen.models.config import ModelConfig
-from localgen.policy.cost_model import NVARS, TERMS, CostModel, Prediction, Terms, Workload, evaluate_terms
+from localgen.policy.cost_model import CC, CD, HC, HD, NVARS, WC, WD, TERMS, CostModel, Prediction, Terms, Workload, evaluate_terms
 from localgen.policy.policy import Policy
 from localgen.profiler.hardware import HardwareProfile
 
@@ -112,20 +112,19 @@ def solve_lp(terms: Terms, latency_bound: float | None = None, tie_break: bool =
     if res.status != 0:
         return None
     if tie_break:
-        x = _fewest_bytes(terms, res, total, np.array(a_ub), np.array(b_ub), a_eq, bounds)
+        x = _nearest_first(res, total, np.array(a_ub), np.array(b_ub), a_eq, bounds)
         if x is not None:
             return x
     return res.x[:NVARS]
 
 
-def _fewest_bytes(terms, res, total, a_ub, b_ub, a_eq, bounds):
-    """Among fractions within _TIE_REL of the optimal time, minimize the summed transfer times."""
+def _nearest_first(res, total, a_ub, b_ub, a_eq, bounds):
+    """Among fractions within _TIE_REL of the optimal time, keep weights nearest the compute device,
+    then the cache, then activations (a lexicographic preference through weights 100 : 10 : 1)."""
     from scipy.optimize import linprog
 
     cost = np.zeros(len(total))
-    for t in (terms.prefill, terms.decode):
-        for name in ("ctog", "gtoc", "dtoc", "ctod"):
-            cost[:NVARS] += t[name][:NVARS]
+    cost[[WC, WD, CC, CD, HC, HD]] = [100, 200, 10, 20, 1, 2]
     a2 = np.vstack([a_ub, total])
     b2 = np.append(b_ub, res.fun * (1 + _TIE_REL))
     res2 = linprog(cost, A_ub=a2, b_ub=b2, A_eq=a_eq, b_eq=np.ones(3), bounds=bounds, method="highs")

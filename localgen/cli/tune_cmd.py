@@ -1,0 +1,57 @@
+"""`localgen tune`: profile -> model and workload -> policy search -> saved as the model's default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def tune(
+    model: str = typer.Option("smollm2-135m", help="Preset name, hub id, local dir or GGUF path."),
+    workload: str = typer.Option("batch", help="chat (batch 1, lowest latency) or batch (throughput)."),
+    prompt_len: int = typer.Option(512, help="Prompt tokens."),
+    gen_len: int = typer.Option(32, help="Generated tokens."),
+    compression: str = typer.Option("auto", help="4-bit weights/KV: off, on or auto."),
+    latency_bound: float = typer.Option(None, help="Max seconds for one block (prefill + all tokens)."),
+    profile: str = typer.Option(None, help="Profile name (flexgen_t4, h200, cpu_2core) or JSON path; "
+                                           "default: the saved one, else measure now."),
+    offload_dir: Path = typer.Option(None, help="Folder for the disk probes if measuring."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="No wizard: take the options and save."),
+) -> None:
+    """Find the fastest placement policy for a model on this machine and save it as its default."""
+    from localgen.policy.tuning import TuneRequest
+
+    if workload not in ("chat", "batch") or compression not in ("off", "on", "auto"):
+        raise typer.BadParameter("workload must be chat|batch and compression off|on|auto")
+    req = TuneRequest(model, workload, prompt_len, gen_len, compression, latency_bound)
+    if yes:
+        _run_plain(req, profile, offload_dir)
+        return
+    try:
+        from localgen.tui.tune import TuneApp
+    except ImportError:  # source checkout without the package installed
+        from tui.tune import TuneApp
+    TuneApp(req, profile_name=profile, offload_dir=offload_dir).run()
+
+
+def _run_plain(req, profile_name, offload_dir) -> None:
+    from rich.console import Console
+
+    from localgen.cli.profile_cmd import default_offload_dir, print_profile
+    from localgen.policy.search import NoFeasiblePolicyError
+    from localgen.policy.tuning import get_profile, result_lines, run_search, save_result
+    from localgen.profiler.probes import run_profile
+
+    console = Console()
+    odir = offload_dir or default_offload_dir()
+    hw = get_profile(profile_name, str(odir), lambda: run_profile(odir))
+    print_profile(hw, console)
+    try:
+        res = run_search(req, hw)
+    except NoFeasiblePolicyError as e:
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(1)
+    for line in result_lines(res):
+        console.print(line, highlight=False)
+    console.print(f"saved to {save_result(req, hw, res)}")

@@ -1,0 +1,292 @@
+"""Measurements behind a HardwareProfile (the hardware constants of FlexGen App. A.3).
+
+Every probe times a warm-up run and then reports the best of ``repeats`` runs (the minimum time),
+because interference from other processes only ever makes a run slower. Bandwidths are bytes/s,
+compute FLOP/s, capacities bytes. Torch is imported inside the functions (``localgen --help`` stays
+fast). GPU probes need CUDA; on a CPU-only machine ``run_profile`` measures the CPU as the compute
+device and leaves the GPU fields empty.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import mmap
+import os
+import platform
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from localgen.profiler.hardware import HardwareProfile
+
+MiB = 1 << 20
+_ALIGN = 4096  # O_DIRECT needs block-aligned buffers, offsets and sizes
+
+
+@dataclass(frozen=True)
+class ProbeSizes:
+    """Problem sizes; ``quick`` ones keep a CPU-only test run to a few seconds."""
+
+    link_bytes: tuple[int, ...] = (1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
+    disk_bytes: int = 256 * MiB
+    mem_bytes: int = 256 * MiB
+    mm_prefill: tuple[int, int, int] = (2048, 4096, 4096)  # (m, k, n): m = tokens
+    mm_decode: tuple[int, int, int] = (16, 4096, 4096)
+    bmm_prefill: tuple[int, int, int, int] = (32, 512, 128, 512)  # (batch*heads, m, k, n)
+    bmm_decode: tuple[int, int, int, int] = (256, 1, 128, 1024)
+    repeats: int = 5
+
+
+QUICK = ProbeSizes(link_bytes=(1 * MiB, 8 * MiB), disk_bytes=16 * MiB, mem_bytes=32 * MiB,
+                   mm_prefill=(256, 512, 512), mm_decode=(8, 512, 512),
+                   bmm_prefill=(8, 128, 64, 128), bmm_decode=(32, 1, 64, 256), repeats=3)
+CPU_DEFAULT = ProbeSizes(link_bytes=(), disk_bytes=128 * MiB, mem_bytes=128 * MiB,
+                         mm_prefill=(512, 1024, 1024), mm_decode=(8, 2048, 2048),
+                         bmm_prefill=(16, 256, 64, 256), bmm_decode=(64, 1, 64, 1024), repeats=3)
+
+
+def best_time(fn: Callable[[], object], repeats: int = 5, sync: Callable[[], None] | None = None) -> float:
+    """Seconds of the fastest of ``repeats`` calls of ``fn`` after one warm-up call."""
+    fn()
+    if sync:
+        sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _cuda_sync():
+    import torch
+
+    return torch.cuda.synchronize
+
+
+def probe_link_bdw(direction: str, pinned: bool, sizes=ProbeSizes.link_bytes, repeats: int = 5) -> float:
+    """Host<->GPU copy bandwidth (bytes/s), the best over ``sizes``.
+
+    ``direction`` "ctog" (host to device) or "gtoc"; ``pinned`` page-locked host memory (else pageable).
+    Raises RuntimeError without CUDA.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("probe_link_bdw needs a CUDA GPU")
+    best = 0.0
+    for size in sizes:
+        host = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+        dev = torch.empty(size, dtype=torch.uint8, device="cuda")
+        src, dst = (host, dev) if direction == "ctog" else (dev, host)
+        t = best_time(lambda: dst.copy_(src, non_blocking=pinned), repeats, _cuda_sync())
+        best = max(best, size / t)
+    return best
+
+
+def probe_mem_bdw(device: str = "cpu", nbytes: int = ProbeSizes.mem_bytes, repeats: int = 5) -> float:
+    """Device-memory copy bandwidth: bytes read + written per second by ``dst.copy_(src)``."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    sync = _cuda_sync() if device.startswith("cuda") else None
+    return 2 * nbytes / best_time(lambda: dst.copy_(src), repeats, sync)
+
+
+def probe_mm_flops(device: str, shape: tuple[int, int, int], dtype=None, repeats: int = 5) -> float:
+    """FLOP/s of ``[m, k] @ [k, n]`` (2*m*k*n FLOPs); fp16 on a GPU, fp32 on the CPU by default."""
+    import torch
+
+    dtype = dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
+    m, k, n = shape
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    sync = _cuda_sync() if device.startswith("cuda") else None
+    return 2 * m * k * n / best_time(lambda: a @ b, repeats, sync)
+
+
+def probe_bmm_flops(device: str, shape: tuple[int, int, int, int], dtype=None, repeats: int = 5) -> float:
+    """FLOP/s of a batched ``[bh, m, k] @ [bh, k, n]`` (attention shapes; 2*bh*m*k*n FLOPs)."""
+    import torch
+
+    dtype = dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
+    bh, m, k, n = shape
+    a = torch.randn(bh, m, k, device=device, dtype=dtype)
+    b = torch.randn(bh, k, n, device=device, dtype=dtype)
+    sync = _cuda_sync() if device.startswith("cuda") else None
+    return 2 * bh * m * k * n / best_time(lambda: torch.bmm(a, b), repeats, sync)
+
+
+def probe_disk_bdw(offload_dir: str | os.PathLike, nbytes: int = ProbeSizes.disk_bytes,
+                   repeats: int = 3) -> tuple[float, float, str]:
+    """(dtoc_bdw, ctod_bdw, method) for a scratch file in ``offload_dir``, page cache bypassed.
+
+    Uses O_DIRECT with an aligned buffer where the OS and file system allow it; otherwise writes
+    with fsync and drops the file's pages with posix_fadvise(DONTNEED) before each read ("fadvise").
+    The scratch file is removed afterwards.
+    """
+    d = Path(offload_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f".localgen_probe_{os.getpid()}.bin"
+    nbytes = max(_ALIGN, nbytes // _ALIGN * _ALIGN)
+    buf = mmap.mmap(-1, nbytes)  # page-aligned anonymous memory
+    buf.write(os.urandom(1 << 16) * (nbytes >> 16) if nbytes >= 1 << 16 else os.urandom(nbytes))
+    try:
+        try:
+            w, r = _disk_direct(path, buf, repeats)
+            method = "O_DIRECT"
+        except (OSError, AttributeError):
+            w, r = _disk_fadvise(path, buf, repeats)
+            method = "fadvise"
+    finally:
+        buf.close()
+        path.unlink(missing_ok=True)
+    return nbytes / r, nbytes / w, method
+
+
+def _disk_direct(path: Path, buf: mmap.mmap, repeats: int) -> tuple[float, float]:
+    flags = os.O_DIRECT  # AttributeError where the platform has none (macOS, Windows)
+
+    def write():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o600)
+        try:
+            os.write(fd, buf)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read():
+        fd = os.open(path, os.O_RDONLY | flags)
+        try:
+            os.readv(fd, [buf])
+        finally:
+            os.close(fd)
+
+    return best_time(write, repeats), best_time(read, repeats)
+
+
+def _disk_fadvise(path: Path, buf: mmap.mmap, repeats: int) -> tuple[float, float]:
+    def drop(fd):
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def write():
+        with open(path, "wb", buffering=0) as f:
+            f.write(buf)
+            os.fsync(f.fileno())
+            drop(f.fileno())
+
+    def read():
+        with open(path, "rb", buffering=0) as f:
+            drop(f.fileno())
+            f.readinto(buf)
+
+    return best_time(write, repeats), best_time(read, repeats)
+
+
+def probe_capacities(offload_dir: str | os.PathLike) -> dict:
+    """Usable bytes: {"cpu_mem": available RAM, "disk_mem": free in offload_dir, "gpu_mem", "gpu_name",
+    "cpu_name", "cpu_cores"}. GPU fields come from torch.cuda, else nvidia-ml-py if installed."""
+    import psutil
+
+    Path(offload_dir).mkdir(parents=True, exist_ok=True)
+    out = {"cpu_mem": int(psutil.virtual_memory().available),
+           "disk_mem": int(shutil.disk_usage(offload_dir).free),
+           "cpu_name": _cpu_name(), "cpu_cores": psutil.cpu_count(logical=False) or os.cpu_count(),
+           "gpu_name": None, "gpu_mem": 0}
+    out.update(_gpu_info())
+    return out
+
+
+def _gpu_info() -> dict:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            free, _total = torch.cuda.mem_get_info(0)
+            return {"gpu_name": torch.cuda.get_device_name(0), "gpu_mem": int(free)}
+    except Exception:  # a broken driver must not stop a CPU-only profile
+        pass
+    try:
+        import pynvml  # nvidia-ml-py, optional
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        name = pynvml.nvmlDeviceGetName(h)
+        return {"gpu_name": name.decode() if isinstance(name, bytes) else name,
+                "gpu_mem": int(pynvml.nvmlDeviceGetMemoryInfo(h).free)}
+    except Exception:
+        return {}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_profile(offload_dir: str | os.PathLike, name: str = "local", sizes: ProbeSizes | None = None,
+                progress: Callable[[str, int, int], None] | None = None,
+                use_gpu: bool | None = None) -> HardwareProfile:
+    """Measure this machine and return its HardwareProfile (not saved; call ``.save()``).
+
+    ``progress(step_name, index, total)`` is called before each step. ``use_gpu`` None: if CUDA is
+    available. The disk probes write a scratch file in ``offload_dir``.
+    """
+    import torch
+
+    gpu = torch.cuda.is_available() if use_gpu is None else use_gpu
+    sizes = sizes or (ProbeSizes() if gpu else CPU_DEFAULT)
+    dev = "cuda" if gpu else "cpu"
+    steps: list[tuple[str, Callable[[], dict]]] = [("capacities", lambda: probe_capacities(offload_dir))]
+    if gpu:
+        for d in ("ctog", "gtoc"):
+            steps.append((f"{d} pinned", lambda d=d: {f"{d}_bdw": probe_link_bdw(d, True, sizes.link_bytes, sizes.repeats)}))
+            steps.append((f"{d} pageable", lambda d=d: {f"{d}_bdw_pageable": probe_link_bdw(d, False, sizes.link_bytes, sizes.repeats)}))
+        steps.append(("GPU memory", lambda: {"gpu_mem_bdw": probe_mem_bdw("cuda", sizes.mem_bytes, sizes.repeats)}))
+    steps += [
+        ("CPU memory", lambda: {"cpu_mem_bdw": probe_mem_bdw("cpu", sizes.mem_bytes, sizes.repeats)}),
+        ("disk", lambda: dict(zip(("dtoc_bdw", "ctod_bdw", "disk_method"), probe_disk_bdw(offload_dir, sizes.disk_bytes, sizes.repeats)))),
+        ("matmul prefill", lambda: {"mm_flops": probe_mm_flops(dev, sizes.mm_prefill, repeats=sizes.repeats)}),
+        ("matmul decode", lambda: {"mm_flops_gen": probe_mm_flops(dev, sizes.mm_decode, repeats=sizes.repeats)}),
+        ("bmm prefill", lambda: {"bmm_flops": probe_bmm_flops(dev, sizes.bmm_prefill, repeats=sizes.repeats)}),
+        ("bmm decode", lambda: {"bmm_flops_gen": probe_bmm_flops(dev, sizes.bmm_decode, repeats=sizes.repeats)}),
+        ("CPU attention", lambda: {"cpu_flops": probe_bmm_flops("cpu", sizes.bmm_decode, repeats=sizes.repeats)}),
+    ]
+    vals: dict = {}
+    for i, (step, fn) in enumerate(steps):
+        if progress:
+            progress(step, i, len(steps))
+        vals.update(fn())
+    if progress:
+        progress("done", len(steps), len(steps))
+    return _assemble(vals, name, offload_dir, sizes, gpu)
+
+
+def _assemble(vals: dict, name: str, offload_dir, sizes: ProbeSizes, gpu: bool) -> HardwareProfile:
+    method = vals.pop("disk_method")
+    today = _dt.date.today().isoformat()
+    where = "GPU" if gpu else "CPU (no GPU: the CPU is the compute device)"
+    src = {k: f"measured {today} by localgen profile, best of {sizes.repeats} after warm-up"
+           for k in vals if k.endswith("_bdw") or k.endswith("_pageable")}
+    src.update(dtoc_bdw=f"measured {today}, {sizes.disk_bytes} B file, {method}",
+               ctod_bdw=f"measured {today}, {sizes.disk_bytes} B file with fsync, {method}",
+               mm_flops=f"measured {today} on {where}, [m,k,n]={list(sizes.mm_prefill)}",
+               mm_flops_gen=f"measured {today} on {where}, [m,k,n]={list(sizes.mm_decode)}",
+               bmm_flops=f"measured {today} on {where}, [bh,m,k,n]={list(sizes.bmm_prefill)}",
+               bmm_flops_gen=f"measured {today} on {where}, [bh,m,k,n]={list(sizes.bmm_decode)}",
+               cpu_flops=f"measured {today}, CPU bmm at decode attention shape {list(sizes.bmm_decode)}",
+               cpu_mem="psutil available RAM", disk_mem="free space in the offload dir",
+               gpu_mem="torch.cuda.mem_get_info free bytes (or NVML)" if gpu else "no GPU")
+    if not gpu:
+        vals["gpu_name"], vals["gpu_mem"] = None, 0
+    return HardwareProfile(name=name, date=today, offload_dir=str(offload_dir), source=src, **vals).validate()
