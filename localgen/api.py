@@ -97,6 +97,39 @@ class LLM:
     def metrics(self) -> Metrics:
         return self.engine.metrics
 
+    # -- what the memory and throughput panels read (all additive, read-only) --------------
+    @property
+    def device(self) -> torch.device:
+        """The device the weights and the KV cache live on (one device for now)."""
+        return self.engine.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.engine.model.dtype
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.config.block_size
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.config.max_num_seqs
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of all resident weights (what one decode step reads once)."""
+        return self.engine.model.weight_bytes()
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes allocated for the paged KV cache (all blocks, K and V, all layers)."""
+        return self.engine.kv_cache.nbytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V, all layers, for one token of context."""
+        return self.config.kv_bytes_per_token(torch.tensor([], dtype=self.dtype).element_size())
+
     def add_request(self, req: Request) -> str:
         return self.engine.add_request(req)
 

@@ -24,3 +24,4 @@ from localgen.cli import profile_cmd  # noqa: E402
 app.command("profile")(profile_cmd.profile)
 from localgen.cli import tune_cmd  # noqa: E402
 app.command("tune")(tune_cmd.tune)
+from localgen.cli import bench_cmd; app.add_typer(bench_cmd.app, name="bench")  # noqa: E402,E702

@@ -181,10 +181,9 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
 
 
 def _kind(f) -> tuple:
-    """What makes two policies different in kind: options and the slowest tier in use."""
+    """What makes two policies different in kind: the options and the slowest tier holding weights."""
     (_, _, opts), x = f[1], f[3]
-    lowest = tuple(max((i for i in range(3) if x[3 * g + i] > 1e-6), default=0) for g in range(3))
-    return opts + lowest
+    return opts + (max((i for i in range(3) if x[i] > 1e-3), default=0),)
 
 
 def _distinct_runners_up(found, k):

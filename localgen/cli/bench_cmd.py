@@ -1,0 +1,44 @@
+"""`localgen bench …`: benchmarks that print localgen beside a peer measured in the same run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(help="Benchmarks: localgen beside its peers, measured in the same run.",
+                  no_args_is_help=True)
+
+
+@app.command("batch")
+def batch(
+    prompts: Path = typer.Option(..., "--prompts", exists=True, dir_okay=False,
+                                 help="JSONL with a 'prompt' per line (e.g. instructions.jsonl)."),
+    limit: int = typer.Option(100, "--limit", min=1, help="Number of prompts."),
+    max_tokens: int = typer.Option(128, "--max-tokens", min=1),
+    model: Optional[str] = typer.Option(None, "--model", help="Model (default: embedded)."),
+    peer: bool = typer.Option(True, "--peer/--no-peer", help="Also run transformers generate."),
+    peer_batch_size: int = typer.Option(16, "--peer-batch-size", min=1),
+    max_num_seqs: int = typer.Option(64, "--max-num-seqs", min=1),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the result as JSON here."),
+) -> None:
+    """Throughput of batch generation vs transformers `generate` on the same prompts (CPU)."""
+    from localgen.bench import batch_bench
+
+    res = batch_bench.run(model, prompts, limit, max_tokens, peer=peer,
+                          peer_batch_size=peer_batch_size, max_num_seqs=max_num_seqs,
+                          log=lambda m: typer.echo(m, err=True))
+    typer.echo(f"model {res.model}: {res.num_prompts} prompts, max_tokens {res.max_tokens}, "
+               f"{res.threads} threads")
+    typer.echo(f"localgen      {res.localgen.tokens_per_s:8.1f} tokens/s "
+               f"({res.localgen.generated_tokens} tokens, {res.localgen.seconds:.1f} s)")
+    if res.transformers:
+        t = res.transformers
+        typer.echo(f"transformers  {t.tokens_per_s:8.1f} tokens/s ({t.generated_tokens} tokens, "
+                   f"{t.seconds:.1f} s)")
+        typer.echo(f"ratio         {res.ratio:8.2f}x   identical greedy outputs: "
+                   f"{res.identical_outputs}/{res.num_prompts}")
+    if out:
+        out.write_text(json.dumps(res.to_json(), indent=2))

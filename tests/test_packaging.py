@@ -1,0 +1,61 @@
+"""All installed import names live under `localgen`, in a wheel install and in an editable one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECK = (
+    "import importlib.util, json, localgen, localgen.kernels, localgen.tui, localgen.profiles;"
+    "import localgen.kernels.paged_attention_ref;"
+    "from importlib import resources;"
+    "print(json.dumps({'localgen': localgen.__file__, 'kernels': localgen.kernels.__file__,"
+    " 'tui': localgen.tui.__file__,"
+    " 'profiles': sorted(p.name for p in resources.files('localgen.profiles').iterdir()),"
+    " 'bare': [m for m in ('kernels', 'tui', 'profiles') if importlib.util.find_spec(m)]}))"
+)
+
+
+def run_check(cwd: Path, extra_path: Path | None = None) -> dict:
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if extra_path:
+        env["PYTHONPATH"] = str(extra_path)
+    out = subprocess.run([sys.executable, "-c", CHECK], cwd=cwd, env=env, capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def test_editable_install_imports_under_the_namespace(tmp_path):
+    got = run_check(tmp_path)  # cwd outside the repo: only the installed finder can resolve
+    assert Path(got["kernels"]).parent == ROOT / "kernels"
+    assert Path(got["tui"]).parent == ROOT / "tui"
+    assert got["bare"] == []
+
+
+@pytest.mark.timeout(600)
+def test_wheel_install_imports_under_the_namespace(tmp_path):
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels),
+                    str(ROOT)], check=True, capture_output=True)
+    (wheel,) = wheels.glob("localgen-*.whl")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
+                    str(site), str(wheel)], check=True, capture_output=True)
+    got = run_check(tmp_path, extra_path=site)
+    for key in ("localgen", "kernels", "tui"):
+        assert Path(got[key]).is_relative_to(site), got[key]
+    assert got["bare"] == []
+    assert any(name.endswith(".json") for name in got["profiles"])
+
+
+def test_console_script_runs():
+    exe = Path(sys.executable).parent / "localgen"
+    out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, check=True)
+    for cmd in ("generate", "batch", "models", "bench"):
+        assert cmd in out.stdout

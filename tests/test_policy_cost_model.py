@@ -1,0 +1,123 @@
+"""Cost-model terms checked by hand on a tiny config (FlexGen App. A.3 generalized)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from localgen.models.config import ModelConfig
+from localgen.policy.cost_model import CostModel, Workload, compressed_ratio
+from localgen.policy.policy import Policy
+from localgen.policy.presets import preset_config
+from localgen.profiler.hardware import HardwareProfile, load_profile
+
+
+def tiny_opt() -> ModelConfig:
+    return ModelConfig.from_hf_dict({"architectures": ["OPTForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+                                     "ffn_dim": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+                                     "max_position_embeddings": 16})
+
+
+def round_hw(**kw) -> HardwareProfile:
+    d = dict(name="round", date="2026-01-01", cpu_name="cpu", cpu_mem=10**9, disk_mem=10**10,
+             dtoc_bdw=100.0, ctod_bdw=50.0, mm_flops=1e6, mm_flops_gen=5e5, bmm_flops=1e6,
+             bmm_flops_gen=1e4, cpu_flops=1e3, gpu_name="gpu", gpu_mem=10**9, ctog_bdw=1e3, gtoc_bdw=2e3)
+    d.update(kw)
+    return HardwareProfile(**d).validate()
+
+
+POLICY = Policy(gbs=2, num_gpu_batches=1, wg=0, wc=1, cg=0, cc=1, hg=0, hc=1, cpu_cache_compute=True)
+
+
+def test_layer_weights_opt_llama_gqa():
+    cm = CostModel(tiny_opt(), round_hw(), Workload(4, 3))
+    assert cm.layer_weight_elems() == 2 * 8 * 8 + 2 * 8 * 8 + 2 * 8 * 16  # q,o + k,v + 2 MLP
+    llama = preset_config("llama-2-70b")  # GQA: 8 KV heads of 128
+    cm = CostModel(llama, round_hw(), Workload(4, 3))
+    h, kv, f = 8192, 8 * 128, 28672
+    assert cm.layer_weight_elems() == 2 * h * h + 2 * h * kv + 3 * h * f
+
+
+def test_prefill_and_decode_terms_by_hand():
+    cm = CostModel(tiny_opt(), round_hw(), Workload(prompt_len=4, gen_len=3), form="released")
+    p = cm.predict(POLICY)
+    wi, hid_p, kv_p = 512 * 2, 4 * 8 * 2 * 2, 2 * 8 * 2 * 4 * 2  # bytes: layer weights, hidden, new KV
+    assert p.prefill_terms["ctog"] == pytest.approx((wi + hid_p) / 1e3)
+    assert p.prefill_terms["gtoc"] == pytest.approx((kv_p + hid_p) / 2e3)
+    assert p.prefill_terms["dtoc"] == 0 and p.prefill_terms["ctod"] == 0
+    comp_p = 2 * 512 * 4 * 2 / 1e6 + 4 * 4 * 4 * 8 * 2 / 1e6  # GEMMs + attention bmm
+    assert p.prefill_terms["comp"] == pytest.approx(comp_p)
+    ctx, hid_g = 4 + 3 / 2, 8 * 2 * 2
+    ctog_g = (wi + hid_g + 8 * 2 * 2) / 1e3  # weights, hidden, attention output back from the CPU
+    gtoc_g = (hid_g + (8 + 16) * 2 * 2) / 2e3  # hidden, q/k/v down to the CPU
+    comp_g = 2 * 512 * 2 / 5e5 + 2 * 8 * 2 * ctx * 2 / 1e3  # GEMMs + CPU attention over fp16 KV
+    assert p.decode_terms["ctog"] == pytest.approx(ctog_g)
+    assert p.decode_terms["gtoc"] == pytest.approx(gtoc_g)
+    assert p.decode_terms["comp"] == pytest.approx(comp_g)
+    t_pre, t_gen = max(ctog_g * 0 + (wi + hid_p) / 1e3, comp_p), ctog_g + max(gtoc_g, comp_g)
+    assert p.prefill_time == pytest.approx(2 * t_pre)
+    assert p.decode_time == pytest.approx(2 * 2 * t_gen)
+    assert p.throughput == pytest.approx(2 * 3 / (2 * t_pre + 4 * t_gen))
+    paper = CostModel(tiny_opt(), round_hw(), Workload(4, 3), form="paper").predict(POLICY)
+    assert paper.decode_time == pytest.approx(2 * 2 * max(ctog_g, gtoc_g, comp_g))
+    assert paper.throughput > p.throughput  # full overlap is the optimistic form
+
+
+def test_disk_and_memory_terms_by_hand():
+    pol = Policy(gbs=2, num_gpu_batches=1, wg=0, wc=0, wd=1, cg=0, cc=0, cd=1, hg=0, hc=1)
+    cfg = tiny_opt()
+    p = CostModel(cfg, round_hw(), Workload(4, 3)).predict(pol)
+    wi, kv_read = 1024, 2 * 8 * 2 * 5.5 * 2
+    assert p.decode_terms["dtoc"] == pytest.approx((kv_read + wi) / 100.0)
+    assert p.decode_terms["ctod"] == pytest.approx(2 * 8 * 2 * 2 / 50.0)
+    cache_full = 2 * 8 * 2 * (4 + 3) * 2 * 2  # K+V, fp16, final length, block, layers
+    assert p.peak_mem["disk"] == pytest.approx(cfg.num_parameters() * 2 + cache_full)
+    assert p.peak_mem["gpu"] > 0  # streamed-layer buffers and working memory stay on the GPU
+
+
+def test_compression_ratio_and_effect():
+    assert compressed_ratio() == pytest.approx(0.28125)  # 4 bits + fp16 min/scale per 64
+    cfg, hw = preset_config("opt-30b"), load_profile("flexgen_t4")
+    cm = CostModel(cfg, hw, Workload(512, 32))
+    base = Policy(gbs=8, wg=0, wc=1, cg=0, cc=1, hg=0, hc=1, cpu_cache_compute=True)
+    comp = Policy(**{**base.to_dict(), "compress_weight": True})
+    a, b = cm.predict(base), cm.predict(comp)
+    assert b.decode_terms["ctog"] < 0.3 * a.decode_terms["ctog"]  # weights move at ~0.28x the bytes
+    assert b.peak_mem["cpu"] < a.peak_mem["cpu"]
+    assert b.decode_terms["comp"] > a.decode_terms["comp"]  # plus dequantization
+
+
+def test_kv_bytes_follow_gqa():
+    cfg = preset_config("llama-2-70b")
+    cm = CostModel(cfg, load_profile("flexgen_t4"), Workload(100, 1))
+    pol = Policy(gbs=1, wg=0, wc=0, wd=1, cg=0, cc=0, cd=1, hg=0, hc=1)
+    p = cm.predict(pol)
+    # disk = all weights + cache of 101 tokens; cache per token is the GQA size from ModelConfig
+    assert p.peak_mem["disk"] == pytest.approx(cfg.num_parameters() * 2 + 101 * cfg.kv_bytes_per_token(2))
+
+
+def test_roofline_decode_is_memory_bound_for_small_batches():
+    cfg, hw = preset_config("opt-6.7b"), load_profile("flexgen_t4")
+    p = CostModel(cfg, hw, Workload(512, 32)).predict(Policy(gbs=1))
+    layer_bytes = CostModel(cfg, hw, Workload(512, 32)).layer_weight_elems() * 2
+    assert p.decode_terms["comp"] >= layer_bytes / hw.gpu_mem_bdw
+    assert not math.isclose(p.decode_terms["comp"], 2 * layer_bytes / 2 / hw.mm_flops_gen)
+
+
+def test_cpu_only_machine_has_no_pcie_terms():
+    hw = load_profile("cpu_2core")
+    assert not hw.has_gpu
+    cm = CostModel(preset_config("smollm2-135m"), hw, Workload(64, 16))
+    t = cm.terms(1, 1)
+    assert set(t.fixed_zero) >= {0, 3, 6}  # wg, cg, hg
+    assert "gpu" not in t.capacity
+    p = cm.predict(Policy(gbs=1, wg=0, wc=1, cg=0, cc=1, hg=0, hc=1))
+    assert p.prefill_terms["ctog"] == 0 and p.decode_terms["gtoc"] == 0
+    assert p.decode_terms["comp"] > 0 and p.throughput > 0
+
+
+def test_unknown_form_rejected():
+    with pytest.raises(ValueError, match="form"):
+        CostModel(tiny_opt(), round_hw(), Workload(4, 3), form="magic")
+    with pytest.raises(ValueError):
+        Workload(0, 3)

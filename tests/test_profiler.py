@@ -1,0 +1,96 @@
+"""HardwareProfile round trips, shipped profiles, and the probes on a CPU-only machine."""
+
+import dataclasses
+import os
+
+import pytest
+
+from localgen.profiler.hardware import (GiB, HardwareProfile, ProfileNotFoundError, load_profile,
+                                        shipped_profile_names)
+from localgen.profiler import probes
+
+
+@pytest.fixture(autouse=True)
+def config_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALGEN_CONFIG_DIR", str(tmp_path / "cfg"))
+    return tmp_path / "cfg"
+
+
+def test_shipped_profiles_load_and_cite_sources():
+    assert {"flexgen_t4", "h200", "cpu_2core"} <= set(shipped_profile_names())
+    t4 = load_profile("flexgen_t4")
+    assert t4.has_gpu and t4.gpu_mem == 15 * GiB and t4.dtoc_bdw == 2e9 and t4.ctod_bdw == 1e9
+    h200 = load_profile("h200")
+    assert h200.gpu_mem_bdw == 4.24e12 and h200.ctog_bdw == 55e9 and h200.ctog_bdw_pageable == 22e9
+    assert h200.mm_flops == 767e12
+    cpu = load_profile("cpu_2core")
+    assert not cpu.has_gpu and cpu.compute_device == "cpu" and cpu.cpu_cores == 2
+    for p in (t4, h200):
+        for f in ("ctog_bdw", "gtoc_bdw", "dtoc_bdw", "ctod_bdw", "mm_flops", "cpu_flops", "gpu_mem"):
+            assert f in p.source, f"{p.name}: no source for {f}"
+
+
+def test_json_round_trip_and_save_load(config_dir):
+    p = load_profile("flexgen_t4")
+    assert HardwareProfile.from_json(p.to_json()) == p
+    q = dataclasses.replace(p, name="mine")
+    path = q.save()
+    assert path == config_dir / "hardware.json"
+    assert load_profile(None) == q and load_profile(str(path)) == q
+
+
+def test_missing_profile_errors(config_dir):
+    with pytest.raises(ProfileNotFoundError, match="flexgen_t4"):
+        load_profile("no_such_machine")
+    with pytest.raises(ProfileNotFoundError, match="localgen profile"):
+        load_profile(None)
+
+
+def test_validation_names_the_field():
+    d = load_profile("flexgen_t4").to_dict()
+    d["ctog_bdw"] = None
+    with pytest.raises(ValueError, match="ctog_bdw"):
+        HardwareProfile.from_dict(d)
+    d = load_profile("cpu_2core").to_dict()
+    d["cpu_flops"] = 0
+    with pytest.raises(ValueError, match="cpu_flops"):
+        HardwareProfile.from_dict(d)
+
+
+def test_best_time_takes_the_minimum():
+    calls = iter([0.0, 0.05, 0.01, 0.03])  # warm-up, then three timed runs
+
+    import time
+    def fn():
+        time.sleep(next(calls))
+    assert 0.009 <= probes.best_time(fn, repeats=3) < 0.03
+
+
+def test_disk_probe_bypasses_the_page_cache(tmp_path):
+    dtoc, ctod, method = probes.probe_disk_bdw(tmp_path / "off", 4 << 20, repeats=2)
+    assert dtoc > 0 and ctod > 0 and method in ("O_DIRECT", "fadvise")
+    assert not list((tmp_path / "off").iterdir())  # the scratch file is removed
+
+
+def test_disk_probe_falls_back_without_o_direct(tmp_path, monkeypatch):
+    monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    _, _, method = probes.probe_disk_bdw(tmp_path, 1 << 20, repeats=1)
+    assert method == "fadvise"
+
+
+def test_cpu_only_profile_run(tmp_path, config_dir):
+    steps = []
+    hw = probes.run_profile(tmp_path / "off", sizes=probes.QUICK, use_gpu=False,
+                            progress=lambda s, i, n: steps.append((s, i, n)))
+    assert not hw.has_gpu and hw.ctog_bdw is None and hw.gpu_mem == 0
+    for f in ("dtoc_bdw", "ctod_bdw", "mm_flops", "mm_flops_gen", "bmm_flops", "bmm_flops_gen", "cpu_flops",
+              "cpu_mem_bdw", "cpu_mem", "disk_mem"):
+        assert getattr(hw, f) > 0, f
+    assert steps[0][0] == "capacities" and steps[-1] == ("done", steps[-1][2], steps[-1][2])
+    assert HardwareProfile.from_json(hw.to_json()) == hw
+
+
+def test_mm_probe_counts_flops(monkeypatch):
+    monkeypatch.setattr(probes, "best_time", lambda fn, repeats=5, sync=None: 2.0)
+    assert probes.probe_mm_flops("cpu", (4, 8, 16)) == 2 * 4 * 8 * 16 / 2.0
+    assert probes.probe_bmm_flops("cpu", (3, 1, 8, 16)) == 2 * 3 * 8 * 16 / 2.0

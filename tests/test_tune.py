@@ -1,0 +1,67 @@
+"""`localgen tune --yes`, `localgen profile`, and the Textual wizard driven by a pilot."""
+
+import asyncio
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from localgen.cli.main import app
+from localgen.policy import load_saved_policy
+
+
+@pytest.fixture(autouse=True)
+def config_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALGEN_CONFIG_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_tune_yes_saves_the_default():
+    r = CliRunner().invoke(app, ["tune", "--yes", "--profile", "flexgen_t4", "--model", "opt-30b",
+                                 "--compression", "off"])
+    assert r.exit_code == 0, r.output
+    assert "tokens/s" in r.output and "alternative" in r.output
+    p = load_saved_policy("opt-30b")
+    assert p is not None and 0.1 <= p.wg <= 0.3
+
+
+def test_tune_yes_chat_on_cpu_only_profile():
+    r = CliRunner().invoke(app, ["tune", "--yes", "--profile", "cpu_2core", "--workload", "chat"])
+    assert r.exit_code == 0, r.output
+    assert load_saved_policy("smollm2-135m").bls == 1
+
+
+def test_tune_rejects_bad_options():
+    r = CliRunner().invoke(app, ["tune", "--yes", "--workload", "nightly"])
+    assert r.exit_code != 0
+
+
+def test_profile_command_quick_cpu(config_dir, tmp_path):
+    r = CliRunner().invoke(app, ["profile", "--quick", "--cpu-only", "--offload-dir", str(tmp_path / "off")])
+    assert r.exit_code == 0, r.output
+    d = json.loads((config_dir / "hardware.json").read_text())
+    assert d["gpu_name"] is None and d["dtoc_bdw"] > 0
+
+
+def test_wizard_pilot_flow():
+    try:
+        from localgen.tui.tune import TuneApp
+    except ImportError:
+        from tui.tune import TuneApp
+    from localgen.policy.tuning import TuneRequest
+
+    async def drive():
+        app_ = TuneApp(TuneRequest(model="opt-6.7b", compression="off"), profile_name="flexgen_t4")
+        async with app_.run_test(size=(120, 50)) as pilot:
+            await pilot.click("#use")
+            await pilot.pause()
+            await pilot.click("#search")
+            await pilot.pause()
+            assert app_.result is not None
+            await pilot.click("#save")
+            await pilot.pause()
+        return app_
+
+    app_ = asyncio.run(drive())
+    assert app_.saved_path is not None and app_.saved_path.exists()
+    assert load_saved_policy("opt-6.7b").wg >= 0.999
