@@ -96,6 +96,7 @@ class Engine:
         if seq is None:
             return None
         self.scheduler.finish(seq, "abort")
+        self._update_gauges()  # the panels read these: freed blocks show at once
         return self._output(seq, "")
 
     def has_unfinished(self) -> bool:
