@@ -1,0 +1,124 @@
+"""Group-wise asymmetric 4-bit quantization (FlexGen §5), pure torch: the reference twin of the
+Triton kernels that read int4 KV caches and int4 weights.
+
+A tensor is cut into groups of ``group_size`` (g = 64) consecutive elements along one axis; each
+group keeps its min and ``scale = (max - min) / 15`` in fp16 and codes
+``q = round((x - min) / scale)`` in ``[0, 15]``; ``x ~ q * scale + min``. Two codes share a byte
+along the same axis: element ``2i`` in the low nibble, ``2i + 1`` in the high nibble.
+A last, shorter group (head_dim 80 with g = 64) is allowed; its min/max cover its own elements.
+
+KV cache (FlexGen: grouped along the hidden dim): ``[num_blocks, block_size, num_kv_heads,
+head_dim]`` -> packed ``[..., head_dim // 2]`` uint8 + scale/min ``[..., ceil(head_dim / g)]``.
+Weights (FlexGen: grouped along output channels): ``[N, K]`` grouped and packed along dim 0 ->
+packed ``[N // 2, K]`` + scale/min ``[ceil(N / g), K]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP_SIZE = 64
+
+
+def quantize_int4(x: torch.Tensor, group_size: int = GROUP_SIZE, dim: int = -1
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (packed uint8, scale fp16, min fp16); ``x.shape[dim]`` must be even."""
+    dim = dim % x.dim()
+    n = x.shape[dim]
+    if n % 2:
+        raise ValueError(f"size {n} along dim {dim} must be even to pack two 4-bit codes a byte")
+    xt = x.movedim(dim, -1).float()
+    ngroups = -(-n // group_size)
+    pad = ngroups * group_size - n
+    if pad:  # edge padding keeps the last group's min/max its own
+        xt = torch.cat([xt, xt[..., -1:].expand(*xt.shape[:-1], pad)], dim=-1)
+    g = xt.reshape(*xt.shape[:-1], ngroups, group_size)
+    mn = g.amin(-1).half()
+    scale = ((g.amax(-1) - g.amin(-1)) / 15).half()
+    s32 = scale.float()
+    safe = torch.where(s32 == 0, torch.ones_like(s32), s32)
+    codes = torch.round((g - mn.float()[..., None]) / safe[..., None]).clamp_(0, 15)
+    codes = torch.where(s32[..., None] == 0, torch.zeros_like(codes), codes)
+    codes = codes.reshape(*xt.shape[:-1], -1)[..., :n].to(torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.movedim(-1, dim).contiguous(), scale.movedim(-1, dim).contiguous(), \
+        mn.movedim(-1, dim).contiguous()
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor,
+                    group_size: int = GROUP_SIZE, dim: int = -1,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of ``quantize_int4`` (up to the quantization error)."""
+    dim = dim % packed.dim()
+    p = packed.movedim(dim, -1)
+    codes = torch.stack([p & 15, p >> 4], dim=-1).flatten(-2).float()  # [..., n]
+    n = codes.shape[-1]
+    s = scale.movedim(dim, -1).float().repeat_interleave(group_size, dim=-1)[..., :n]
+    z = mn.movedim(dim, -1).float().repeat_interleave(group_size, dim=-1)[..., :n]
+    return (codes * s + z).movedim(-1, dim).to(dtype)
+
+
+@dataclass
+class QuantizedKV:
+    """One layer's K or V cache in the int4 group format: ``packed`` ``[num_blocks, block_size,
+    num_kv_heads, head_dim // 2]`` uint8, ``scale``/``min`` ``[..., ceil(head_dim / g)]`` fp16."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor
+    group_size: int = GROUP_SIZE
+
+    @property
+    def head_dim(self) -> int:
+        return self.packed.shape[-1] * 2
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.min))
+
+
+def quantize_kv(cache: torch.Tensor, group_size: int = GROUP_SIZE) -> QuantizedKV:
+    """Quantize a ``[num_blocks, block_size, num_kv_heads, head_dim]`` cache along head_dim."""
+    packed, scale, mn = quantize_int4(cache, group_size, dim=-1)
+    return QuantizedKV(packed, scale, mn, group_size)
+
+
+def dequantize_kv(q: QuantizedKV, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return dequantize_int4(q.packed, q.scale, q.min, q.group_size, dim=-1, dtype=dtype)
+
+
+def write_kv_int4(k_cache: QuantizedKV, v_cache: QuantizedKV, k: torch.Tensor, v: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Quantize and store new keys/values ``[num_tokens, num_kv_heads, head_dim]`` at flat slots
+    (the int4 twin of ``paged_attention_ref.write_kv``)."""
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        p, s, z = quantize_int4(x, cache.group_size, dim=-1)
+        for dst, src in ((cache.packed, p), (cache.scale, s), (cache.min, z)):
+            dst.view(-1, *dst.shape[2:]).index_copy_(0, slot_mapping, src)
+
+
+@dataclass
+class QuantizedWeight:
+    """A linear weight ``[N, K]`` (``y = x @ W.T``) in the int4 group format, grouped and packed
+    along the output channels N: ``packed`` ``[N // 2, K]`` uint8, ``scale``/``min``
+    ``[ceil(N / g), K]`` fp16."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor
+    group_size: int = GROUP_SIZE
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0] * 2, self.packed.shape[1]
+
+
+def quantize_weight(w: torch.Tensor, group_size: int = GROUP_SIZE) -> QuantizedWeight:
+    packed, scale, mn = quantize_int4(w, group_size, dim=0)
+    return QuantizedWeight(packed, scale, mn, group_size)
+
+
+def dequantize_weight(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return dequantize_int4(qw.packed, qw.scale, qw.min, qw.group_size, dim=0, dtype=dtype)

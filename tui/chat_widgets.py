@@ -1,0 +1,332 @@
+"""Widgets of `localgen chat`, each usable alone: mount it in any app and feed it messages.
+
+- :class:`ChatMessage` — one turn; an assistant turn streams Markdown from :class:`AnswerUpdate`
+  messages (one per engine output) and ends with a stats line.
+- :class:`ConversationView` — the scrolling list of turns.
+- :class:`PromptInput` — the input line, with history (up/down).
+- :class:`MemoryPanel`, :class:`ThroughputPanel` — render a ``localgen.service.MetricsSnapshot``
+  posted to them as :class:`MetricsUpdated`.
+
+They read plain data (RequestOutput, MetricsSnapshot); none touches the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from textual.app import ComposeResult
+from textual.containers import Vertical, VerticalScroll
+from textual.message import Message
+from textual.widgets import Input, Markdown, Sparkline, Static
+
+from localgen.runtime.request import RequestOutput
+
+# ------------------------------------------------------------------------------------------
+# Formatting (pure; tested alone)
+# ------------------------------------------------------------------------------------------
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "?"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_ms(s: float | None) -> str:
+    if s is None:
+        return "–"
+    return f"{s * 1000:.0f} ms" if s < 10 else f"{s:.1f} s"
+
+
+def fmt_rate(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def fmt_gbs(x: float | None) -> str:
+    return "–" if x is None else f"{x / 1e9:.2f}"
+
+
+@dataclass
+class AnswerStats:
+    """What the panels and the answer's footer show about one finished (or running) answer."""
+
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float | None = None
+    seconds: float | None = None
+    finish_reason: str | None = None
+
+    def line(self) -> str:
+        parts = [f"{self.completion_tokens} tok"]
+        if self.seconds and self.completion_tokens > 1:
+            parts.append(f"{self.completion_tokens / self.seconds:.1f} tok/s")
+        if self.ttft_s is not None:
+            parts.append(f"TTFT {fmt_ms(self.ttft_s)}")
+        parts.append(f"reused {self.cached_prompt_tokens}/{self.prompt_tokens} prompt tok")
+        if self.finish_reason == "abort":
+            parts.append("stopped")
+        elif self.finish_reason == "length":
+            parts.append("max tokens")
+        return " · ".join(parts)
+
+
+def memory_lines(snap: Any) -> list[str]:
+    """The memory panel's text for a MetricsSnapshot (≤ 28 columns a line)."""
+    if snap is None or snap.memory is None:
+        return ["loading…" if snap is None or snap.state == "loading" else "no data"]
+    mem, info = snap.memory, snap.model
+    lines: list[str] = []
+    if mem.gpus:
+        for i, g in enumerate(mem.gpus):
+            tot = f"{fmt_bytes(g.used_bytes)}/{fmt_bytes(g.total_bytes)}"
+            lines.append(f"GPU{i} {tot}")
+            lines.append(f"  torch {fmt_bytes(g.torch_allocated_bytes)} alloc")
+    else:
+        lines.append(f"GPU  {mem.gpu_note or 'no GPU'}")
+    lines.append(f"RAM  proc {fmt_bytes(mem.process_rss_bytes)}")
+    lines.append(f"     sys {fmt_bytes(mem.system_used_bytes)}/{fmt_bytes(mem.system_total_bytes)}")
+    for t in snap.kv_tiers:
+        pct = 100 * t.blocks_used / t.blocks_total if t.blocks_total else 0
+        lines.append(f"KV   {t.name} {t.blocks_used}/{t.blocks_total} blk {pct:.0f}%")
+    if info is not None:
+        lines.append(f"Wts  {fmt_bytes(info.weight_bytes)} {info.dtype}")
+        lines.append(f"     GPU {info.weights_gpu_share:.0%} CPU {info.weights_cpu_share:.0%} "
+                     f"disk {info.weights_disk_share:.0%}")
+    lines.append(f"Disk offload {fmt_bytes(mem.offload_disk_bytes)}")
+    return lines
+
+
+def throughput_lines(snap: Any, last: AnswerStats | None = None) -> tuple[list[str], list[str]]:
+    """Text above and below the sparkline of the throughput panel."""
+    if snap is None or snap.model is None:
+        return (["decode   –"], ["loading…" if snap is None or snap.state == "loading" else snap.state])
+    top = [f"decode  {fmt_rate(snap.decode_tokens_per_s)} tok/s"]
+    bw = f"bw {fmt_gbs(snap.decode_bandwidth)}"
+    bw += f"/{fmt_gbs(snap.bandwidth_limit)} GB/s" if snap.bandwidth_limit else " GB/s (no limit)"
+    bottom = [
+        f"prefill {fmt_rate(snap.prefill_tokens_per_s)} tok/s",
+        f"TTFT    {fmt_ms(snap.ttft_last_s)}",
+        f"lat p50 {fmt_ms(snap.token_latency_p50_s)} p90 {fmt_ms(snap.token_latency_p90_s)}",
+        f"run {snap.num_running} · queued {snap.num_waiting}",
+        bw,
+    ]
+    if last is not None:
+        bottom.append(f"reused {last.cached_prompt_tokens}/{last.prompt_tokens} prompt tok")
+    return top, bottom
+
+
+# ------------------------------------------------------------------------------------------
+# Messages
+# ------------------------------------------------------------------------------------------
+class AnswerUpdate(Message):
+    """One engine output for the answer being streamed (``ttft_s``: set once known)."""
+
+    def __init__(self, output: RequestOutput, ttft_s: float | None = None, seconds: float | None = None):
+        super().__init__()
+        self.output, self.ttft_s, self.seconds = output, ttft_s, seconds
+
+
+class AnswerFailed(Message):
+    def __init__(self, error: str):
+        super().__init__()
+        self.error = error
+
+
+class MetricsUpdated(Message):
+    """A new ``MetricsSnapshot`` for the panels."""
+
+    def __init__(self, snapshot: Any):
+        super().__init__()
+        self.snapshot = snapshot
+
+
+class LastAnswer(Message):
+    def __init__(self, stats: AnswerStats):
+        super().__init__()
+        self.stats = stats
+
+
+# ------------------------------------------------------------------------------------------
+# Conversation
+# ------------------------------------------------------------------------------------------
+class ChatMessage(Vertical):
+    """One turn. Assistant turns stream: post :class:`AnswerUpdate` messages to it."""
+
+    DEFAULT_CSS = """
+    ChatMessage { height: auto; margin: 0 0 1 0; padding: 0 1; }
+    ChatMessage .role { text-style: bold; height: 1; }
+    ChatMessage.user .role { color: $accent; }
+    ChatMessage.assistant .role { color: $success; }
+    ChatMessage.error .role { color: $error; }
+    ChatMessage Markdown { margin: 0; padding: 0; }
+    ChatMessage .stats { color: $text-muted; height: auto; }
+    """
+
+    def __init__(self, role: str, text: str = "", **kw):
+        super().__init__(classes=role, **kw)
+        self.role, self.text = role, text
+        self.stats: AnswerStats | None = None
+        self.done = role != "assistant"
+        self._stream = None
+        self.updates = 0
+
+    def compose(self) -> ComposeResult:
+        label = {"user": "You", "assistant": "Assistant", "error": "Error"}.get(self.role, self.role)
+        yield Static(label, classes="role")
+        yield Markdown(self.text, classes="body")
+        yield Static("", classes="stats")
+
+    @property
+    def body(self) -> Markdown:
+        return self.query_one(Markdown)
+
+    async def on_answer_update(self, msg: AnswerUpdate) -> None:
+        msg.stop()
+        out = msg.output
+        self.updates += 1
+        if self._stream is None and not self.done:
+            self._stream = Markdown.get_stream(self.body)
+        if out.text_delta and self._stream is not None:
+            await self._stream.write(out.text_delta)
+        self.text = out.text
+        self.stats = AnswerStats(out.prompt_tokens, out.cached_prompt_tokens, out.completion_tokens,
+                                 msg.ttft_s, msg.seconds, out.finish_reason)
+        if out.finished:
+            await self.finish()
+        self.post_message(LastAnswer(self.stats))
+
+    async def finish(self, note: str | None = None) -> None:
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        self.done = True
+        text = note or (self.stats.line() if self.stats else "")
+        self.query_one(".stats", Static).update(text)
+
+
+class ConversationView(VerticalScroll):
+    """The turns of the chat; follows the newest text while the user has not scrolled up."""
+
+    DEFAULT_CSS = """
+    ConversationView { height: 1fr; }
+    ConversationView #welcome { color: $text-muted; padding: 0 1; }
+    """
+
+    def __init__(self, welcome: str = "", **kw):
+        super().__init__(**kw)
+        self.welcome = welcome
+
+    def compose(self) -> ComposeResult:
+        if self.welcome:
+            yield Static(self.welcome, id="welcome")
+
+    async def add(self, role: str, text: str = "") -> ChatMessage:
+        msg = ChatMessage(role, text)
+        await self.mount(msg)
+        self.scroll_end(animate=False)
+        return msg
+
+    def on_last_answer(self, _msg: LastAnswer) -> None:
+        if self.max_scroll_y - self.scroll_y <= 3:
+            self.scroll_end(animate=False)
+
+    async def clear(self) -> None:
+        await self.query(ChatMessage).remove()
+
+    @property
+    def messages(self) -> list[ChatMessage]:
+        return list(self.query(ChatMessage))
+
+
+class PromptInput(Input):
+    """The message line. Up/down walk the history of sent messages."""
+
+    BINDINGS = [("up", "history(-1)", "Prev"), ("down", "history(1)", "Next")]
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.history: list[str] = []
+        self._pos = 0
+        self._draft = ""
+
+    def remember(self, text: str) -> None:
+        if text and (not self.history or self.history[-1] != text):
+            self.history.append(text)
+        self._pos, self._draft = len(self.history), ""
+
+    def action_history(self, step: int) -> None:
+        if not self.history:
+            return
+        if self._pos == len(self.history):
+            self._draft = self.value
+        self._pos = max(0, min(len(self.history), self._pos + step))
+        self.value = self._draft if self._pos == len(self.history) else self.history[self._pos]
+        self.cursor_position = len(self.value)
+
+
+# ------------------------------------------------------------------------------------------
+# Panels
+# ------------------------------------------------------------------------------------------
+class MemoryPanel(Static):
+    """GPU / RAM / KV blocks / weight placement, from :class:`MetricsUpdated`."""
+
+    DEFAULT_CSS = """
+    MemoryPanel { height: auto; border-top: solid $primary; padding: 0 1; }
+    """
+
+    def __init__(self, **kw):
+        super().__init__("loading…", **kw)
+        self.border_title = "Memory"
+        self.snapshot = None
+        self.refreshes = 0
+
+    def on_metrics_updated(self, msg: MetricsUpdated) -> None:
+        self.show(msg.snapshot)
+
+    def show(self, snap: Any) -> None:
+        self.snapshot = snap
+        self.refreshes += 1
+        self.update("\n".join(memory_lines(snap)))
+
+
+class ThroughputPanel(Vertical):
+    """Decode tokens/s (sparkline over recent steps), prefill, TTFT, latency, queue, bandwidth."""
+
+    DEFAULT_CSS = """
+    ThroughputPanel { height: auto; border-top: solid $primary; padding: 0 1; }
+    ThroughputPanel Static { height: auto; }
+    ThroughputPanel Sparkline { height: 2; margin: 0; }
+    """
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.border_title = "Throughput"
+        self.snapshot = None
+        self.last: AnswerStats | None = None
+        self.refreshes = 0
+
+    def compose(self) -> ComposeResult:
+        yield Static("decode   –", id="tp-top")
+        yield Sparkline([], id="tp-spark")
+        yield Static("loading…", id="tp-bottom")
+
+    def on_metrics_updated(self, msg: MetricsUpdated) -> None:
+        self.show(msg.snapshot)
+
+    def on_last_answer(self, msg: LastAnswer) -> None:
+        self.last = msg.stats
+        self.show(self.snapshot)
+
+    def show(self, snap: Any) -> None:
+        self.snapshot = snap
+        self.refreshes += 1
+        top, bottom = throughput_lines(snap, self.last)
+        self.query_one("#tp-top", Static).update("\n".join(top))
+        hist = list(snap.decode_history) if snap is not None else []
+        self.query_one("#tp-spark", Sparkline).data = hist[-60:] or [0.0]
+        self.query_one("#tp-bottom", Static).update("\n".join(bottom))
