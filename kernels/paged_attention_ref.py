@@ -33,24 +33,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     q: ``[num_seqs, num_heads, head_dim]``; block_tables: ``[num_seqs, max_blocks]`` (int, padded
     entries ignored); context_lens: ``[num_seqs]`` tokens in the cache, incl. the current one.
-    Returns ``[num_seqs, num_heads, head_dim]`` in q's dtype. Softmax in float32.
+    Returns ``[num_seqs, num_heads, head_dim]`` in q's dtype (fused SDPA, float accumulation).
     """
     num_seqs, num_heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_len = int(context_lens.max())
     n_blocks = -(-max_len // block_size)
-    tables = block_tables[:, :n_blocks]
-    k = k_cache[tables].flatten(1, 2)[:, :max_len]  # [B, L, kvh, d]
-    v = v_cache[tables].flatten(1, 2)[:, :max_len]
-    group = num_heads // kv_heads
-    qg = q.view(num_seqs, kv_heads, group, head_dim).float()
-    scores = torch.einsum("bkgd,blkd->bkgl", qg, k.float()) * scale
-    pos = torch.arange(max_len, device=q.device)
-    mask = pos[None, :] >= context_lens[:, None].to(q.device)
-    scores.masked_fill_(mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bkgl,blkd->bkgd", probs, v.float())
-    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    flat = block_tables[:, :n_blocks].reshape(-1)
+    # gather each sequence's blocks, then view as [B, kvh, L, d] (strided, no second copy)
+    k = k_cache.index_select(0, flat).view(num_seqs, -1, kv_heads, head_dim)[:, :max_len]
+    v = v_cache.index_select(0, flat).view(num_seqs, -1, kv_heads, head_dim)[:, :max_len]
+    # the query heads sharing a KV head act as that head's queries: GQA without repeating K/V
+    qg = q.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
+    valid = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None].to(q.device)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qg, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+        attn_mask=valid[:, None, None, :], scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -69,14 +68,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         qi = q[start:start + ql].transpose(0, 1)  # [H, ql, d]
         k = gather_kv(k_cache, block_tables[i], ctx).transpose(0, 1)  # [kvh, ctx, d]
         v = gather_kv(v_cache, block_tables[i], ctx).transpose(0, 1)
-        if kv_heads != num_heads:
-            k = k.repeat_interleave(num_heads // kv_heads, dim=0)
-            v = v.repeat_interleave(num_heads // kv_heads, dim=0)
-        # key j is visible to query t (absolute position ctx - ql + t) when j <= that position
-        qpos = torch.arange(ctx - ql, ctx, device=q.device)[:, None]
-        mask = torch.arange(ctx, device=q.device)[None, :] <= qpos
+        if ctx == ql:  # nothing cached before these queries: plain causal attention
+            mask, causal = None, True
+        else:  # key j is visible to query t (absolute position ctx - ql + t) when j <= it
+            qpos = torch.arange(ctx - ql, ctx, device=q.device)[:, None]
+            mask, causal = torch.arange(ctx, device=q.device)[None, :] <= qpos, False
         o = torch.nn.functional.scaled_dot_product_attention(
-            qi, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+            qi, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=kv_heads != num_heads)
         outs.append(o.transpose(0, 1))
         start += ql
     return torch.cat(outs, dim=0)

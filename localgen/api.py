@@ -52,33 +52,79 @@ class LLM:
     @classmethod
     def load(cls, model: str | None = None, *, revision: str | None = None,
              device: str | None = None, dtype: str | torch.dtype | None = None,
-             kv_cache_memory: int | None = None, max_num_seqs: int = 64,
+             kv_cache_memory: int | None = None, max_num_seqs: int | None = None,
              max_num_batched_tokens: int = 8192, block_size: int = 16,
-             enable_prefix_caching: bool = True, max_model_len: int | None = None) -> "LLM":
+             enable_prefix_caching: bool = True, max_model_len: int | None = None,
+             policy=None, offload_dir: str | None = None, gpu_memory: int | None = None,
+             cpu_memory: int | None = None, gguf_native: bool = True) -> "LLM":
         """Load ``model`` (None: the embedded default; a GGUF path; a Hugging Face directory; a
         hub id from the local cache). Raises FileNotFoundError / UnsupportedModelError with the
-        reason, ValueError for bad settings."""
+        reason, ValueError for bad settings.
+
+        ``policy`` (a ``localgen.policy.Policy``) runs the offloading runtime (issue 6): layers on
+        GPU / pinned CPU / disk files under ``offload_dir``, KV and activations split by the
+        policy, the zig-zag block schedule, 4-bit compression. ``max_num_seqs`` defaults to 64, or
+        to the policy's block size ``gbs * num_gpu_batches``. ``gpu_memory`` (bytes) caps CUDA
+        allocations to emulate a smaller GPU; ``cpu_memory`` (bytes) is checked against the host
+        bytes the placement needs (ValueError when exceeded). ``gguf_native``: with 4-bit weights,
+        keep a GGUF's Q4_1 tensors bit-exact in their 32-groups instead of re-quantizing."""
         from localgen.models.sources import resolve_model
 
+        if max_num_seqs is None:
+            max_num_seqs = policy.bls if policy is not None else 64
         src = resolve_model(model, revision=revision)
         cfg = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens,
                            enable_prefix_caching=enable_prefix_caching,
                            kv_cache_memory=kv_cache_memory, max_model_len=max_model_len)
         return cls.from_parts(src.config, src.weights, src.tokenizer, cfg, device=device,
-                              dtype=dtype, name=src.name, source=src)
+                              dtype=dtype, name=src.name, source=src, policy=policy,
+                              offload_dir=offload_dir, gpu_memory=gpu_memory,
+                              cpu_memory=cpu_memory, gguf_native=gguf_native)
 
     @classmethod
     def from_parts(cls, config, weights, tokenizer, engine_config: EngineConfig | None = None, *,
-                   device: str | None = None, dtype=None, name: str = "model", source=None) -> "LLM":
-        """Build from a ModelConfig, a weight store and a tokenizer (tests, custom sources)."""
+                   device: str | None = None, dtype=None, name: str = "model", source=None,
+                   policy=None, offload_dir: str | None = None, gpu_memory: int | None = None,
+                   cpu_memory: int | None = None, gguf_native: bool = True) -> "LLM":
+        """Build from a ModelConfig, a weight store and a tokenizer (tests, custom sources);
+        ``policy`` etc. as in ``load``."""
         dev = torch.device(device) if device else default_device()
-        model = CausalLM(config, weights, _dtype(dtype, dev), dev)
+        factory = None
+        if policy is None:
+            model = CausalLM(config, weights, _dtype(dtype, dev), dev)
+        else:
+            from localgen.runtime.offload import build_offload
+
+            model, factory = build_offload(config, weights, _dtype(dtype, dev), dev, policy,
+                                           offload_dir=offload_dir, gpu_memory=gpu_memory,
+                                           gguf_native=gguf_native)
         eos = set(config.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
-        engine = Engine(model, tokenizer, engine_config, tuple(sorted(eos)))
+        engine = Engine(model, tokenizer, engine_config, tuple(sorted(eos)), runner_factory=factory)
+        if policy is not None and cpu_memory is not None:
+            host = engine.runner.memory_by_tier()["cpu"]
+            if dev.type == "cuda" and host > cpu_memory:
+                raise ValueError(f"the policy needs {host / 2**30:.2f} GiB of host memory for "
+                                 f"weights and KV, over the --cpu-memory cap of {cpu_memory / 2**30:.2f} GiB")
         return cls(engine, name, source)
+
+    @property
+    def policy(self):
+        """The offloading Policy this model runs under (None: the plain resident path)."""
+        return getattr(self.engine.model, "policy", None)
+
+    def memory_by_tier(self) -> dict[str, int]:
+        """Actual bytes held per tier (gpu = the compute device, cpu, disk): weights, staging
+        buffers, KV cache. The plain path holds everything on its device."""
+        runner = self.engine.runner
+        if hasattr(runner, "memory_by_tier"):
+            return runner.memory_by_tier()
+        tier = "gpu" if self.device.type == "cuda" else "cpu"
+        out = {"gpu": 0, "cpu": 0, "disk": 0}
+        out[tier] = self.weight_bytes + self.kv_cache_bytes
+        return out
 
     # -- the engine's surface -------------------------------------------------------------
     @property

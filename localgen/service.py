@@ -490,8 +490,12 @@ class EngineService:
         self._thread.start()
         return self
 
+    @property
+    def started(self) -> bool:
+        return self._thread.is_alive() or self.state != "loading"
+
     def __enter__(self) -> "EngineService":
-        if not self._thread.is_alive() and self.state == "loading":
+        if not self.started:
             self.start()
         return self
 

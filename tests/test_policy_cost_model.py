@@ -121,3 +121,13 @@ def test_unknown_form_rejected():
         CostModel(tiny_opt(), round_hw(), Workload(4, 3), form="magic")
     with pytest.raises(ValueError):
         Workload(0, 3)
+
+
+def test_cpu_attention_rate_follows_flexgen_fit():
+    """FlexGen experimental/cost_model.py cpu_flops_real: 1 - c2*log2(64/gbs) for h1 >= 4096."""
+    hw = load_profile("flexgen_t4")
+    cm = CostModel(preset_config("opt-30b"), hw, Workload(512, 32))
+    assert cm.cpu_attn_flops(64) == pytest.approx(hw.cpu_flops)
+    assert cm.cpu_attn_flops(16) == pytest.approx(hw.cpu_flops * (1 - 0.0328 * 2))
+    hw.cpu_flops_fit = None
+    assert cm.cpu_attn_flops(16) == hw.cpu_flops

@@ -8,7 +8,9 @@ from localgen.policy.presets import preset_config
 from localgen.policy.search import NoFeasiblePolicyError, search, solve_lp
 from localgen.profiler.hardware import load_profile
 
-# FlexGen Table 2, "FlexGen" row (no compression), tokens/s on the T4 machine, gen_len 32.
+# FlexGen Table 2, "FlexGen" row (no compression), tokens/s on the T4 machine, gen_len 32. The prompt-512
+# cells match FlexGen's benchmark/batch_size_table.md; the prompt-1024 cells could not be checked against a
+# stored copy of the paper (no source reachable) and are kept as recalled.
 PAPER_TABLE2 = {("opt-6.7b", 512): 25.26, ("opt-30b", 512): 7.32, ("opt-175b", 512): 0.69,
                 ("opt-6.7b", 1024): 13.72, ("opt-30b", 1024): 3.50, ("opt-175b", 1024): 0.35}
 
@@ -23,12 +25,14 @@ def paper_search(model, prompt_len=512):
 
 
 def test_opt30b_matches_table5():
-    """Paper: weights 20% GPU / 80% CPU, cache and activations on CPU, block 144 (48 x 3)."""
+    """Paper/released run: weights 20% GPU / 80% CPU, cache and activations on CPU, CPU attention,
+    48 x 3 (FlexGen benchmark/flexgen/bench_suite.py, suite_30b_1x1). The search gets GPU batch 64
+    (FlexGen's fitted CPU-attention rate penalizes smaller GPU batches) and block 192 rather than 144."""
     p = paper_search("opt-30b").policy
     assert 0.1 <= p.wg <= 0.3 and p.wc >= 0.7 and p.wd == 0
-    assert p.cc >= 0.95 and p.hc >= 0.95
+    assert p.cc >= 0.99 and p.hc >= 0.99
     assert p.cpu_cache_compute
-    assert 72 <= p.bls <= 288
+    assert p.gbs == 64 and p.num_gpu_batches in (2, 3)
 
 
 def test_opt175b_matches_table5():
@@ -42,6 +46,18 @@ def test_opt67b_matches_table5():
     """Paper: everything on the GPU."""
     p = paper_search("opt-6.7b").policy
     assert p.wg >= 0.999 and p.hg >= 0.999 and p.cg >= 0.8
+
+
+def test_six_cell_table(capsys):
+    """Predicted vs paper for all six cells of Table 2 (printed; run with -s to see it)."""
+    rows = []
+    for (model, s), paper in sorted(PAPER_TABLE2.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        r = paper_search(model, s)
+        rows.append(f"{model:9s} s={s:<5d} predicted {r.throughput:7.3f}  paper {paper:6.2f}  "
+                    f"ratio {r.throughput / paper:5.2f}  {r.policy.describe()}")
+    with capsys.disabled():
+        print("\n" + "\n".join(rows))
+    assert len(rows) == 6
 
 
 @pytest.mark.parametrize("model,prompt_len", sorted(PAPER_TABLE2))

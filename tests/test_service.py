@@ -113,7 +113,7 @@ def test_metrics_snapshot(service):
 def test_bandwidth_limit_from_profile(model_dir):
     from localgen.profiler import load_profile
 
-    hw = load_profile("flexgen_t4") if True else None
+    hw = load_profile("flexgen_t4")
     svc = EngineService(LLM.load(str(model_dir), device="cpu", kv_cache_memory=1 << 22), hardware=hw).start()
     try:
         svc.wait_ready(30)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Input, Markdown, Sparkline, Static
@@ -246,7 +247,8 @@ class ConversationView(VerticalScroll):
 class PromptInput(Input):
     """The message line. Up/down walk the history of sent messages."""
 
-    BINDINGS = [("up", "history(-1)", "Prev"), ("down", "history(1)", "Next")]
+    BINDINGS = [Binding("up", "history(-1)", "Prev", show=False),
+                Binding("down", "history(1)", "Next", show=False)]
 
     def __init__(self, **kw):
         super().__init__(**kw)
@@ -328,5 +330,5 @@ class ThroughputPanel(Vertical):
         top, bottom = throughput_lines(snap, self.last)
         self.query_one("#tp-top", Static).update("\n".join(top))
         hist = list(snap.decode_history) if snap is not None else []
-        self.query_one("#tp-spark", Sparkline).data = hist[-60:] or [0.0]
+        self.query_one("#tp-spark", Sparkline).data = hist[-56:]
         self.query_one("#tp-bottom", Static).update("\n".join(bottom))

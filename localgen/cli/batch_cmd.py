@@ -20,11 +20,55 @@ def load_llm(
     max_num_seqs: int = 64,
     dtype: str | None = None,
     device: str | None = None,
+    **offload: Any,
 ) -> Any:
-    """Load the engine (tests replace this function with a fake)."""
+    """Load the engine (tests replace this function with a fake). ``offload``: policy,
+    offload_dir, gpu_memory, cpu_memory for the offloading runtime (only passed when set)."""
     from localgen.api import LLM
 
-    return LLM.load(model, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, dtype=dtype, device=device)
+    if offload.get("policy") is not None:
+        max_num_seqs = max(max_num_seqs, offload["policy"].bls)
+    return LLM.load(model, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, dtype=dtype, device=device, **offload)
+
+
+def offload_options(model: str | None, percent, gpu_batch_size, num_gpu_batches, compress_weight,
+                    compress_cache, cpu_cache_compute, offload_dir, gpu_memory, cpu_memory,
+                    prompt_len: int, gen_len: int, echo) -> dict[str, Any]:
+    """The policy (flags over the saved one) and caps as ``LLM.load`` keywords; prints the policy
+    and its predicted peak per tier before loading. Empty when nothing asks for offloading."""
+    from localgen.runtime.offload.plan import peak_lines, policy_from_options
+
+    try:
+        policy = policy_from_options(model, percent, gpu_batch_size, num_gpu_batches, compress_weight,
+                                     compress_cache, cpu_cache_compute)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--percent") from None
+    gpu_b, cpu_b = _size_option(gpu_memory), _size_option(cpu_memory)
+    if policy is None:
+        return {}
+    try:
+        for line in peak_lines(model, policy, prompt_len, gen_len, gpu_memory=gpu_b, cpu_memory=cpu_b,
+                               offload_dir=offload_dir):
+            echo(line)
+    except Exception as e:  # the prediction is advice; loading reports real problems
+        echo(f"predicted peak memory unavailable: {e}")
+    out: dict[str, Any] = {"policy": policy}
+    for k, v in (("offload_dir", offload_dir), ("gpu_memory", gpu_b), ("cpu_memory", cpu_b)):
+        if v is not None:
+            out[k] = v
+    return out
+
+
+# FlexGen's flags (issue 6), shared by `batch` and `generate`.
+PercentOpt = typer.Option(None, "--percent", help="FlexGen placement in percent: wg wc cg cc hg hc (weights, KV cache, activations on GPU / CPU; disk takes the rest). Overrides the saved policy.")
+GbsOpt = typer.Option(None, "--gpu-batch-size", min=1, help="Sequences per GPU batch (policy gbs).")
+NgbOpt = typer.Option(None, "--num-gpu-batches", min=1, help="GPU batches per block sharing each loaded layer.")
+CwOpt = typer.Option(None, "--compress-weight/--no-compress-weight", help="4-bit group-wise weights (g=64).")
+CcOpt = typer.Option(None, "--compress-cache/--no-compress-cache", help="4-bit group-wise KV cache (g=64).")
+CpuAttnOpt = typer.Option(None, "--cpu-cache-compute/--no-cpu-cache-compute", help="Decode attention over a CPU/disk KV cache runs on the CPU.")
+OffloadDirOpt = typer.Option(None, "--offload-dir", help="Folder for disk-tier weights and KV files.")
+GpuMemOpt = typer.Option(None, "--gpu-memory", help="Cap on GPU memory, e.g. 6GiB (emulates a smaller GPU).")
+CpuMemOpt = typer.Option(None, "--cpu-memory", help="Cap on host memory for weights and KV, e.g. 16GiB.")
 
 
 def _size_option(value: Optional[str]) -> Optional[int]:
@@ -52,6 +96,15 @@ def batch(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype, e.g. float32, bfloat16 (default: chosen for the device)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: best available)."),
     progress_bar: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar (on stderr)."),
+    percent: Optional[tuple[float, float, float, float, float, float]] = PercentOpt,
+    gpu_batch_size: Optional[int] = GbsOpt,
+    num_gpu_batches: Optional[int] = NgbOpt,
+    compress_weight: Optional[bool] = CwOpt,
+    compress_cache: Optional[bool] = CcOpt,
+    cpu_cache_compute: Optional[bool] = CpuAttnOpt,
+    offload_dir: Optional[str] = OffloadDirOpt,
+    gpu_memory: Optional[str] = GpuMemOpt,
+    cpu_memory: Optional[str] = CpuMemOpt,
 ) -> None:
     """Generate answers for every line of IN.jsonl, appending one result per line to OUT.jsonl.
 
@@ -76,8 +129,11 @@ def batch(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
 
+    offload = offload_options(model, percent, gpu_batch_size, num_gpu_batches, compress_weight,
+                              compress_cache, cpu_cache_compute, offload_dir, gpu_memory, cpu_memory,
+                              512, max_tokens or 256, lambda m: err.print(m, markup=False))
     err.print(f"loading model {model or '(embedded default)'} ...")
-    llm = load_llm(model, kv_cache_memory=kv_bytes, max_num_seqs=max_num_seqs, dtype=dtype, device=device)
+    llm = load_llm(model, kv_cache_memory=kv_bytes, max_num_seqs=max_num_seqs, dtype=dtype, device=device, **offload)
     ctx = getattr(llm, "max_model_len", None)
     err.print(f"model {getattr(llm, 'model_name', '?')}" + (f", context {ctx} tokens" if ctx else ""))
 

@@ -42,3 +42,25 @@ def batch(
                    f"{res.identical_outputs}/{res.num_prompts}")
     if out:
         out.write_text(json.dumps(res.to_json(), indent=2))
+
+
+@app.command("kernels")
+def kernels(
+    out: Path = typer.Option(..., "--out", help="Write the JSON results here."),
+    batches: str = typer.Option("1,8,32,128", help="Comma list of batch sizes."),
+    contexts: str = typer.Option("512,4096,32768", help="Comma list of context lengths."),
+    repeat: int = typer.Option(30, help="Timed repeats per cell (median)."),
+    phi: float = typer.Option(0.0, help="Unified max of the async softmax variant."),
+    no_ref: bool = typer.Option(False, "--no-ref", help="Skip the pure-torch paged reference."),
+    no_int4: bool = typer.Option(False, "--no-int4", help="Skip the 4-bit KV kernel."),
+) -> None:
+    """Decode attention on CUDA: Triton kernels (sync, async, int4) vs SDPA (enable_gqa) on a
+    contiguous cache vs the paged reference, with the HBM copy bandwidth, in one run. The same
+    benchmark runs without typer as ``python -m localgen.bench.kernels_bench --out X.json``."""
+    from localgen.bench import kernels_bench
+
+    argv = ["--out", str(out), "--batches", batches, "--contexts", contexts,
+            "--repeat", str(repeat), "--phi", str(phi)]
+    argv += ["--no-ref"] if no_ref else []
+    argv += ["--no-int4"] if no_int4 else []
+    kernels_bench.main(argv)

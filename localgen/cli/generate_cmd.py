@@ -11,6 +11,7 @@ from typing import Any, List, Optional
 
 import typer
 
+from localgen.cli import batch_cmd
 from localgen.cli.units import parse_size
 
 
@@ -20,11 +21,13 @@ def load_llm(
     kv_cache_memory: int | None = None,
     dtype: str | None = None,
     device: str | None = None,
+    **offload: Any,
 ) -> Any:
-    """Load the engine (tests replace this function with a fake)."""
+    """Load the engine (tests replace this function with a fake); ``offload`` as in batch_cmd."""
     from localgen.api import LLM
 
-    return LLM.load(model, kv_cache_memory=kv_cache_memory, max_num_seqs=1, dtype=dtype, device=device)
+    n = offload["policy"].bls if offload.get("policy") is not None else 1
+    return LLM.load(model, kv_cache_memory=kv_cache_memory, max_num_seqs=n, dtype=dtype, device=device, **offload)
 
 
 def generate(
@@ -43,6 +46,15 @@ def generate(
     kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help="KV cache size, e.g. 512MiB, 2GiB."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype, e.g. float32, bfloat16."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: best available)."),
+    percent: Optional[tuple[float, float, float, float, float, float]] = batch_cmd.PercentOpt,
+    gpu_batch_size: Optional[int] = batch_cmd.GbsOpt,
+    num_gpu_batches: Optional[int] = batch_cmd.NgbOpt,
+    compress_weight: Optional[bool] = batch_cmd.CwOpt,
+    compress_cache: Optional[bool] = batch_cmd.CcOpt,
+    cpu_cache_compute: Optional[bool] = batch_cmd.CpuAttnOpt,
+    offload_dir: Optional[str] = batch_cmd.OffloadDirOpt,
+    gpu_memory: Optional[str] = batch_cmd.GpuMemOpt,
+    cpu_memory: Optional[str] = batch_cmd.CpuMemOpt,
 ) -> None:
     """Generate an answer to PROMPT (or stdin), streaming it to stdout.
 
@@ -90,7 +102,10 @@ def generate(
         req = Request(messages=messages, sampling=sampling, priority=Priority.INTERACTIVE)
     req.request_id = f"generate-{req.request_id}"
 
-    llm = load_llm(model, kv_cache_memory=kv_bytes, dtype=dtype, device=device)
+    offload = batch_cmd.offload_options(model, percent, gpu_batch_size, num_gpu_batches, compress_weight,
+                                        compress_cache, cpu_cache_compute, offload_dir, gpu_memory,
+                                        cpu_memory, 512, max_tokens or 256, lambda m: typer.echo(m, err=True))
+    llm = load_llm(model, kv_cache_memory=kv_bytes, dtype=dtype, device=device, **offload)
     t0 = time.perf_counter()
     try:
         llm.add_request(req)

@@ -25,3 +25,4 @@ app.command("profile")(profile_cmd.profile)
 from localgen.cli import tune_cmd  # noqa: E402
 app.command("tune")(tune_cmd.tune)
 from localgen.cli import bench_cmd; app.add_typer(bench_cmd.app, name="bench")  # noqa: E402,E702
+from localgen.cli import chat_cmd; app.command("chat")(chat_cmd.chat)  # noqa: E402,E702

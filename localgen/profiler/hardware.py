@@ -55,6 +55,10 @@ class HardwareProfile:
     gpu_mem_bdw: float | None = None  # device-memory copy bandwidth (roofline of decode matmuls)
     cpu_mem_bdw: float | None = None  # DRAM copy bandwidth (roofline on a CPU-only machine)
     cpu_cores: int | None = None
+    # FlexGen's fitted small-batch correction of CPU attention FLOP/s, (c1, c2, c3): the rate is
+    # cpu_flops * max(0.1, 1 + c1*a*b - c2*a - c3*b), a = max(0, log2(64/gbs)), b = max(0, log2(4096/h1))
+    # (FlexGen experimental/cost_model.py, solve_lp "non-linear cpu_flops"). None: no correction.
+    cpu_flops_fit: list[float] | None = None
     offload_dir: str | None = None
     source: dict[str, str] = field(default_factory=dict)
 

@@ -37,18 +37,26 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, model: CausalLM, tokenizer, config: EngineConfig | None = None,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), runner_factory=None):
+        """``runner_factory(model, config, max_useful_tokens)``, when given, builds the model
+        runner and its KV cache (``runner.kv``: num_blocks, block_size, nbytes) instead of the
+        plain ModelRunner over a PagedKVCache (the offloading runtime, runtime/offload)."""
         self.model, self.tokenizer = model, tokenizer
         self.config = config = config or EngineConfig()
         mcfg = model.cfg
         self.max_model_len = min(mcfg.max_position_embeddings, config.max_model_len or 1 << 62)
-        num_blocks = plan_num_blocks(mcfg, config.block_size, model.dtype, model.device,
-                                     config.kv_cache_memory, config.max_num_seqs * self.max_model_len)
-        self.kv_cache = PagedKVCache(mcfg, num_blocks, config.block_size, model.dtype, model.device)
+        if runner_factory is not None:
+            self.runner = runner_factory(model, config, config.max_num_seqs * self.max_model_len)
+            self.kv_cache = self.runner.kv
+            num_blocks = self.kv_cache.num_blocks
+        else:
+            num_blocks = plan_num_blocks(mcfg, config.block_size, model.dtype, model.device,
+                                         config.kv_cache_memory, config.max_num_seqs * self.max_model_len)
+            self.kv_cache = PagedKVCache(mcfg, num_blocks, config.block_size, model.dtype, model.device)
+            self.runner = ModelRunner(model, self.kv_cache)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    max(config.max_num_batched_tokens, config.block_size))
-        self.runner = ModelRunner(model, self.kv_cache)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}

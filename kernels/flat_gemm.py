@@ -1,0 +1,102 @@
+"""Flat GEMM for decode (FlashDecoding++ §4): ``y = x @ W.T`` for small ``M`` (a decode batch)
+with the weight in the int4 group format of ``quant_ref.QuantizedWeight`` (FlexGen §5: grouped
+along the output channels N, packed two codes a byte along N), dequantized in registers.
+
+Decode GEMMs are flat: ``M`` is a few tokens while ``N``/``K`` are thousands, so the work is bound
+by reading W. The M tile is padded only to the smallest tensor-core tile (16, as ``tl.dot``
+needs), the grid runs over N (and optionally splits K so small N still fills the GPU), and each
+weight byte is read once per M tile: 4-bit weights read 1/4 of the fp16 bytes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .paged_decode import _dot, _dot_dtype, _pow2
+from .quant_ref import QuantizedWeight
+
+
+@triton.jit
+def _flat_gemm_int4(x_ptr, wp_ptr, ws_ptr, wz_ptr, y_ptr, M, N, K,
+                    stride_xm, stride_xk, stride_pn, stride_pk, stride_sn, stride_sk,
+                    stride_ym, stride_yn, k_per_split,
+                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                    IEEE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    offs_m64 = offs_m.to(tl.int64)
+    offs_n64 = offs_n.to(tl.int64)
+    p_rows = (offs_n64 // 2) * stride_pn  # byte row of each output channel
+    s_rows = (offs_n64 // GROUP) * stride_sn
+    shift = ((offs_n % 2) * 4)[:, None]
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_hi
+        offs_k64 = offs_k.to(tl.int64)
+        x = tl.load(x_ptr + offs_m64[:, None] * stride_xm + offs_k64[None, :] * stride_xk,
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        nk_mask = n_mask[:, None] & k_mask[None, :]
+        byte = tl.load(wp_ptr + p_rows[:, None] + offs_k64[None, :] * stride_pk,
+                       mask=nk_mask, other=0).to(tl.int32)
+        code = (byte >> shift) & 15
+        sc = tl.load(ws_ptr + s_rows[:, None] + offs_k64[None, :] * stride_sk,
+                     mask=nk_mask, other=0.0).to(tl.float32)
+        mn = tl.load(wz_ptr + s_rows[:, None] + offs_k64[None, :] * stride_sk,
+                     mask=nk_mask, other=0.0).to(tl.float32)
+        w = code.to(tl.float32) * sc + mn  # [BLOCK_N, BLOCK_K]
+        acc += _dot(x, tl.trans(w), DOT_DTYPE, IEEE)
+    y_ptrs = y_ptr + offs_m64[:, None] * stride_ym + offs_n64[None, :] * stride_yn
+    y_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        tl.atomic_add(y_ptrs, acc, mask=y_mask)
+
+
+def flat_gemm_int4(x: torch.Tensor, w: QuantizedWeight, *, block_m: int = 16, block_n: int = 64,
+                   block_k: int = 64, split_k: int = 1, num_warps: int = 4,
+                   num_stages: int = 3) -> torch.Tensor:
+    """``x @ W.T`` for ``x`` ``[M, K]`` (bf16/fp16/fp32) and ``W`` ``[N, K]`` int4 (grouped along
+    N). Returns ``[M, N]`` in x's dtype. ``split_k > 1`` accumulates K slices with float32 atomics
+    (for small N). ``block_m`` 16 is the flat configuration; 64+ the tiled one."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K], got {tuple(x.shape)}")
+    M, K = x.shape
+    N, Kw = w.shape
+    if K != Kw:
+        raise ValueError(f"K mismatch: x has {K}, W has {Kw}")
+    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    block_m = max(16, min(block_m, _pow2(M)))
+    split_k = max(1, int(split_k))
+    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    split_k = triton.cdiv(K, k_per_split)
+    if split_k == 1:
+        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    else:
+        y = torch.zeros(M, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m), split_k)
+    _flat_gemm_int4[grid](
+        x, w.packed, w.scale, w.min, y, M, N, K,
+        x.stride(0), x.stride(1), w.packed.stride(0), w.packed.stride(1),
+        w.scale.stride(0), w.scale.stride(1), y.stride(0), y.stride(1), k_per_split,
+        GROUP=w.group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        DOT_DTYPE=_dot_dtype(x.dtype),
+        IEEE=x.dtype == torch.float32 or (interp and x.dtype == torch.bfloat16),
+        num_warps=num_warps, num_stages=num_stages)
+    return y if split_k == 1 else y.to(x.dtype)
+
+
+__all__ = ["flat_gemm_int4"]

@@ -1,0 +1,125 @@
+"""Triton causal prefill attention over the paged KV cache for packed variable-length sequences,
+the twin of ``paged_attention_ref.paged_prefill_attention``.
+
+Sequence ``i`` contributes its last ``query_lens[i]`` tokens (of ``context_lens[i]``) as packed
+queries ``q[cu[i]:cu[i+1]]``; the tokens before them (a reused prefix) and the new ones are all in
+the cache already (written by ``write_kv``). Query ``t`` sits at absolute position
+``context_len - query_len + t`` and sees keys ``0..position`` (causal). FlashAttention-style online
+softmax in float32; one program per (sequence, query head, ``BLOCK_M`` queries); K/V read through
+the block table with int64 offsets.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .paged_decode import LOG2E, _dot, _dot_dtype, _pow2, _token_rows
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, cl_ptr, out_ptr,
+                    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb,
+                    stride_ot, stride_oh, qk_scale,
+                    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    mblk = tl.program_id(2)
+    q_start = tl.load(cu_ptr + seq).to(tl.int32)
+    q_len = tl.load(cu_ptr + seq + 1).to(tl.int32) - q_start
+    ctx = tl.load(cl_ptr + seq).to(tl.int32)
+    first = ctx - q_len  # absolute position of the first query
+
+    rows = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < q_len
+    pos = first + rows
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    qd_mask = row_mask[:, None] & d_mask[None, :]
+    tok_idx = (q_start + rows).to(tl.int64)
+    q = tl.load(q_ptr + tok_idx[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=qd_mask, other=0.0)
+
+    # keys needed by this block: 0 .. last query's position (none if the block is past q_len)
+    hi = tl.minimum(ctx, first + (mblk + 1) * BLOCK_M)
+    hi = tl.where(mblk * BLOCK_M < q_len, hi, 0)
+    kvh = (head // GQA).to(tl.int64)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
+    kp = k_ptr + kvh * stride_kh
+    vp = v_ptr + kvh * stride_kh
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(0, hi, BLOCK_N):
+        tok = start + tl.arange(0, BLOCK_N)
+        tok_mask = tok < hi
+        trow = _token_rows(bt_row, tok, tok_mask, BS, stride_kb, stride_kt)
+        kv_mask = tok_mask[:, None] & d_mask[None, :]
+        k = tl.load(kp + trow[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), DOT_DTYPE, IEEE) * qk_scale  # [BLOCK_M, BLOCK_N]
+        visible = (tok[None, :] <= pos[:, None]) & tok_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(vp + trow[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p, v, DOT_DTYPE, IEEE)
+        m = m_new
+    l = tl.where(l == 0.0, 1.0, l)
+    o = acc / l[:, None]
+    tl.store(out_ptr + tok_idx[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=qd_mask)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, context_lens, query_lens, scale: float,
+                            *, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
+                            num_stages: int = 2, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q ``[sum(query_lens), num_heads, head_dim]``; caches ``[num_blocks, block_size,
+    num_kv_heads, head_dim]``; ``context_lens``/``query_lens`` lists of ints (or 1-D tensors).
+    Returns ``[sum(query_lens), num_heads, head_dim]`` in q's dtype."""
+    total, num_heads, head_dim = q.shape
+    _, bs, kv_heads, _ = k_cache.shape
+    if num_heads % kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {kv_heads}")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("K and V caches need the same strides and a contiguous last dim")
+    ql = [int(x) for x in query_lens]
+    cl = [int(x) for x in context_lens]
+    if sum(ql) != total:
+        raise ValueError(f"sum(query_lens)={sum(ql)} != q.shape[0]={total}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    if not ql or total == 0:
+        return out
+    cu = [0]
+    for n in ql:
+        cu.append(cu[-1] + n)
+    cu_t = torch.tensor(cu, dtype=torch.int32).to(q.device, non_blocking=True)
+    cl_t = torch.tensor(cl, dtype=torch.int32).to(q.device, non_blocking=True)
+    bt = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    block_m = min(block_m, _pow2(max(ql)))
+    grid = (len(ql), num_heads, triton.cdiv(max(ql), block_m))
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, bt, cu_t, cl_t, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        bt.stride(0), out.stride(0), out.stride(1), float(scale) * LOG2E,
+        GQA=num_heads // kv_heads, HEAD_DIM=head_dim, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=_pow2(head_dim), DOT_DTYPE=_dot_dtype(q.dtype),
+        IEEE=q.dtype == torch.float32 or (interp and q.dtype == torch.bfloat16),
+        num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+__all__ = ["paged_prefill_attention"]

@@ -1,0 +1,328 @@
+"""`localgen bench offload`: run a model under a Policy and print measured vs predicted prefill and
+decode time, with FlexGen's ctog / gtoc / dtoc / ctod / compute breakdown (§4.3), optionally beside
+Hugging Face accelerate offloading (``device_map`` with the same ``max_memory``) in the same run.
+
+Runnable without the CLI's dependencies (typer, rich, psutil, gguf) as
+``python -m localgen.bench.offload_bench --preset llama-2-7b --dummy --gpu-memory 6GiB ...``:
+dummy weights of a preset's real shapes (a shared random fp16 buffer, sliced per tensor), random
+prompt ids, greedy decoding with EOS ignored. Throughput is FlexGen's: generated tokens / (prefill +
+decode wall time). The measured breakdown comes from a second, short timed run in which every
+transfer and compute section is synchronized and timed alone (no overlap); it is reported per
+layer per step like the cost model's terms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+import types
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+if "psutil" not in sys.modules:  # the GPU machines lack psutil; the engine only needs RAM size
+    try:
+        import psutil  # noqa: F401
+    except ImportError:
+        import os
+
+        _mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        sys.modules["psutil"] = types.SimpleNamespace(virtual_memory=lambda: types.SimpleNamespace(
+            total=_mem, available=_mem // 2))
+
+GiB = 1 << 30
+
+
+def parse_size(s: str | int | None) -> int | None:
+    if s is None or isinstance(s, int):
+        return s
+    units = {"gib": GiB, "gb": 10**9, "mib": 1 << 20, "mb": 10**6, "kib": 1024, "b": 1}
+    t = s.strip().lower()
+    for u, m in units.items():
+        if t.endswith(u):
+            return int(float(t[: -len(u)]) * m)
+    return int(float(t))
+
+
+class DummyStore:
+    """Weights of ``cfg``'s shapes, all slices of one shared random buffer (values ~N(0, 0.02))."""
+
+    def __init__(self, cfg, family, dtype=torch.float16, seed: int = 0):
+        self.dtype = dtype
+        self.shapes = {}
+        gn = family.global_weight_names(cfg)
+        H, V = cfg.hidden_size, cfg.vocab_size
+        for short, name in gn.items():
+            if short in ("embed", "lm_head"):
+                self.shapes[name] = (V, H)
+            elif short == "pos_embed":
+                self.shapes[name] = (cfg.max_position_embeddings + 2, H)
+            elif short in ("norm", "final_norm", "final_norm_bias"):
+                self.shapes[name] = (H,)
+        I, q, kv = cfg.intermediate_size, cfg.q_size, cfg.kv_size
+        mats = {"q": (q, H), "k": (kv, H), "v": (kv, H), "o": (H, q), "gate": (I, H), "up": (I, H),
+                "down": (H, I), "fc1": (I, H), "fc2": (H, I)}
+        vecs = {"q_bias": q, "k_bias": kv, "v_bias": kv, "o_bias": H, "fc1_bias": I, "fc2_bias": H}
+        opt = cfg.family == "opt"
+        for i in range(cfg.num_layers):
+            for short, name in family.layer_weight_names(cfg, i).items():
+                if short in mats:
+                    self.shapes[name] = mats[short]
+                elif short in vecs and opt:
+                    self.shapes[name] = (vecs[short],)
+                elif "norm" in short and (opt or not short.endswith("bias")):
+                    self.shapes[name] = (H,)
+        n = max(a * (b if len(s) > 1 else 1) for s in self.shapes.values() for a, b in [(s[0], s[-1])])
+        g = torch.Generator().manual_seed(seed)
+        self.buf = (torch.randn(n, generator=g) * 0.02).to(dtype)
+
+    def names(self):
+        return list(self.shapes)
+
+    def shape(self, name):
+        return self.shapes[name]
+
+    def get(self, name):
+        s = self.shapes[name]
+        if "norm" in name and name.endswith("weight"):
+            return torch.ones(s, dtype=self.dtype)
+        n = 1
+        for d in s:
+            n *= d
+        return self.buf[:n].view(s)
+
+
+@dataclass
+class RunResult:
+    name: str
+    batch: int
+    prefill_s: float
+    decode_s: float
+    tokens_per_s: float
+    decode_tokens_per_s: float
+    policy: str = ""
+    memory_gib: dict = field(default_factory=dict)
+    measured_terms: dict = field(default_factory=dict)  # phase -> term -> seconds per layer (per step)
+    predicted: dict = field(default_factory=dict)
+    error: str = ""
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _generate(llm, batch: int, prompt_len: int, gen_len: int, seed: int = 0):
+    from localgen.runtime.request import Request, SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    sp = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
+    for _ in range(batch):
+        ids = torch.randint(10, llm.config.vocab_size - 10, (prompt_len,), generator=g).tolist()
+        llm.add_request(Request(prompt_token_ids=ids, sampling=sp))
+    m = llm.metrics
+    p0, d0 = m.prefill_seconds, m.decode_seconds
+    while llm.has_unfinished():
+        llm.step()
+    _sync()
+    return m.prefill_seconds - p0, m.decode_seconds - d0
+
+
+def run_localgen(cfg, store, policy, batch: int, prompt_len: int, gen_len: int, *, device="cuda",
+                 dtype=torch.float16, gpu_memory=None, offload_dir=None, timed_steps: int = 3,
+                 hw=None, block_size: int = 16) -> RunResult:
+    """Generate ``gen_len`` tokens for ``batch`` random prompts under ``policy``; then a short timed
+    run (``timed_steps`` tokens) for the per-term breakdown; plus the cost model's prediction."""
+    from localgen.api import LLM
+    from localgen.runtime.engine import EngineConfig
+
+    tokens = batch * (prompt_len + gen_len)
+    per_tok = cfg.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
+    if policy.compress_cache:
+        per_tok = int(per_tok * 0.3)
+    ecfg = EngineConfig(block_size=block_size, max_num_seqs=max(batch, policy.bls),
+                        max_num_batched_tokens=max(8192, batch * prompt_len),
+                        kv_cache_memory=int(per_tok * (tokens + batch * block_size) * 1.05),
+                        enable_prefix_caching=False)
+    llm = LLM.from_parts(cfg, store, None, ecfg, device=device, dtype=dtype, name="bench",
+                         policy=policy, offload_dir=offload_dir, gpu_memory=gpu_memory)
+    _generate(llm, min(batch, policy.bls), 8, 2, seed=1)  # warm up (allocator, kernels)
+    pre, dec = _generate(llm, batch, prompt_len, gen_len)
+    res = RunResult("localgen", batch, pre, dec, batch * gen_len / (pre + dec),
+                    batch * (gen_len - 1) / dec if dec else 0.0, policy.describe())
+    res.memory_gib = {k: round(v / GiB, 3) for k, v in llm.memory_by_tier().items()}
+    if torch.cuda.is_available() and str(device).startswith("cuda"):
+        res.memory_gib["cuda_max_allocated"] = round(torch.cuda.max_memory_allocated() / GiB, 3)
+    timers = llm.engine.model.timers
+    if timed_steps:
+        timers.reset()
+        timers.enabled = True
+        _generate(llm, batch, prompt_len, timed_steps + 1, seed=2)
+        timers.enabled = False
+        L = cfg.num_layers
+        res.measured_terms = {
+            "prefill": {k: v / L for k, v in timers.terms("prefill").items()},
+            "decode": {k: v / L / timed_steps for k, v in timers.terms("decode").items()},
+        }
+    if hw is not None:
+        from localgen.policy.cost_model import CostModel, Workload
+
+        pred = CostModel(cfg, hw, Workload(prompt_len, gen_len)).predict(policy)
+        res.predicted = {"prefill_s": pred.prefill_time, "decode_s": pred.decode_time,
+                         "tokens_per_s": pred.throughput, "prefill_terms": pred.prefill_terms,
+                         "decode_terms": pred.decode_terms,
+                         "peak_gib": {k: round(v / GiB, 3) for k, v in pred.peak_mem.items()},
+                         "profile": hw.name}
+    llm.engine.model.layers.close()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    return res
+
+
+def run_accelerate(hf_config: dict, batch: int, prompt_len: int, gen_len: int, gpu_memory: int,
+                   cpu_memory: int = 200 * GiB, dtype=torch.float16) -> RunResult:
+    """Hugging Face accelerate offloading: ``device_map`` from ``max_memory={0: gpu_memory, "cpu": ...}``
+    (layers that do not fit stay on the CPU and move to the GPU on each forward), dummy weights."""
+    from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**{k: v for k, v in hf_config.items() if k != "architectures"})
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
+    model.to_empty(device="cpu")
+    g = torch.Generator().manual_seed(0)
+    big = (torch.randn(max(p.numel() for p in model.parameters()), generator=g) * 0.02).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if "norm" in name else big[:p.numel()].view(p.shape))
+    model.tie_weights()
+    model.eval()
+    # the rotary inv_freq buffer was on meta; recompute it
+    for mod in model.modules():
+        if hasattr(mod, "inv_freq") and hasattr(mod, "rope_init_fn"):
+            inv, _ = mod.rope_init_fn(mod.config, torch.device("cpu"))
+            mod.inv_freq = inv
+            if hasattr(mod, "original_inv_freq"):
+                mod.original_inv_freq = inv
+    dmap = infer_auto_device_map(model, max_memory={0: gpu_memory, "cpu": cpu_memory},
+                                 no_split_module_classes=model._no_split_modules, dtype=dtype)
+    model = dispatch_model(model, device_map=dmap)
+    ids = torch.randint(10, cfg.vocab_size - 10, (batch, prompt_len), generator=g).to("cuda")
+    with torch.no_grad():
+        model.generate(ids[:, :8], max_new_tokens=2, do_sample=False)  # warm up
+        _sync()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        _sync()
+        pre = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False)
+        _sync()
+        total = time.perf_counter() - t0
+    assert out.shape[1] == prompt_len + gen_len
+    on_gpu = sum(1 for v in dmap.values() if v == 0)
+    res = RunResult("accelerate", batch, pre, total - pre, batch * gen_len / total,
+                    batch * (gen_len - 1) / max(total - pre, 1e-9),
+                    f"device_map: {on_gpu}/{len(dmap)} modules on GPU, max_memory GPU {gpu_memory / GiB:.1f} GiB")
+    res.memory_gib = {"cuda_max_allocated": round(torch.cuda.max_memory_allocated() / GiB, 3)}
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return res
+
+
+def policy_from_args(s: str):
+    """``"gbs,ngb,wg,wc,cg,cc,hg,hc[,w4][,kv4][,cpuattn]"`` (fractions in percent)."""
+    from localgen.policy.policy import Policy
+
+    parts = s.split(",")
+    nums = [float(x) for x in parts[:8]]
+    flags = set(parts[8:])
+    gbs, ngb = int(nums[0]), int(nums[1])
+    wg, wc, cg, cc, hg, hc = (x / 100 for x in nums[2:8])
+    return Policy(gbs=gbs, num_gpu_batches=ngb, wg=wg, wc=wc, wd=max(0.0, 1 - wg - wc), cg=cg, cc=cc,
+                  cd=max(0.0, 1 - cg - cc), hg=hg, hc=hc, hd=max(0.0, 1 - hg - hc),
+                  compress_weight="w4" in flags, compress_cache="kv4" in flags,
+                  cpu_cache_compute="cpuattn" in flags).validate()
+
+
+def print_result(r: RunResult, out=print) -> None:
+    out(f"{r.name:10s} batch {r.batch:4d}: {r.tokens_per_s:9.2f} tokens/s (decode {r.decode_tokens_per_s:.2f}); "
+        f"prefill {r.prefill_s:.2f} s, decode {r.decode_s:.2f} s  [{r.policy}]" + (f" ERROR {r.error}" if r.error else ""))
+    if r.predicted:
+        p = r.predicted
+        out(f"{'':10s} predicted ({p['profile']}): {p['tokens_per_s']:.2f} tokens/s; prefill {p['prefill_s']:.2f} s, "
+            f"decode {p['decode_s']:.2f} s; peak GiB {p['peak_gib']}")
+    if r.measured_terms:
+        for ph in ("prefill", "decode"):
+            m = r.measured_terms[ph]
+            pt = r.predicted.get(f"{ph}_terms", {}) if r.predicted else {}
+            cells = "  ".join(f"{t} {m[t] * 1e3:.2f}" + (f"/{pt.get('comp' if t == 'compute' else t, 0) * 1e3:.2f}" if pt else "")
+                              for t in ("ctog", "gtoc", "dtoc", "ctod", "compute"))
+            out(f"{'':10s} {ph} ms/layer measured{'/predicted' if pt else ''}: {cells}")
+    if r.memory_gib:
+        out(f"{'':10s} memory GiB: {r.memory_gib}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="llama-2-7b", help="shape preset (localgen.policy.presets)")
+    ap.add_argument("--policy", action="append", required=True,
+                    help="gbs,ngb,wg,wc,cg,cc,hg,hc[,w4][,kv4][,cpuattn]; repeat for several")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--gpu-memory", default="6GiB")
+    ap.add_argument("--peer-batches", default="1,8", help="batch sizes for accelerate ('' = none)")
+    ap.add_argument("--profile", default=None, help="HardwareProfile name/path for predictions")
+    ap.add_argument("--offload-dir", default="/tmp/localgen_offload")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--timed-steps", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+
+    from localgen.models.model import family_of
+    from localgen.policy.presets import HF_CONFIGS, preset_config
+
+    cfg = preset_config(a.preset)
+    hw = None
+    if a.profile:
+        from localgen.profiler.hardware import load_profile
+        hw = load_profile(a.profile)
+    gpu_mem = parse_size(a.gpu_memory)
+    if torch.cuda.is_available():
+        print(f"device: {torch.cuda.get_device_name()}, cap {gpu_mem / GiB:.1f} GiB", flush=True)
+    store = DummyStore(cfg, family_of(cfg))
+    results = []
+    for spec in a.policy:
+        pol = policy_from_args(spec)
+        try:
+            r = run_localgen(cfg, store, pol, pol.bls, a.prompt_len, a.gen_len, device=a.device,
+                             gpu_memory=gpu_mem, offload_dir=a.offload_dir, timed_steps=a.timed_steps, hw=hw)
+        except Exception as e:  # report and go on: the peer still runs
+            r = RunResult("localgen", pol.bls, 0, 0, 0, 0, pol.describe(), error=repr(e)[:300])
+        print_result(r)
+        sys.stdout.flush()
+        results.append(r)
+    for b in [int(x) for x in a.peer_batches.split(",") if x]:
+        try:
+            r = run_accelerate(HF_CONFIGS[a.preset], b, a.prompt_len, a.gen_len, gpu_mem)
+        except Exception as e:
+            r = RunResult("accelerate", b, 0, 0, 0, 0, error=repr(e)[:300])
+        print_result(r)
+        sys.stdout.flush()
+        results.append(r)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

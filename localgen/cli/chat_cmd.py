@@ -1,0 +1,82 @@
+"""`localgen chat`: the interactive Textual chat app (conversation, memory and throughput panels).
+
+Heavy imports (torch, textual, the engine) happen inside the function so `localgen --help` stays
+fast. The model loads on the engine thread while the app is already on screen; a model that
+cannot load is explained in the conversation view.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from localgen.cli.units import parse_size
+
+
+def chat(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model: local HF dir, hub id or GGUF path (default: the embedded SmolLM2-135M-Instruct)."),
+    system: Optional[str] = typer.Option(None, "--system", "-s", help="System prompt for the conversation (F2 edits it in the app)."),
+    kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help="KV cache size, e.g. 512MiB, 2GiB."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="Sampling temperature (default 0.7; 0 = greedy; F3 edits)."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help="Most tokens per answer (default 512)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for reproducible sampling."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype, e.g. float32, bfloat16."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: best available)."),
+    profile: Optional[str] = typer.Option(None, "--profile", help="Hardware profile whose memory bandwidth the throughput panel shows as the limit (default: the saved one, if any)."),
+) -> None:
+    """Chat with a model in the terminal: streamed Markdown answers, live memory and throughput.
+
+    Keys: Enter send · Esc stop the answer · Ctrl+N new chat · F2 system prompt · F3 sampling ·
+    F4 save transcript (.md + .json) · F5 batch jobs · Ctrl+Q quit.
+    """
+    kv_bytes = None
+    if kv_cache_memory is not None:
+        try:
+            kv_bytes = parse_size(kv_cache_memory)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--kv-cache-memory") from None
+
+    from dataclasses import replace
+
+    from localgen.conversation import Conversation
+    from localgen.runtime.request import SamplingParams
+
+    conv = Conversation(system=system or "")
+    given = {"temperature": temperature, "max_tokens": max_tokens, "seed": seed}
+    try:
+        conv.sampling = replace(conv.sampling, **{k: v for k, v in given.items() if v is not None}).validate()
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    assert isinstance(conv.sampling, SamplingParams)
+
+    service = make_service(model, kv_cache_memory=kv_bytes, dtype=dtype, device=device, profile=profile)
+    from localgen.tui.chat import ChatApp
+
+    label = model or "SmolLM2-135M-Instruct (embedded)"
+    ChatApp(service, conv, model_label=label).run()
+    if service.state == "failed" and service.error is not None:
+        typer.echo(f"error: could not load the model: {service.error}", err=True)
+        raise typer.Exit(1)
+
+
+def make_service(model: str | None, *, kv_cache_memory: int | None = None, dtype: str | None = None,
+                 device: str | None = None, profile: str | None = None):
+    """An unstarted EngineService whose thread loads ``model`` (tests replace this)."""
+    from localgen.service import EngineService
+
+    hw = None
+    try:
+        from localgen.profiler import load_profile
+
+        hw = load_profile(profile)
+    except Exception:  # noqa: BLE001 - no saved profile: the panel says so
+        if profile is not None:
+            raise typer.BadParameter(f"no hardware profile {profile!r}", param_hint="--profile") from None
+
+    def load():
+        from localgen.api import LLM
+
+        return LLM.load(model, kv_cache_memory=kv_cache_memory, dtype=dtype, device=device)
+
+    return EngineService(load, hardware=hw)

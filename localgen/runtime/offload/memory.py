@@ -1,0 +1,106 @@
+"""Host buffers (pinned when a GPU is the compute device, pageable otherwise or when pinning fails),
+flat byte buffers that hold several tensors, and the layer -> tier assignment.
+
+Pinning can fail or be capped (WSL, small ``ulimit -l``, containers): ``host_empty`` then warns
+once and returns pageable memory, so a policy still runs (copies become synchronous and slower).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+TIERS = ("gpu", "cpu", "disk")
+ALIGN = 64  # byte alignment of every tensor inside a flat buffer
+
+_pin_failed = False
+
+
+def host_empty(nbytes: int, pin: bool) -> torch.Tensor:
+    """``nbytes`` of uint8 host memory; pinned if ``pin`` and the OS allows it, else pageable
+    (with one warning per process)."""
+    global _pin_failed
+    if pin and not _pin_failed:
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except (RuntimeError, MemoryError) as e:  # cudaHostAlloc refused (locked-memory limit, WSL)
+            _pin_failed = True
+            warnings.warn(f"pinning {nbytes} bytes of host memory failed ({e}); falling back to "
+                          "pageable buffers: CPU<->GPU copies will be synchronous and slower",
+                          RuntimeWarning, stacklevel=2)
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def pinning_failed() -> bool:
+    return _pin_failed
+
+
+def _reset_pin_state() -> None:  # tests
+    global _pin_failed
+    _pin_failed = False
+
+
+def aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor inside a flat byte buffer."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.tensor([], dtype=self.dtype).element_size()
+
+
+class Layout:
+    """Where each named tensor sits in one flat uint8 buffer (64-byte aligned)."""
+
+    def __init__(self, items: list[tuple[str, torch.dtype, tuple[int, ...]]]):
+        self.entries: list[Entry] = []
+        off = 0
+        for key, dtype, shape in items:
+            e = Entry(key, dtype, tuple(shape), off)
+            self.entries.append(e)
+            off = aligned(off + e.nbytes)
+        self.nbytes = max(off, ALIGN)
+
+    @classmethod
+    def of(cls, tensors: dict[str, torch.Tensor]) -> "Layout":
+        return cls([(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()])
+
+    def fill(self, buf: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy ``tensors`` into ``buf`` (uint8, >= nbytes) at their offsets."""
+        for e in self.entries:
+            self.view(buf, e).copy_(tensors[e.key])
+
+    @staticmethod
+    def view(buf: torch.Tensor, e: Entry) -> torch.Tensor:
+        return buf[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+
+    def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {e.key: self.view(buf, e) for e in self.entries}
+
+
+def assign_tiers(sizes: list[int], fractions: tuple[float, float, float]) -> list[str]:
+    """Tier of each item (layer) so that about ``fractions`` (gpu, cpu, disk) of the total bytes
+    land on each tier, in item order: an item goes where the midpoint of its byte range falls
+    (FlexGen's ``get_choice`` on cumulative sizes). Items are whole: layer granularity."""
+    total = float(sum(sizes)) or 1.0
+    g, c, _ = fractions
+    out, cum = [], 0.0
+    for s in sizes:
+        mid = (cum + s / 2) / total
+        cum += s
+        out.append("gpu" if mid < g else "cpu" if mid < g + c else "disk")
+    return out

@@ -1,0 +1,214 @@
+"""The offloading executor: a model whose layers stream from their tiers, and a runner that
+follows a ``Policy`` with FlexGen's zig-zag block schedule (§4.2, Fig. 4).
+
+A scheduled step's sequences are cut into blocks of ``bls = gbs * num_gpu_batches`` sequences and
+each block into ``num_gpu_batches`` GPU batches of ``gbs``. For each layer ``j`` the runner starts
+loading layer ``j+1``'s weights (``LayerWeights.prefetch``; async on CUDA), takes layer ``j``
+(``get``), and runs it for every GPU batch of the block before moving on, so each load is shared by
+the whole block. Hidden states of a GPU batch live between layers on the activation tiers
+(``hg``/``hc``: rows split between the compute device and host memory); the KV cache is placed
+by ``cg/cc/cd`` (``kv.TieredKVCache``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import torch
+
+from localgen.kv.attention import LayerKV
+from localgen.kv.cache import free_memory_bytes
+from localgen.models.config import ModelConfig
+from localgen.models.model import family_of, read_weights
+from localgen.models.rope import inv_frequencies, rope_cos_sin
+from localgen.policy.policy import Policy
+from localgen.quant.int4 import Int4Tensor
+from localgen.runtime.executor import ModelRunner
+from localgen.runtime.offload.kv import TieredKVCache, kv_layer_bytes
+from localgen.runtime.offload.memory import assign_tiers
+from localgen.runtime.offload.timers import Timers
+from localgen.runtime.offload.weights import LayerWeights, compress_layer
+from localgen.runtime.sequence import Sequence
+
+
+class OffloadedLM:
+    """A decoder-only model whose layers live on the tiers ``policy`` gives (same surface as
+    ``CausalLM``: cfg, dtype, device, weight_bytes, logits, forward).
+
+    Embeddings, final norm and lm_head stay on the compute device; decoder layers are placed at
+    layer granularity by ``wg/wc/wd`` and, with ``compress_weight``, stored as 4-bit groups of 64
+    along the output channels (GGUF Q4_1 tensors imported bit-exactly in their own 32-groups along
+    the input channels when ``gguf_native``). Raises ValueError (disk tier without offload_dir).
+    """
+
+    def __init__(self, cfg: ModelConfig, store, dtype: torch.dtype, device: torch.device,
+                 policy: Policy, offload_dir: str | os.PathLike | None = None,
+                 gguf_native: bool = True):
+        policy.validate()
+        self.cfg, self.dtype, self.device, self.policy = cfg, dtype, torch.device(device), policy
+        self.family = family_of(cfg)
+        self.inv_freq = inv_frequencies(cfg) if cfg.family == "llama" else None
+        self.timers = Timers(self.device)
+        gopt = getattr(self.family, "GLOBAL_OPTIONAL", set())
+        self.global_w = read_weights(store, self.family.global_weight_names(cfg), gopt, dtype, self.device)
+        tiers = assign_tiers([1] * cfg.num_layers, (policy.wg, policy.wc, policy.wd))
+        native = gguf_native and policy.compress_weight and hasattr(store, "reader")
+
+        def layer_source(i: int):
+            names = self.family.layer_weight_names(cfg, i)
+            read_dtype = torch.float32 if policy.compress_weight else dtype
+            # quantize where it is fast: on the GPU when there is one
+            qdev = self.device if (policy.compress_weight and self.device.type == "cuda") else torch.device("cpu")
+            w = read_weights(store, names, self.family.OPTIONAL, read_dtype, qdev)
+            if not policy.compress_weight:
+                return w
+            pre = {}
+            if native:
+                from localgen.quant.gguf_import import gguf_int4
+                pre = {k: q for k in w if (q := gguf_int4(store, names[k])) is not None}
+            return compress_layer(w, pre)
+
+        self.layers = LayerWeights(None, tiers, dtype, self.device, offload_dir, self.timers,
+                                   layer_source=layer_source, num_layers=cfg.num_layers)
+
+    def weight_bytes(self) -> int:
+        g = sum(t.numel() * t.element_size() for t in self.global_w.values())
+        return g + sum(l.nbytes for l in self.layers.layouts)
+
+    def weight_bytes_by_tier(self) -> dict[str, int]:
+        out = {t: self.layers.bytes_on(t) for t in ("gpu", "cpu", "disk")}
+        out["gpu"] += sum(t.numel() * t.element_size() for t in self.global_w.values())
+        return out
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.family.logits(self.cfg, self.global_w, hidden)
+
+    @torch.inference_mode()
+    def forward(self, token_ids, positions, kv_caches, meta) -> torch.Tensor:
+        """One batch through all layers (streaming each layer once); ``CausalLM.forward``'s contract."""
+        h = self.family.embed(self.cfg, self.global_w, token_ids, positions).to(self.dtype)
+        rope = rope_cos_sin(self.inv_freq, positions, self.dtype) if self.inv_freq is not None else None
+        for j, kv in enumerate(kv_caches):
+            self.layers.prefetch(j + 1)
+            h = self.family.layer(self.cfg, self.layers.get(j), h, rope, kv, meta)
+            self.layers.release(j)
+        return h
+
+
+def plan_kv_blocks(cfg: ModelConfig, policy: Policy, block_size: int, dtype: torch.dtype,
+                   device: torch.device, kv_cache_memory: int | None, max_useful_tokens: int) -> int:
+    """Blocks of the (tiered) KV pool: ``kv_cache_memory`` stored bytes over all tiers and layers,
+    else a share of free compute-device memory, at most what ``max_useful_tokens`` need."""
+    per_block = kv_layer_bytes(cfg, 256, block_size, dtype, policy.compress_cache) / 256 * cfg.num_layers
+    budget = kv_cache_memory if kv_cache_memory is not None else free_memory_bytes(torch.device(device))
+    n = int(budget // per_block)
+    if kv_cache_memory is None:
+        n = min(n, -(-max_useful_tokens // block_size))
+    if n < 1:
+        raise ValueError(f"KV cache budget of {budget} bytes holds no block of {per_block:.0f} bytes; "
+                         "raise --kv-cache-memory")
+    return n
+
+
+class OffloadRunner(ModelRunner):
+    """``run(seqs, is_prefill) -> logits`` with the zig-zag block schedule over an OffloadedLM."""
+
+    def __init__(self, model: OffloadedLM, kv: TieredKVCache):
+        super().__init__(model, kv)
+        self.policy = model.policy
+        self.timers = model.timers
+        self.cuda = self.device.type == "cuda"
+
+    # -- activations (hg/hc) --------------------------------------------------------------
+    def _store_act(self, h: torch.Tensor):
+        if self.policy.hc <= 0 or not self.cuda:
+            return h
+        ng = int(round(self.policy.hg * h.shape[0]))
+        with self.timers.section("gtoc"):
+            return (h[:ng], h[ng:].to("cpu"))
+
+    def _load_act(self, a) -> torch.Tensor:
+        if isinstance(a, torch.Tensor):
+            return a
+        with self.timers.section("ctog"):
+            return torch.cat([a[0], a[1].to(self.device, non_blocking=True)])
+
+    # -- the block schedule ---------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
+        """float32 logits ``[len(seqs), vocab]`` for each sequence's last token."""
+        self.timers.phase = "prefill" if is_prefill else "decode"
+        out = []
+        bls, gbs = self.policy.bls, self.policy.gbs
+        for b0 in range(0, len(seqs), bls):
+            out.append(self._run_block(seqs[b0:b0 + bls], gbs, is_prefill))
+        return torch.cat(out)
+
+    def _run_block(self, block: list[Sequence], gbs: int, is_prefill: bool) -> torch.Tensor:
+        m, cfg, L = self.model, self.model.cfg, self.model.cfg.num_layers
+        batches = [block[i:i + gbs] for i in range(0, len(block), gbs)]
+        metas, hs, ropes = [], [], []
+        with self.timers.section("compute"):
+            for b in batches:
+                ids, pos, meta = self.prepare(b, is_prefill)
+                metas.append(meta)
+                ropes.append(rope_cos_sin(m.inv_freq, pos, m.dtype) if m.inv_freq is not None else None)
+                hs.append(self._store_act(m.family.embed(cfg, m.global_w, ids, pos).to(m.dtype)))
+        overlap = not self.timers.enabled  # timed runs measure each term alone
+        if overlap:
+            m.layers.prefetch(0)
+        for j in range(L):
+            if overlap:
+                m.layers.prefetch(j + 1)
+            w = m.layers.get(j)
+            kv = self.kv.views[j]
+            for k, meta in enumerate(metas):  # every GPU batch uses layer j before layer j+1
+                h = self._load_act(hs[k])
+                with self.timers.section("compute"):
+                    h = m.family.layer(cfg, w, h, ropes[k], kv, meta)
+                hs[k] = self._store_act(h)
+            m.layers.release(j)
+        logits = []
+        with self.timers.section("compute"):
+            for h, meta in zip(hs, metas):
+                h = self._load_act(h)
+                last = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1
+                logits.append(m.logits(h[last]))
+        return torch.cat(logits)
+
+    def memory_by_tier(self) -> dict[str, int]:
+        """Bytes this runner holds per tier: weights (+ staging), KV cache."""
+        mem = self.model.weight_bytes_by_tier()
+        st = self.model.layers.staging_bytes()
+        mem["gpu"] += st["gpu"]
+        mem["cpu"] += st["cpu"]
+        for t in mem:
+            mem[t] += self.kv.bytes_on(t)
+        return mem
+
+
+def build_offload(cfg: ModelConfig, store, dtype: torch.dtype, device: torch.device, policy: Policy,
+                  *, offload_dir=None, gpu_memory: int | None = None, gguf_native: bool = True):
+    """-> (OffloadedLM, runner_factory for ``Engine``). ``gpu_memory`` caps this process's CUDA
+    allocations (``torch.cuda.set_per_process_memory_fraction``) to emulate a smaller GPU."""
+    device = torch.device(device)
+    if device.type == "cuda" and gpu_memory:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(idx).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_memory / total), idx)
+    if device.type != "cuda" and (policy.wc or policy.wd or policy.cc or policy.cd):
+        pass  # on a CPU-only machine the "gpu" tier is the CPU; the schedule still runs
+    model = OffloadedLM(cfg, store, dtype, device, policy, offload_dir, gguf_native)
+
+    def factory(model: OffloadedLM, engine_config, max_useful_tokens: int) -> OffloadRunner:
+        n = plan_kv_blocks(cfg, policy, engine_config.block_size, dtype, device,
+                           engine_config.kv_cache_memory, max_useful_tokens)
+        tiers = assign_tiers([1] * cfg.num_layers, (policy.cg, policy.cc, policy.cd))
+        kv = TieredKVCache(cfg, n, engine_config.block_size, dtype, device, tiers,
+                           policy.compress_cache, policy.cpu_cache_compute, offload_dir, model.timers)
+        return OffloadRunner(model, kv)
+
+    return model, factory

@@ -1,0 +1,273 @@
+"""Modals and the batch screen of `localgen chat`."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Button, Footer, Input, Label, ProgressBar, Static, TextArea
+
+from localgen.runtime.request import SamplingParams
+
+_MODAL_CSS = """
+{name} {{ align: center middle; }}
+{name} > Vertical {{ width: 76; max-width: 100%; height: auto; max-height: 100%;
+    border: round $primary; padding: 0 1; background: $surface; }}
+{name} .title {{ text-style: bold; }}
+{name} .error {{ color: $error; height: auto; }}
+{name} Horizontal {{ height: auto; align-horizontal: right; }}
+{name} Button {{ margin: 0 0 0 1; min-width: 10; }}
+"""
+
+
+class SystemPromptScreen(ModalScreen[str | None]):
+    """Edit the system prompt; returns the new text (None: cancelled)."""
+
+    DEFAULT_CSS = _MODAL_CSS.format(name="SystemPromptScreen") + """
+    SystemPromptScreen TextArea { height: 8; }
+    """
+    BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Label("System prompt (applies from the next message)", classes="title")
+            yield TextArea(self.text, id="system-text", soft_wrap=True)
+            with Horizontal():
+                yield Button("Save", id="save", variant="primary")
+                yield Button("Cancel", id="cancel")
+            yield Footer()
+
+    @on(Button.Pressed, "#save")
+    def action_save(self) -> None:
+        self.dismiss(self.query_one(TextArea).text.strip())
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class SamplingScreen(ModalScreen[SamplingParams | None]):
+    """Temperature, top-p, max tokens, seed. Returns validated SamplingParams (None: cancelled)."""
+
+    DEFAULT_CSS = _MODAL_CSS.format(name="SamplingScreen") + """
+    SamplingScreen .row { height: 3; }
+    SamplingScreen .row Label { width: 16; padding: 1 0 0 0; }
+    SamplingScreen .row Input { width: 1fr; }
+    """
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, sampling: SamplingParams):
+        super().__init__()
+        self.sampling = sampling
+
+    def compose(self) -> ComposeResult:
+        s = self.sampling
+        with Vertical():
+            yield Label("Sampling settings", classes="title")
+            for label, fid, value in (("temperature", "temperature", s.temperature),
+                                      ("top-p", "top_p", s.top_p),
+                                      ("max tokens", "max_tokens", s.max_tokens),
+                                      ("seed (blank=none)", "seed", "" if s.seed is None else s.seed)):
+                with Horizontal(classes="row"):
+                    yield Label(label)
+                    yield Input(str(value), id=fid)
+            yield Static("", id="sampling-error", classes="error")
+            with Horizontal():
+                yield Button("OK", id="ok", variant="primary")
+                yield Button("Cancel", id="cancel")
+
+    def parse(self) -> SamplingParams:
+        """The fields as SamplingParams; ValueError naming the bad field."""
+        vals = {i.id: i.value.strip() for i in self.query(Input)}
+        out = dict(asdict(self.sampling))
+        try:
+            out["temperature"] = float(vals["temperature"])
+        except ValueError:
+            raise ValueError("temperature must be a number") from None
+        try:
+            out["top_p"] = float(vals["top_p"])
+        except ValueError:
+            raise ValueError("top-p must be a number") from None
+        try:
+            out["max_tokens"] = int(vals["max_tokens"])
+        except ValueError:
+            raise ValueError("max tokens must be a whole number") from None
+        try:
+            out["seed"] = int(vals["seed"]) if vals["seed"] else None
+        except ValueError:
+            raise ValueError("seed must be a whole number or blank") from None
+        return SamplingParams(**out).validate()
+
+    @on(Input.Submitted)
+    @on(Button.Pressed, "#ok")
+    def action_ok(self) -> None:
+        try:
+            self.dismiss(self.parse())
+        except ValueError as e:
+            self.query_one("#sampling-error", Static).update(str(e))
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class SaveScreen(ModalScreen[str | None]):
+    """Where to save the transcript; PATH.md and PATH.json are written."""
+
+    DEFAULT_CSS = _MODAL_CSS.format(name="SaveScreen")
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, default: str):
+        super().__init__()
+        self.default = default
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Label("Save transcript as (writes .md and .json)", classes="title")
+            yield Input(self.default, id="save-path")
+            with Horizontal():
+                yield Button("Save", id="save", variant="primary")
+                yield Button("Cancel", id="cancel")
+
+    @on(Input.Submitted)
+    @on(Button.Pressed, "#save")
+    def action_save(self) -> None:
+        path = self.query_one(Input).value.strip()
+        self.dismiss(path or None)
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+def default_transcript_path() -> str:
+    return str(Path.cwd() / time.strftime("localgen-chat-%Y%m%d-%H%M%S"))
+
+
+class JobRow(Vertical):
+    """One batch job: its files, a progress bar and the figures."""
+
+    DEFAULT_CSS = """
+    JobRow { height: auto; margin: 0 0 1 0; }
+    JobRow ProgressBar { width: 100%; }
+    JobRow .job-stats { color: $text-muted; }
+    """
+
+    def __init__(self, job: Any):
+        super().__init__()
+        self.job = job
+
+    def compose(self) -> ComposeResult:
+        yield Static(self._title(), classes="job-title")
+        yield ProgressBar(total=None, show_eta=False)
+        yield Static("queued", classes="job-stats")
+
+    def _title(self) -> str:
+        return f"{os.path.basename(self.job.in_path)} → {os.path.basename(self.job.out_path)}"
+
+    def on_mount(self) -> None:
+        self.refresh_job()
+
+    def refresh_job(self) -> None:
+        job, p = self.job, self.job.progress
+        bars = self.query(ProgressBar)
+        if not bars:
+            return  # not composed yet: on_mount refreshes
+        bar = bars.first()
+        if p is not None:
+            bar.update(total=max(p.total, 1), progress=p.done + p.failed)
+            stats = (f"{job.state}: {p.done}/{p.total} done, {p.failed} failed · "
+                     f"{p.tokens} tok · {p.tokens_per_s:.1f} tok/s · {p.elapsed:.1f} s")
+        else:
+            stats = job.state
+        if job.state == "failed" and job.error is not None:
+            stats = f"failed: {job.error}"
+        elif job.state == "done" and job.summary is not None:
+            s = job.summary
+            bar.update(total=max(s.total, 1), progress=max(s.total, 1))
+            stats = (f"done: {s.done} written, {s.skipped_resume} resumed, {s.failed} failed · "
+                     f"{s.tokens} tok in {s.seconds:.1f} s")
+        self.query_one(".job-stats", Static).update(stats)
+
+
+class BatchScreen(Screen):
+    """Submit a JSONL file as a background batch job; watch every job's progress. The chat
+    keeps streaming behind this screen (Esc goes back)."""
+
+    DEFAULT_CSS = """
+    BatchScreen { padding: 0 1; }
+    BatchScreen .title { text-style: bold; }
+    BatchScreen .hint { color: $text-muted; }
+    BatchScreen #batch-form { height: auto; }
+    BatchScreen #batch-form Input { width: 1fr; }
+    BatchScreen #batch-error { color: $error; height: auto; }
+    BatchScreen #jobs { height: 1fr; }
+    """
+    BINDINGS = [Binding("escape", "back", "Back to chat"), Binding("f5", "back", "Back to chat", show=False)]
+
+    def __init__(self, service: Any):
+        super().__init__()
+        self.service = service
+        self.rows: dict[str, JobRow] = {}
+
+    def compose(self) -> ComposeResult:
+        yield Label("Batch jobs (JSONL in, JSONL out; chat answers go first)", classes="title")
+        yield Label("Native lines {\"id\",\"prompt\"|\"messages\",...} or OpenAI Batch lines.",
+                    classes="hint")
+        with Vertical(id="batch-form"):
+            yield Input(placeholder="input .jsonl path", id="batch-in")
+            yield Input(placeholder="output .jsonl (default: <input>.out.jsonl)", id="batch-out")
+            yield Button("Submit", id="batch-submit", variant="primary")
+        yield Static("", id="batch-error")
+        yield VerticalScroll(id="jobs")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        for job in getattr(self.service, "batch_jobs", []):
+            self._add_row(job)
+
+    def _add_row(self, job: Any) -> None:
+        if job.job_id in self.rows:
+            return
+        row = JobRow(job)
+        self.rows[job.job_id] = row
+        self.query_one("#jobs").mount(row)
+
+    @on(Input.Submitted)
+    @on(Button.Pressed, "#batch-submit")
+    def submit(self) -> None:
+        src = self.query_one("#batch-in", Input).value.strip()
+        dst = self.query_one("#batch-out", Input).value.strip()
+        err = self.query_one("#batch-error", Static)
+        if not src:
+            err.update("give the input .jsonl path")
+            return
+        src_p = Path(src).expanduser()
+        if not src_p.is_file():
+            err.update(f"no such file: {src_p}")
+            return
+        dst_p = Path(dst).expanduser() if dst else src_p.with_name(src_p.stem + ".out.jsonl")
+        err.update("")
+        job = self.app.submit_batch(src_p, dst_p)
+        self._add_row(job)
+
+    def refresh_job(self, job: Any) -> None:
+        if job.job_id not in self.rows:
+            self._add_row(job)
+        else:
+            self.rows[job.job_id].refresh_job()
+
+    def action_back(self) -> None:
+        self.app.pop_screen()
