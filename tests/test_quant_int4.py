@@ -22,12 +22,14 @@ def test_round_trip_within_bound(shape, dim):
 
 
 def test_weights_grouped_along_output_channels():
-    w = torch.randn(128, 16)
+    w = torch.randn(128, 16, generator=torch.Generator().manual_seed(1))
     w[:64] *= 100  # the first 64 output channels form their own groups
     q = quantize(w, dim=0)
     assert q.packed.shape == (64, 16) and q.scale.shape == (2, 16) and q.packed.dtype == torch.uint8
     err = (dequantize(q) - w).abs()
-    assert err[64:].max() < 0.2  # not polluted by the large rows: groups run along dim 0
+    small = w[64:]
+    step = (small.amax(0) - small.amin(0)) / 15  # per column: the small rows' own groups
+    assert (err[64:] <= step / 2 + 1e-3).all()  # not polluted by the large rows: groups run along dim 0
     assert q.nbytes == 64 * 16 + 2 * 2 * 16 * 2  # 0.5 B/value + fp16 scale, min per 64
 
 

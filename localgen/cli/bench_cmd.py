@@ -64,3 +64,42 @@ def kernels(
     argv += ["--no-ref"] if no_ref else []
     argv += ["--no-int4"] if no_int4 else []
     kernels_bench.main(argv)
+
+
+@app.command("offload")
+def offload(
+    policy: list[str] = typer.Option(..., "--policy", help="gbs,ngb,wg,wc,cg,cc,hg,hc[,w4][,kv4][,cpuattn] (percent); repeat for several."),
+    preset: str = typer.Option("llama-2-7b", "--preset", help="Model shape (dummy weights)."),
+    prompt_len: int = typer.Option(512, "--prompt-len", min=1),
+    gen_len: int = typer.Option(32, "--gen-len", min=2),
+    gpu_memory: str = typer.Option("6GiB", "--gpu-memory"),
+    peer_batches: str = typer.Option("1,8", "--peer-batches", help="accelerate batch sizes ('' = none)."),
+    profile: Optional[str] = typer.Option(None, "--profile", help="HardwareProfile for the predictions."),
+    device: str = typer.Option("cuda", "--device"),
+    out: Optional[Path] = typer.Option(None, "--out"),
+) -> None:
+    """Measured vs predicted prefill/decode (ctog/gtoc/dtoc/ctod/compute) under policies, beside accelerate."""
+    from localgen.bench import offload_bench
+
+    args = sum((["--policy", p] for p in policy), []) + [
+        "--preset", preset, "--prompt-len", str(prompt_len), "--gen-len", str(gen_len),
+        "--gpu-memory", gpu_memory, "--peer-batches", peer_batches, "--device", device]
+    args += (["--profile", profile] if profile else []) + (["--out", str(out)] if out else [])
+    raise typer.Exit(offload_bench.main(args))
+
+
+@app.command("accuracy")
+def accuracy(
+    model: Optional[str] = typer.Option(None, "--model", help="Model (default: embedded)."),
+    max_tokens: int = typer.Option(2048, "--max-tokens", min=2, help="WikiText-2 tokens scored."),
+    window: int = typer.Option(512, "--window", min=2),
+    max_examples: int = typer.Option(200, "--max-examples", min=1, help="LAMBADA examples."),
+    configs: str = typer.Option("fp32,w4+kv4", "--configs", help="fp32, w4+kv4, w4, kv4, w4native+kv4"),
+    out: Optional[Path] = typer.Option(None, "--out"),
+) -> None:
+    """WikiText-2 perplexity and LAMBADA accuracy: uncompressed vs 4-bit weights + 4-bit KV."""
+    from localgen.bench import accuracy as acc
+
+    args = ["--max-tokens", str(max_tokens), "--window", str(window), "--max-examples", str(max_examples),
+            "--configs", configs] + (["--model", model] if model else []) + (["--out", str(out)] if out else [])
+    raise typer.Exit(acc.main(args))
