@@ -58,7 +58,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device,
-                      block_n: int = 64, programs_per_sm: int = 2, min_tiles_per_split: int = 2,
+                      block_n: int = 64, programs_per_sm: int = 4, min_tiles_per_split: int = 1,
                       max_splits: int = 128) -> int:
     """FlashDecoding's split count: enough programs (``SMs * programs_per_sm``) to fill the GPU
     when ``num_seqs * num_kv_heads`` alone would not, with at least ``min_tiles_per_split`` tiles
@@ -82,22 +82,33 @@ def _token_rows(bt_row_ptr, tok, tok_mask, BS: tl.constexpr, stride_b, stride_t)
 
 
 @triton.jit
-def _load_kv_tile(c_ptr, s_ptr, z_ptr, rows, srows, offs_d, tok_mask, d_mask,
-                  QUANT: tl.constexpr, GROUP: tl.constexpr):
-    """A ``[BLOCK_N, BLOCK_D]`` float32 tile of K or V. QUANT: ``c_ptr`` holds uint8 bytes with two
-    4-bit codes (even d in the low nibble), ``s_ptr``/``z_ptr`` fp16 scale/min per group of
-    ``GROUP`` along head_dim (last dims contiguous)."""
-    m2 = tok_mask[:, None] & d_mask[None, :]
-    if QUANT:
-        byte = tl.load(c_ptr + rows[:, None] + (offs_d // 2)[None, :], mask=m2, other=0).to(tl.int32)
-        code = (byte >> ((offs_d % 2) * 4)[None, :]) & 15
-        g = (offs_d // GROUP)[None, :]
-        sc = tl.load(s_ptr + srows[:, None] + g, mask=m2, other=0.0).to(tl.float32)
-        mn = tl.load(z_ptr + srows[:, None] + g, mask=m2, other=0.0).to(tl.float32)
-        x = code.to(tl.float32) * sc + mn
-    else:
-        x = tl.load(c_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
-    return x
+def _load_kv_tile(c_ptr, rows, offs_d, tok_mask, d_mask):
+    """A ``[BLOCK_N, BLOCK_D]`` tile of K or V in the cache dtype (rows of head_dim contiguous
+    elements: 16-byte vector loads, coalesced along head_dim)."""
+    return tl.load(c_ptr + rows[:, None] + offs_d[None, :],
+                   mask=tok_mask[:, None] & d_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _load_q4_tile(c_ptr, s_ptr, z_ptr, rows, srows, tok_mask,
+                  HALF_D: tl.constexpr, NG: tl.constexpr, NG_P: tl.constexpr, HG: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """4-bit K or V tile, dequantized in registers, split by parity of the head_dim index:
+    returns ``(lo, hi)`` float32 ``[BLOCK_N, NG_P * HG]``, column ``c`` holding elements ``2c``
+    (low nibbles) and ``2c + 1`` (high nibbles). The packed bytes are read as one coalesced
+    ``[BLOCK_N, NG_P, HG]`` uint8 tile (``HG = group / 2`` bytes per group, contiguous), each
+    group's fp16 scale/min once per token row and broadcast over the group."""
+    offs_g = tl.arange(0, NG_P)
+    offs_j = tl.arange(0, HG)
+    col = offs_g[:, None] * HG + offs_j[None, :]  # [NG_P, HG] byte index in the row
+    m3 = tok_mask[:, None, None] & (col < HALF_D)[None, :, :]
+    byte = tl.load(c_ptr + rows[:, None, None] + col[None, :, :], mask=m3, other=0).to(tl.int32)
+    gm = tok_mask[:, None] & (offs_g < NG)[None, :]
+    sc = tl.load(s_ptr + srows[:, None] + offs_g[None, :], mask=gm, other=0.0).to(tl.float32)
+    mn = tl.load(z_ptr + srows[:, None] + offs_g[None, :], mask=gm, other=0.0).to(tl.float32)
+    lo = (byte & 15).to(tl.float32) * sc[:, :, None] + mn[:, :, None]
+    hi = (byte >> 4).to(tl.float32) * sc[:, :, None] + mn[:, :, None]
+    return tl.reshape(lo, [BLOCK_N, NG_P * HG]), tl.reshape(hi, [BLOCK_N, NG_P * HG])
 
 
 @triton.jit
@@ -111,55 +122,201 @@ def _dot(a, b, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _attend_range(q, bt_row_ptr, lo, hi,
+def _load_q(q_ptr, q_row, head_off, h_mask, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+            QUANT: tl.constexpr, QW: tl.constexpr):
+    """The query rows of one KV head (``head_off`` ``[BLOCK_H]``): ``(q, q_odd)``. Plain: ``q``
+    ``[BLOCK_H, BLOCK_D]``, ``q_odd`` unused. QUANT: even / odd elements of head_dim,
+    ``[BLOCK_H, QW]`` each (the int4 tiles come split by parity)."""
+    base = q_ptr + q_row + head_off[:, None]
+    if QUANT:
+        c = tl.arange(0, QW)
+        msk = h_mask[:, None] & (2 * c < HEAD_DIM)[None, :]
+        qe = tl.load(base + 2 * c[None, :], mask=msk, other=0.0)
+        qo = tl.load(base + 2 * c[None, :] + 1, mask=msk, other=0.0)
+    else:
+        d = tl.arange(0, BLOCK_D)
+        qe = tl.load(base + d[None, :], mask=h_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+        qo = qe
+    return qe, qo
+
+
+@triton.jit
+def _attend_range(q, q_odd, bt_row_ptr, lo, hi,
                   k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr,
                   stride_kb, stride_kt, stride_sb, stride_st,
                   qk_scale, phi2, offs_d, d_mask,
                   BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, ASYNC: tl.constexpr, QUANT: tl.constexpr,
-                  GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
-    """Attend ``q`` ``[BLOCK_H, BLOCK_D]`` to tokens ``[lo, hi)``. Returns (acc, l, m), m the
-    running max of ``s = qk_scale * q.k`` (log2 units). Synchronized: acc and l are relative to
-    m. Asynchronized: relative to ``phi2`` (no rescaling)."""
+                  HALF_D: tl.constexpr, NG: tl.constexpr, NG_P: tl.constexpr, HG: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+    """Attend ``q`` to tokens ``[lo, hi)``. Returns (acc, acc_odd, l, m), m the running max of
+    ``s = qk_scale * q.k`` (log2 units). Plain: ``acc`` ``[BLOCK_H, BLOCK_D]``. QUANT: ``acc``
+    and ``acc_odd`` ``[BLOCK_H, NG_P * HG]`` hold the even and odd output elements.
+    Synchronized: acc and l are relative to m. Asynchronized: relative to ``phi2``."""
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    if QUANT:
+        acc = tl.zeros([BLOCK_H, NG_P * HG], tl.float32)
+        acc_o = tl.zeros([BLOCK_H, NG_P * HG], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        acc_o = tl.zeros([BLOCK_H, 16], tl.float32)  # unused
     for start in range(lo, hi, BLOCK_N):
         tok = start + tl.arange(0, BLOCK_N)
         tok_mask = tok < hi
         rows = _token_rows(bt_row_ptr, tok, tok_mask, BS, stride_kb, stride_kt)
-        srows = rows
         if QUANT:
             srows = _token_rows(bt_row_ptr, tok, tok_mask, BS, stride_sb, stride_st)
-        k = _load_kv_tile(k_ptr, ks_ptr, kz_ptr, rows, srows, offs_d, tok_mask, d_mask, QUANT, GROUP)
-        s = _dot(q, tl.trans(k), DOT_DTYPE, IEEE) * qk_scale  # [BLOCK_H, BLOCK_N]
+            k_lo, k_hi = _load_q4_tile(k_ptr, ks_ptr, kz_ptr, rows, srows, tok_mask,
+                                       HALF_D, NG, NG_P, HG, BLOCK_N)
+            v_lo, v_hi = _load_q4_tile(v_ptr, vs_ptr, vz_ptr, rows, srows, tok_mask,
+                                       HALF_D, NG, NG_P, HG, BLOCK_N)
+            s = (_dot(q, tl.trans(k_lo), DOT_DTYPE, IEEE)
+                 + _dot(q_odd, tl.trans(k_hi), DOT_DTYPE, IEEE)) * qk_scale
+        else:
+            k = _load_kv_tile(k_ptr, rows, offs_d, tok_mask, d_mask)
+            v = _load_kv_tile(v_ptr, rows, offs_d, tok_mask, d_mask)  # issued before K is used
+            s = _dot(q, tl.trans(k), DOT_DTYPE, IEEE) * qk_scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(tok_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        v = _load_kv_tile(v_ptr, vs_ptr, vz_ptr, rows, srows, offs_d, tok_mask, d_mask, QUANT, GROUP)
         if ASYNC:
             p = tl.exp2(s - phi2)
             l += tl.sum(p, 1)
-            acc += _dot(p, v, DOT_DTYPE, IEEE)
+            if QUANT:
+                acc += _dot(p, v_lo, DOT_DTYPE, IEEE)
+                acc_o += _dot(p, v_hi, DOT_DTYPE, IEEE)
+            else:
+                acc += _dot(p, v, DOT_DTYPE, IEEE)
         else:
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])
             l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p, v, DOT_DTYPE, IEEE)
+            if QUANT:
+                acc = acc * alpha[:, None] + _dot(p, v_lo, DOT_DTYPE, IEEE)
+                acc_o = acc_o * alpha[:, None] + _dot(p, v_hi, DOT_DTYPE, IEEE)
+            else:
+                acc = acc * alpha[:, None] + _dot(p, v, DOT_DTYPE, IEEE)
         m = m_new
-    return acc, l, m
+    return acc, acc_o, l, m
+
+
+@triton.jit
+def _store_rows(ptr, rows, acc, acc_o, scale, h_mask, HEAD_DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr, QUANT: tl.constexpr, QW: tl.constexpr):
+    """``ptr[rows[h] + d] = acc[h, d] * scale[h]`` (QUANT: even/odd halves interleaved)."""
+    if QUANT:
+        c = tl.arange(0, QW)
+        msk = h_mask[:, None] & (2 * c < HEAD_DIM)[None, :]
+        p = ptr + rows[:, None] + 2 * c[None, :]
+        tl.store(p, (acc * scale[:, None]).to(ptr.dtype.element_ty), mask=msk)
+        tl.store(p + 1, (acc_o * scale[:, None]).to(ptr.dtype.element_ty), mask=msk)
+    else:
+        d = tl.arange(0, BLOCK_D)
+        tl.store(ptr + rows[:, None] + d[None, :], (acc * scale[:, None]).to(ptr.dtype.element_ty),
+                 mask=h_mask[:, None] & (d < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _finish(q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, bt_ptr, cl_ptr,
+            mid_o_ptr, mid_l_ptr, mid_m_ptr, out_ptr, flag_ptr, seq64, kvh,
+            stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
+            stride_sb, stride_st, stride_sh, stride_btb,
+            stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, stride_fb,
+            qk_scale, phi2, lo2, hi2, num_splits,
+            GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BS: tl.constexpr,
+            BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            BLOCK_S: tl.constexpr, S_CHUNK: tl.constexpr, ASYNC: tl.constexpr,
+            QUANT: tl.constexpr, HALF_D: tl.constexpr, NG: tl.constexpr, NG_P: tl.constexpr,
+            HG: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+    """Combine the splits of one (sequence, KV head) into ``out``. Synchronized: rescale by
+    ``exp2(m_s - max m_s)``. Asynchronized: plain sums, rows outside the safe range flagged and
+    the KV head's rows recomputed by the synchronized online softmax. The partials are read
+    with ``.cg`` (L2, not L1): in the fused path other programs wrote them during this launch."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_c = tl.arange(0, S_CHUNK)
+    h_mask = offs_h < GQA
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * GQA + offs_h
+    out_rows = seq64 * stride_ob + heads.to(tl.int64) * stride_oh
+    row_base = seq64 * stride_mb + heads.to(tl.int64) * stride_mh  # [BLOCK_H]
+    recompute = False
+    if ASYNC:
+        hs_mask = h_mask[:, None] & (offs_s < num_splits)[None, :]
+        m_s = tl.load(mid_m_ptr + row_base[:, None] + offs_s[None, :] * stride_ms, mask=hs_mask,
+                      other=float("-inf"), cache_modifier=".cg")
+        excess = tl.max(m_s, 1) - phi2
+        bad = ((excess <= lo2) | (excess >= hi2)) & h_mask
+        tl.store(flag_ptr + seq64 * stride_fb + heads, bad.to(tl.int32), mask=h_mask)
+        recompute = tl.max(bad.to(tl.int32), 0) > 0
+    if recompute:
+        # synchronized online softmax over the whole context, one program (FlashDecoding++ §3)
+        ctx = tl.load(cl_ptr + seq64).to(tl.int32)
+        q, q_odd = _load_q(q_ptr, seq64 * stride_qb, heads * stride_qh, h_mask, HEAD_DIM, BLOCK_D,
+                           QUANT, NG_P * HG)
+        kvh64 = kvh.to(tl.int64)
+        r_acc, r_acc_o, r_l, r_m = _attend_range(
+            q, q_odd, bt_ptr + seq64 * stride_btb, 0, ctx,
+            k_ptr + kvh64 * stride_kh, ks_ptr + kvh64 * stride_sh, kz_ptr + kvh64 * stride_sh,
+            v_ptr + kvh64 * stride_kh, vs_ptr + kvh64 * stride_sh, vz_ptr + kvh64 * stride_sh,
+            stride_kb, stride_kt, stride_sb, stride_st, qk_scale, phi2, offs_d, d_mask,
+            BS, BLOCK_H, BLOCK_N, BLOCK_D, False, QUANT, HALF_D, NG, NG_P, HG, DOT_DTYPE, IEEE)
+        r_l = tl.where(r_l == 0.0, 1.0, r_l)
+        _store_rows(out_ptr, out_rows, r_acc, r_acc_o, 1.0 / r_l, h_mask, HEAD_DIM, BLOCK_D,
+                    QUANT, NG_P * HG)
+    else:
+        # one query head at a time: its [splits, head_dim] partials in S_CHUNK-row tiles
+        for h in tl.static_range(GQA):
+            rb = seq64 * stride_mb + (kvh * GQA + h).to(tl.int64) * stride_mh
+            s_mask = offs_s < num_splits
+            m_1 = tl.load(mid_m_ptr + rb + offs_s * stride_ms, mask=s_mask, other=float("-inf"),
+                          cache_modifier=".cg")
+            l_1 = tl.load(mid_l_ptr + rb + offs_s * stride_ms, mask=s_mask, other=0.0,
+                          cache_modifier=".cg")
+            if ASYNC:
+                big = 0.0  # plain sums: every partial shares the scaling exp(-phi)
+                den = tl.sum(l_1, 0)
+            else:
+                big = tl.max(m_1, 0)
+                big = tl.where(big == float("-inf"), 0.0, big)
+                den = tl.sum(tl.exp2(m_1 - big) * l_1, 0)  # empty splits: exp2(-inf) = 0
+            den = tl.where(den == 0.0, 1.0, den)
+            o = tl.zeros([BLOCK_D], tl.float32)
+            for s0 in range(0, num_splits, S_CHUNK):
+                sc_ = s0 + offs_c
+                c_mask = sc_ < num_splits
+                part = tl.load(mid_o_ptr + (rb + sc_ * stride_ms)[:, None] * HEAD_DIM
+                               + offs_d[None, :], mask=c_mask[:, None] & d_mask[None, :],
+                               other=0.0, cache_modifier=".cg")
+                if ASYNC:
+                    o += tl.sum(part, 0)
+                else:
+                    m_c = tl.load(mid_m_ptr + rb + sc_ * stride_ms, mask=c_mask,
+                                  other=float("-inf"), cache_modifier=".cg")
+                    o += tl.sum(part * tl.exp2(m_c - big)[:, None], 0)
+            orow = seq64 * stride_ob + (kvh * GQA + h).to(tl.int64) * stride_oh
+            tl.store(out_ptr + orow + offs_d, (o / den).to(out_ptr.dtype.element_ty),
+                     mask=d_mask)
 
 
 @triton.jit
 def _decode_stage1(q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, bt_ptr, cl_ptr,
-                   mid_o_ptr, mid_l_ptr, mid_m_ptr,
+                   mid_o_ptr, mid_l_ptr, mid_m_ptr, out_ptr, flag_ptr, count_ptr,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
                    stride_sb, stride_st, stride_sh, stride_btb,
-                   stride_mb, stride_mh, stride_ms,
-                   qk_scale, phi2, num_splits,
+                   stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, stride_fb,
+                   qk_scale, phi2, lo2, hi2, num_splits, num_kv_heads,
                    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BS: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   ASYNC: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_S: tl.constexpr, S_CHUNK: tl.constexpr, ASYNC: tl.constexpr,
+                   QUANT: tl.constexpr, HALF_D: tl.constexpr, NG: tl.constexpr,
+                   NG_P: tl.constexpr, HG: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                   IEEE: tl.constexpr, FUSED: tl.constexpr, ONE_SPLIT: tl.constexpr):
+    """Stage 1: one split of one (sequence, KV head). ONE_SPLIT: the program owns the whole
+    context and writes ``out`` itself (no partials). FUSED: after writing its partials, the
+    program takes a ticket from the (sequence, KV head)'s counter; the last one to arrive
+    combines the splits (``_finish``) and resets the counter, so no second launch is needed."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -174,22 +331,61 @@ def _decode_stage1(q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, bt_ptr, 
     h_mask = offs_h < GQA
     d_mask = offs_d < HEAD_DIM
     heads = kvh * GQA + offs_h
-    q = tl.load(q_ptr + seq64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    q, q_odd = _load_q(q_ptr, seq64 * stride_qb, heads * stride_qh, h_mask, HEAD_DIM, BLOCK_D,
+                       QUANT, NG_P * HG)
 
     kvh64 = kvh.to(tl.int64)
-    acc, l, m = _attend_range(q, bt_ptr + seq64 * stride_btb, lo, hi,
-                              k_ptr + kvh64 * stride_kh, ks_ptr + kvh64 * stride_sh,
-                              kz_ptr + kvh64 * stride_sh, v_ptr + kvh64 * stride_kh,
-                              vs_ptr + kvh64 * stride_sh, vz_ptr + kvh64 * stride_sh,
-                              stride_kb, stride_kt, stride_sb, stride_st,
-                              qk_scale, phi2, offs_d, d_mask,
-                              BS, BLOCK_H, BLOCK_N, BLOCK_D, ASYNC, QUANT, GROUP, DOT_DTYPE, IEEE)
-    base = seq64 * stride_mb + heads.to(tl.int64) * stride_mh + split * stride_ms
-    tl.store(mid_l_ptr + base, l, mask=h_mask)
-    tl.store(mid_m_ptr + base, m, mask=h_mask)
-    tl.store(mid_o_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], acc,
-             mask=h_mask[:, None] & d_mask[None, :])
+    acc, acc_o, l, m = _attend_range(
+        q, q_odd, bt_ptr + seq64 * stride_btb, lo, hi,
+        k_ptr + kvh64 * stride_kh, ks_ptr + kvh64 * stride_sh, kz_ptr + kvh64 * stride_sh,
+        v_ptr + kvh64 * stride_kh, vs_ptr + kvh64 * stride_sh, vz_ptr + kvh64 * stride_sh,
+        stride_kb, stride_kt, stride_sb, stride_st, qk_scale, phi2, offs_d, d_mask,
+        BS, BLOCK_H, BLOCK_N, BLOCK_D, ASYNC, QUANT, HALF_D, NG, NG_P, HG, DOT_DTYPE, IEEE)
+    if ONE_SPLIT:
+        out_rows = seq64 * stride_ob + heads.to(tl.int64) * stride_oh
+        recompute = False
+        if ASYNC:
+            excess = m - phi2
+            bad = ((excess <= lo2) | (excess >= hi2)) & h_mask
+            tl.store(flag_ptr + seq64 * stride_fb + heads, bad.to(tl.int32), mask=h_mask)
+            recompute = tl.max(bad.to(tl.int32), 0) > 0
+        if recompute:
+            r_acc, r_acc_o, r_l, r_m = _attend_range(
+                q, q_odd, bt_ptr + seq64 * stride_btb, 0, ctx,
+                k_ptr + kvh64 * stride_kh, ks_ptr + kvh64 * stride_sh, kz_ptr + kvh64 * stride_sh,
+                v_ptr + kvh64 * stride_kh, vs_ptr + kvh64 * stride_sh, vz_ptr + kvh64 * stride_sh,
+                stride_kb, stride_kt, stride_sb, stride_st, qk_scale, phi2, offs_d, d_mask,
+                BS, BLOCK_H, BLOCK_N, BLOCK_D, False, QUANT, HALF_D, NG, NG_P, HG, DOT_DTYPE,
+                IEEE)
+            r_l = tl.where(r_l == 0.0, 1.0, r_l)
+            _store_rows(out_ptr, out_rows, r_acc, r_acc_o, 1.0 / r_l, h_mask, HEAD_DIM, BLOCK_D,
+                        QUANT, NG_P * HG)
+        else:
+            l = tl.where(l == 0.0, 1.0, l)
+            _store_rows(out_ptr, out_rows, acc, acc_o, 1.0 / l, h_mask, HEAD_DIM, BLOCK_D,
+                        QUANT, NG_P * HG)
+    else:
+        base = seq64 * stride_mb + heads.to(tl.int64) * stride_mh + split * stride_ms
+        tl.store(mid_l_ptr + base, l, mask=h_mask)
+        tl.store(mid_m_ptr + base, m, mask=h_mask)
+        _store_rows(mid_o_ptr, base * HEAD_DIM, acc, acc_o, tl.full([BLOCK_H], 1.0, tl.float32),
+                    h_mask, HEAD_DIM, BLOCK_D, QUANT, NG_P * HG)
+        if FUSED:
+            # every thread's partials are written before the ticket (barrier, then one
+            # acq_rel gpu-scope atomic: the cooperative-groups grid-sync pattern)
+            tl.debug_barrier()
+            cnt_ptr = count_ptr + seq * num_kv_heads + kvh
+            ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+            if ticket == num_splits - 1:
+                _finish(q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, bt_ptr, cl_ptr,
+                        mid_o_ptr, mid_l_ptr, mid_m_ptr, out_ptr, flag_ptr, seq64, kvh,
+                        stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
+                        stride_sb, stride_st, stride_sh, stride_btb,
+                        stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, stride_fb,
+                        qk_scale, phi2, lo2, hi2, num_splits,
+                        GQA, HEAD_DIM, BS, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_S, S_CHUNK, ASYNC,
+                        QUANT, HALF_D, NG, NG_P, HG, DOT_DTYPE, IEEE)
+                tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next call
 
 
 @triton.jit
@@ -201,77 +397,25 @@ def _decode_stage2(q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, bt_ptr, 
                    qk_scale, phi2, lo2, hi2, num_splits,
                    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BS: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_S: tl.constexpr, ASYNC: tl.constexpr, QUANT: tl.constexpr,
-                   GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
-    seq = tl.program_id(0)
-    kvh = tl.program_id(1)
-    seq64 = seq.to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_s = tl.arange(0, BLOCK_S)
-    h_mask = offs_h < GQA
-    d_mask = offs_d < HEAD_DIM
-    s_mask = offs_s < num_splits
-    heads = kvh * GQA + offs_h
-    hs_mask = h_mask[:, None] & s_mask[None, :]
-
-    base = seq64 * stride_mb + heads.to(tl.int64)[:, None] * stride_mh + offs_s[None, :] * stride_ms
-    m_s = tl.load(mid_m_ptr + base, mask=hs_mask, other=float("-inf"))  # [BLOCK_H, BLOCK_S]
-    l_s = tl.load(mid_l_ptr + base, mask=hs_mask, other=0.0)
-    big_m = tl.max(m_s, 1)  # [BLOCK_H]
-    out_rows = seq64 * stride_ob + heads.to(tl.int64) * stride_oh
-    row_base = seq64 * stride_mb + heads.to(tl.int64) * stride_mh  # [BLOCK_H]
-    hd_mask = h_mask[:, None] & d_mask[None, :]
-
-    if ASYNC:
-        excess = big_m - phi2
-        bad = ((excess <= lo2) | (excess >= hi2)) & h_mask
-        tl.store(flag_ptr + seq64 * stride_fb + heads, bad.to(tl.int32), mask=h_mask)
-        recompute = tl.max(bad.to(tl.int32), 0) > 0
-        if recompute:
-            # synchronized online softmax over the whole context, one program (FlashDecoding++ §3)
-            ctx = tl.load(cl_ptr + seq).to(tl.int32)
-            q = tl.load(q_ptr + seq64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                        mask=hd_mask, other=0.0)
-            kvh64 = kvh.to(tl.int64)
-            r_acc, r_l, r_m = _attend_range(q, bt_ptr + seq64 * stride_btb, 0, ctx,
-                                            k_ptr + kvh64 * stride_kh, ks_ptr + kvh64 * stride_sh,
-                                            kz_ptr + kvh64 * stride_sh, v_ptr + kvh64 * stride_kh,
-                                            vs_ptr + kvh64 * stride_sh, vz_ptr + kvh64 * stride_sh,
-                                            stride_kb, stride_kt, stride_sb, stride_st,
-                                            qk_scale, phi2, offs_d, d_mask,
-                                            BS, BLOCK_H, BLOCK_N, BLOCK_D, False, QUANT, GROUP,
-                                            DOT_DTYPE, IEEE)
-            r_l = tl.where(r_l == 0.0, 1.0, r_l)
-            tl.store(out_ptr + out_rows[:, None] + offs_d[None, :],
-                     (r_acc / r_l[:, None]).to(out_ptr.dtype.element_ty), mask=hd_mask)
-        else:
-            # plain sums: every partial already shares the scaling exp(-phi)
-            a_acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-            for s in range(0, num_splits):
-                a_acc += tl.load(mid_o_ptr + (row_base + s * stride_ms)[:, None] * HEAD_DIM
-                                 + offs_d[None, :], mask=hd_mask, other=0.0)
-            a_l = tl.sum(l_s, 1)
-            a_l = tl.where(a_l == 0.0, 1.0, a_l)
-            tl.store(out_ptr + out_rows[:, None] + offs_d[None, :],
-                     (a_acc / a_l[:, None]).to(out_ptr.dtype.element_ty), mask=hd_mask)
-    else:
-        safe_m = tl.where(big_m == float("-inf"), 0.0, big_m)
-        w = tl.exp2(m_s - safe_m[:, None])  # [BLOCK_H, BLOCK_S]; empty splits: exp2(-inf) = 0
-        s_l = tl.sum(w * l_s, 1)
-        s_l = tl.where(s_l == 0.0, 1.0, s_l)
-        s_acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        for s in range(0, num_splits):
-            m_one = tl.load(mid_m_ptr + row_base + s * stride_ms, mask=h_mask, other=float("-inf"))
-            w_one = tl.exp2(m_one - safe_m)
-            s_acc += tl.load(mid_o_ptr + (row_base + s * stride_ms)[:, None] * HEAD_DIM
-                             + offs_d[None, :], mask=hd_mask, other=0.0) * w_one[:, None]
-        tl.store(out_ptr + out_rows[:, None] + offs_d[None, :],
-                 (s_acc / s_l[:, None]).to(out_ptr.dtype.element_ty), mask=hd_mask)
+                   BLOCK_S: tl.constexpr, S_CHUNK: tl.constexpr, ASYNC: tl.constexpr,
+                   QUANT: tl.constexpr, HALF_D: tl.constexpr, NG: tl.constexpr,
+                   NG_P: tl.constexpr, HG: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                   IEEE: tl.constexpr):
+    """Stage 2 (unfused path), grid ``[num_seqs, num_kv_heads]``: ``_finish``."""
+    _finish(q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, bt_ptr, cl_ptr,
+            mid_o_ptr, mid_l_ptr, mid_m_ptr, out_ptr, flag_ptr,
+            tl.program_id(0).to(tl.int64), tl.program_id(1),
+            stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
+            stride_sb, stride_st, stride_sh, stride_btb,
+            stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, stride_fb,
+            qk_scale, phi2, lo2, hi2, num_splits,
+            GQA, HEAD_DIM, BS, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_S, S_CHUNK, ASYNC,
+            QUANT, HALF_D, NG, NG_P, HG, DOT_DTYPE, IEEE)
 
 
 # --------------------------------------------------------------------------------------------
-# python wrappers
+# launch configuration (chosen offline on an H200, scripts/decode_sweep.py; no runtime autotune,
+# so the kernels stay capturable in CUDA graphs)
 # --------------------------------------------------------------------------------------------
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -282,8 +426,34 @@ def _dot_dtype(dtype: torch.dtype):
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(dtype, tl.float32)
 
 
+def decode_config(num_seqs: int, num_kv_heads: int, max_context_len: int, head_dim: int,
+                  device: torch.device, quant: bool = False) -> dict:
+    """Launch parameters by shape: ``block_n`` (tokens per tile), ``num_warps``, ``num_stages``,
+    ``programs_per_sm`` (split-KV target) and ``fused`` (last split combines; one launch)."""
+    work = max(1, num_seqs * num_kv_heads)
+    if quant:
+        return dict(block_n=64, num_warps=4, num_stages=2, programs_per_sm=4, fused=True)
+    if work * max_context_len <= 8 * 4096:  # little work: latency-bound, spread it wide
+        return dict(block_n=32, num_warps=4, num_stages=2, programs_per_sm=4, fused=True)
+    return dict(block_n=64, num_warps=4, num_stages=2, programs_per_sm=4, fused=True)
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Per-device int32 tickets for the fused combine; every launch leaves them at zero. Not
+    safe for two fused launches running concurrently on one device (use ``fused=False``)."""
+    key = (device.type, device.index)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
 def _launch(q, k, v, block_tables, context_lens, scale, *, quant_group, phi, bounds, num_splits,
-            max_context_len, block_n, num_warps, num_stages, return_flags, out):
+            max_context_len, block_n, num_warps, num_stages, return_flags, out, fused=None):
     """Shared launcher; ``k``/``v`` are plain caches or QuantizedKV."""
     if q.dim() != 3:
         raise ValueError(f"q must be [num_seqs, num_heads, head_dim], got {tuple(q.shape)}")
@@ -305,62 +475,89 @@ def _launch(q, k, v, block_tables, context_lens, scale, *, quant_group, phi, bou
         block_tables = block_tables.contiguous()
     if max_context_len is None:
         max_context_len = int(context_lens.max()) if num_seqs else 0
+    cfg = decode_config(num_seqs, kv_heads, max_context_len, head_dim, q.device, quant)
+    block_n = cfg["block_n"] if block_n is None else block_n
+    num_warps = cfg["num_warps"] if num_warps is None else num_warps
+    num_stages = cfg["num_stages"] if num_stages is None else num_stages
+    fused = cfg["fused"] if fused is None else fused
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, kv_heads, max_context_len, q.device, block_n)
+        num_splits = choose_num_splits(num_seqs, kv_heads, max_context_len, q.device, block_n,
+                                       programs_per_sm=cfg["programs_per_sm"])
     num_splits = max(1, int(num_splits))
     is_async = phi is not None
     if is_async and bounds is None:
         bounds = DEFAULT_BOUNDS.get(q.dtype, (-64.0, 64.0))
     if out is None:
         out = torch.empty_like(q)
-    flags = torch.zeros(num_seqs, num_heads, dtype=torch.int32, device=q.device)
+    flags = torch.zeros(num_seqs, num_heads, dtype=torch.int32, device=q.device) \
+        if (return_flags or is_async) else out  # flags are only written by the async path
     if num_seqs == 0:
         return (out, flags) if return_flags else out
-    mid_o = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32,
-                        device=q.device)
-    mid_l = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    mid_m = torch.empty_like(mid_l)
+    one_split = num_splits == 1
+    ms = 1 if one_split else num_splits
+    if one_split:  # no partials: tiny placeholders
+        mid_o = mid_l = mid_m = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
+    else:
+        mid_o = torch.empty(num_seqs, num_heads, ms, head_dim, dtype=torch.float32,
+                            device=q.device)
+        mid_l = torch.empty(num_seqs, num_heads, ms, dtype=torch.float32, device=q.device)
+        mid_m = torch.empty_like(mid_l)
+    use_fused = fused and not one_split
+    count = _counters(q.device, num_seqs * kv_heads) if use_fused else mid_l
 
     if quant:
         ks, kz, vs, vz = k.scale, k.min, v.scale, v.min
         s_strides = (ks.stride(0), ks.stride(1), ks.stride(2))
-        group = quant_group
+        group = int(quant_group)
+        if group % 2 or group & (group - 1):
+            raise ValueError(f"int4 group size must be an even power of two, got {group}")
+        ng = -(-head_dim // group)
+        qdims = dict(HALF_D=head_dim // 2, NG=ng, NG_P=_pow2(ng, 1), HG=group // 2)
+        if qdims["NG_P"] * qdims["HG"] < 16:
+            raise ValueError("int4 decode needs head_dim / 2 >= 16 (tensor-core dot width)")
     else:
         ks = kz = vs = vz = kc  # unused
         s_strides = (0, 0, 0)
-        group = 1
+        qdims = dict(HALF_D=1, NG=1, NG_P=1, HG=1)
     interp = _interpreting()
     ieee = q.dtype == torch.float32 or (interp and q.dtype == torch.bfloat16)
     dot_dtype = _dot_dtype(q.dtype)
     block_h = _pow2(gqa)
     block_d = _pow2(head_dim)
+    block_s = _pow2(ms, 1)
     qk_scale = float(scale) * LOG2E
     phi2 = float(phi) * LOG2E if is_async else 0.0
     lo2 = float(bounds[0]) * LOG2E if is_async else 0.0
     hi2 = float(bounds[1]) * LOG2E if is_async else 0.0
     common = dict(GQA=gqa, HEAD_DIM=head_dim, BS=bs, BLOCK_H=block_h, BLOCK_N=block_n,
-                  BLOCK_D=block_d, ASYNC=is_async, QUANT=quant, GROUP=group,
-                  DOT_DTYPE=dot_dtype, IEEE=ieee)
-    launch = dict(num_warps=num_warps, num_stages=num_stages)
+                  BLOCK_D=block_d, BLOCK_S=block_s, S_CHUNK=min(block_s, 32), ASYNC=is_async,
+                  QUANT=quant, **qdims, DOT_DTYPE=dot_dtype, IEEE=ieee)
     kv_strides = (kc.stride(0), kc.stride(1), kc.stride(2))
-    mid_strides = (mid_l.stride(0), mid_l.stride(1), mid_l.stride(2))
+    mid_strides = (mid_l.stride(0), mid_l.stride(1), mid_l.stride(2)) if not one_split else (0, 0, 0)
+    f_stride = flags.stride(0) if flags is not out else 0
     _decode_stage1[(num_seqs, kv_heads, num_splits)](
-        q, kc, ks, kz, vc, vs, vz, block_tables, context_lens, mid_o, mid_l, mid_m,
-        q.stride(0), q.stride(1), *kv_strides, *s_strides, block_tables.stride(0),
-        *mid_strides, qk_scale, phi2, num_splits, **common, **launch)
-    _decode_stage2[(num_seqs, kv_heads)](
         q, kc, ks, kz, vc, vs, vz, block_tables, context_lens, mid_o, mid_l, mid_m, out, flags,
-        q.stride(0), q.stride(1), *kv_strides, *s_strides, block_tables.stride(0),
-        *mid_strides, out.stride(0), out.stride(1), flags.stride(0), qk_scale, phi2, lo2, hi2, num_splits,
-        BLOCK_S=_pow2(num_splits, 1), **common, num_warps=4)
-    return (out, flags) if return_flags else out
+        count, q.stride(0), q.stride(1), *kv_strides, *s_strides, block_tables.stride(0),
+        *mid_strides, out.stride(0), out.stride(1), f_stride, qk_scale, phi2, lo2, hi2,
+        num_splits, kv_heads, **common, FUSED=use_fused, ONE_SPLIT=one_split,
+        num_warps=num_warps, num_stages=num_stages)
+    if not one_split and not use_fused:
+        _decode_stage2[(num_seqs, kv_heads)](
+            q, kc, ks, kz, vc, vs, vz, block_tables, context_lens, mid_o, mid_l, mid_m, out, flags,
+            q.stride(0), q.stride(1), *kv_strides, *s_strides, block_tables.stride(0),
+            *mid_strides, out.stride(0), out.stride(1), f_stride, qk_scale, phi2, lo2, hi2,
+            num_splits, **common, num_warps=4)
+    if return_flags:
+        return out, flags
+    return out
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            *, phi: float | None = None, bounds: tuple[float, float] | None = None,
                            num_splits: int | None = None, max_context_len: int | None = None,
-                           block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+                           block_n: int | None = None, num_warps: int | None = None,
+                           num_stages: int | None = None, fused: bool | None = None,
                            return_flags: bool = False, out: torch.Tensor | None = None):
     """Paged decode attention (FlashDecoding split-KV), the Triton twin of
     ``paged_attention_ref.paged_decode_attention``.
@@ -370,15 +567,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``[num_seqs]``. ``phi=None``: synchronized online softmax. ``phi`` given: asynchronized
     softmax with unified max ``phi`` and safe range ``bounds = (a, b)`` of ``x - phi``
     (FlashDecoding++ §3; default by dtype, ``DEFAULT_BOUNDS``); rows outside it are flagged and
-    recomputed synchronously. ``num_splits=None`` picks ``choose_num_splits`` (needs
-    ``max_context_len``, else reads ``context_lens.max()``: one host sync). Returns
-    ``[num_seqs, num_heads, head_dim]`` in q's dtype, and with ``return_flags`` also the int32
-    ``[num_seqs, num_heads]`` recompute flags.
+    recomputed synchronously. ``num_splits``/``block_n``/``num_warps``/``num_stages``/``fused``
+    default to ``decode_config`` by shape (``num_splits`` needs ``max_context_len``, else reads
+    ``context_lens.max()``: one host sync). ``fused``: the last split of each (sequence, KV
+    head) combines the partials in the same launch (a per-device ticket counter; do not run two
+    fused calls concurrently on one device). Returns ``[num_seqs, num_heads, head_dim]`` in q's
+    dtype, and with ``return_flags`` also the int32 ``[num_seqs, num_heads]`` recompute flags.
     """
     return _launch(q, k_cache, v_cache, block_tables, context_lens, scale, quant_group=None,
                    phi=phi, bounds=bounds, num_splits=num_splits, max_context_len=max_context_len,
                    block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                   return_flags=return_flags, out=out)
+                   return_flags=return_flags, out=out, fused=fused)
 
 
 def paged_decode_attention_int4(q: torch.Tensor, k_cache: QuantizedKV, v_cache: QuantizedKV,
@@ -386,11 +585,15 @@ def paged_decode_attention_int4(q: torch.Tensor, k_cache: QuantizedKV, v_cache: 
                                 scale: float, *, phi: float | None = None,
                                 bounds: tuple[float, float] | None = None,
                                 num_splits: int | None = None, max_context_len: int | None = None,
-                                block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+                                block_n: int | None = None, num_warps: int | None = None,
+                                num_stages: int | None = None, fused: bool | None = None,
                                 return_flags: bool = False, out: torch.Tensor | None = None):
     """Decode attention over a 4-bit KV cache (FlexGen §5: group-wise asymmetric, groups of
-    ``group_size`` along head_dim; ``quant_ref.quantize_kv``), dequantized in registers. Same
-    contract as ``paged_decode_attention``; the math runs in q's dtype/float32."""
+    ``group_size`` along head_dim; ``quant_ref.quantize_kv``), dequantized in registers: the
+    packed bytes are read as coalesced tiles, each group's scale/min once per token, and the
+    nibbles unpacked by parity (even elements from low nibbles, odd from high), so the two
+    halves of q.k and p@V are two tensor-core dots each. Same contract as
+    ``paged_decode_attention``; the math runs in q's dtype/float32."""
     if k_cache.group_size != v_cache.group_size:
         raise ValueError("K and V must share the quantization group size")
     for c in (k_cache, v_cache):
@@ -401,8 +604,8 @@ def paged_decode_attention_int4(q: torch.Tensor, k_cache: QuantizedKV, v_cache: 
     return _launch(q, k_cache, v_cache, block_tables, context_lens, scale,
                    quant_group=k_cache.group_size, phi=phi, bounds=bounds, num_splits=num_splits,
                    max_context_len=max_context_len, block_n=block_n, num_warps=num_warps,
-                   num_stages=num_stages, return_flags=return_flags, out=out)
+                   num_stages=num_stages, return_flags=return_flags, out=out, fused=fused)
 
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_int4", "choose_num_splits",
-           "DEFAULT_BOUNDS", "LOG2E"]
+           "decode_config", "DEFAULT_BOUNDS", "LOG2E"]

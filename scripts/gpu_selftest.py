@@ -39,7 +39,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref).norm() / ref.norm())
 
 
-def check_decode(dev, dtype, heads, kv_heads, head_dim, lens, phi=None) -> float:
+def check_decode(dev, dtype, heads, kv_heads, head_dim, lens, phi=None, **kw) -> float:
     from localgen.kernels import paged_attention_ref as ref
     from localgen.kernels import paged_decode
 
@@ -52,7 +52,31 @@ def check_decode(dev, dtype, heads, kv_heads, head_dim, lens, phi=None) -> float
     cl = torch.tensor(lens, device=dev)
     q = torch.randn(B, heads, head_dim, device=dev, dtype=dtype)
     want = ref.paged_decode_attention(q.double(), k.double(), v.double(), perm, cl, head_dim ** -0.5)
-    out = paged_decode.paged_decode_attention(q, k, v, perm, cl, head_dim ** -0.5, phi=phi)
+    out = torch.full_like(q, float("nan"))
+    paged_decode.paged_decode_attention(q, k, v, perm, cl, head_dim ** -0.5, phi=phi, out=out, **kw)
+    torch.cuda.synchronize()
+    return rel_err(out, want)
+
+
+def check_decode_int4(dev, dtype, heads, kv_heads, head_dim, lens, phi=None, **kw) -> float:
+    """int4 KV decode vs float64 attention over the dequantized cache."""
+    from localgen.kernels import paged_attention_ref as ref
+    from localgen.kernels import paged_decode, quant_ref
+
+    bs = 16
+    B, maxb = len(lens), max(-(-n // bs) for n in lens)
+    nb = B * maxb + 64
+    k = torch.randn(nb, bs, kv_heads, head_dim, device=dev, dtype=dtype)
+    v = torch.randn_like(k)
+    qk, qv = quant_ref.quantize_kv(k), quant_ref.quantize_kv(v)
+    kd, vd = quant_ref.dequantize_kv(qk, torch.float64), quant_ref.dequantize_kv(qv, torch.float64)
+    perm = torch.randperm(nb, device=dev)[:B * maxb].view(B, maxb)
+    cl = torch.tensor(lens, device=dev)
+    q = torch.randn(B, heads, head_dim, device=dev, dtype=dtype)
+    want = ref.paged_decode_attention(q.double(), kd, vd, perm, cl, head_dim ** -0.5)
+    out = torch.full_like(q, float("nan"))
+    paged_decode.paged_decode_attention_int4(q, qk, qv, perm, cl, head_dim ** -0.5, phi=phi,
+                                             out=out, **kw)
     torch.cuda.synchronize()
     return rel_err(out, want)
 
@@ -131,6 +155,20 @@ def main() -> int:
             ok = e < tol
             fails += not ok
             print(f"decode {str(dtype):15s} h{h} kv{kvh} d{d} phi={phi}: rel err {e:.2e} {'ok' if ok else 'FAIL'}")
+        lens = [1, 17, 300, 4099, 32768][: 5 if d == 128 else 4]
+        for kw in (dict(fused=False), dict(num_splits=1), dict(num_splits=97, block_n=32),
+                   dict(phi=0.0, fused=False), dict(phi=0.0, num_splits=1), dict(phi=200.0)):
+            e = check_decode(dev, dtype, h, kvh, d, lens[:4], **kw)
+            ok = e < tol
+            fails += not ok
+            print(f"decode {str(dtype):15s} h{h} kv{kvh} d{d} {kw}: rel err {e:.2e} {'ok' if ok else 'FAIL'}")
+        if dtype != torch.float32:
+            for kw in (dict(), dict(phi=0.0), dict(fused=False), dict(num_splits=1),
+                       dict(phi=200.0, num_splits=3)):
+                e = check_decode_int4(dev, dtype, h, kvh, d, lens, **kw)
+                ok = e < tol
+                fails += not ok
+                print(f"int4 decode {str(dtype):15s} h{h} kv{kvh} d{d} {kw}: rel err {e:.2e} {'ok' if ok else 'FAIL'}")
         e = check_prefill(dev, dtype, h, kvh, d)
         ok = e < tol
         fails += not ok

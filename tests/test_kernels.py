@@ -87,9 +87,11 @@ def test_decode_matches_float64(seed, dtype, heads, kv_heads, head_dim, softmax)
     scale = head_dim ** -0.5
     want = ref.paged_decode_attention(q.double(), k.double(), v.double(), bt, cl, scale)
     splits = random.choice([1, 3, 9])  # 9 splits leaves some empty for short sequences
+    fused = random.choice([True, False])  # last split combines in-kernel / separate stage 2
     out = poisoned(q)
     got, flags = paged_decode_attention(q, k, v, bt, cl, scale, phi=0.0 if softmax == "async" else None,
-                                        num_splits=splits, block_n=16, out=out, return_flags=True)
+                                        num_splits=splits, block_n=16, out=out, return_flags=True,
+                                        fused=fused)
     assert got.data_ptr() == out.data_ptr()
     assert not torch.isnan(got).any(), f"seed={seed}"
     assert rel_err(got, want) < TOL[dtype], f"seed={seed} splits={splits} err={rel_err(got, want)}"
@@ -105,7 +107,8 @@ def test_decode_default_splits_and_block_n(seed):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # fp16 partials of the flagged row
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_async_recompute_on_outliers(seed, dtype):
+@pytest.mark.parametrize("splits,fused", [(3, True), (3, False), (1, True)])
+def test_async_recompute_on_outliers(seed, dtype, splits, fused):
     """Crafted outliers: seq 0 has one key aligned with its query (x - phi >> b, overflow side);
     seq 2's scores all sit far below phi (x - phi << a, underflow side). Both rows must be
     flagged and recomputed synchronously; seq 1 stays on the asynchronous path."""
@@ -125,8 +128,8 @@ def test_async_recompute_on_outliers(seed, dtype):
     scale = d ** -0.5
     want = ref.paged_decode_attention(q.double(), k.double(), v.double(), bt, cl, scale)
     got, flags = paged_decode_attention(q, k, v, bt, cl, scale, phi=0.0, bounds=(-9.0, 11.0),
-                                        num_splits=3, block_n=16, out=poisoned(q),
-                                        return_flags=True)
+                                        num_splits=splits, block_n=16, out=poisoned(q),
+                                        return_flags=True, fused=fused)
     assert flags[0, 1] == 1, f"seed={seed}: overflow outlier not flagged"
     assert flags[2, 4:8].all(), f"seed={seed}: underflow rows not flagged"
     assert flags[1].sum() == 0 and flags[0, 4:].sum() == 0, f"seed={seed}: {flags}"
@@ -196,9 +199,28 @@ def test_int4_decode_matches_dequantized_reference(seed, head_dim, heads, kv_hea
     kd, vd = qr.dequantize_kv(qk, torch.float64), qr.dequantize_kv(qv, torch.float64)
     scale = head_dim ** -0.5
     want = ref.paged_decode_attention(q.double(), kd, vd, bt, cl, scale)
-    got = paged_decode_attention_int4(q, qk, qv, bt, cl, scale, num_splits=2, block_n=16,
+    got = paged_decode_attention_int4(q, qk, qv, bt, cl, scale, num_splits=random.choice([1, 2, 5]),
+                                      block_n=16, fused=random.choice([True, False]),
                                       phi=0.0 if softmax == "async" else None, out=poisoned(q))
     assert rel_err(got, want) < 1e-2, f"seed={seed} err={rel_err(got, want)}"
+
+
+def test_int4_recompute_and_fused_counters_reset(seed):
+    """int4 rows forced through the recompute path (phi far above every score), fused combine;
+    the fused path leaves its ticket counters at zero for the next call (CUDA-graph replays)."""
+    from localgen.kernels import paged_decode as pd
+    q, k, v, bt, cl = decode_case(torch.bfloat16, 8, 2, 64, [45, 70])
+    qk, qv = qr.quantize_kv(k), qr.quantize_kv(v)
+    kd, vd = qr.dequantize_kv(qk, torch.float64), qr.dequantize_kv(qv, torch.float64)
+    want = ref.paged_decode_attention(q.double(), kd, vd, bt, cl, 0.125)
+    for splits in (3, 1):
+        got, flags = paged_decode_attention_int4(q, qk, qv, bt, cl, 0.125, phi=200.0,
+                                                 num_splits=splits, block_n=16, fused=True,
+                                                 out=poisoned(q), return_flags=True)
+        assert flags.all(), f"seed={seed}"
+        assert rel_err(got, want) < 1e-2, f"seed={seed} splits={splits} err={rel_err(got, want)}"
+    for buf in pd._COUNTERS.values():
+        assert int(buf.abs().sum()) == 0
 
 
 # ---- prefill ---------------------------------------------------------------------------------

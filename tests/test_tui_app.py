@@ -147,9 +147,23 @@ def model_dir(tmp_path_factory):
     return make_hf_model(tmp_path_factory.mktemp("tui"), "smollm")
 
 
-def real_service(model_dir, metrics_interval: float = 0.1) -> EngineService:
-    return EngineService(lambda: LLM.load(str(model_dir), device="cpu", kv_cache_memory=1 << 22),
-                         metrics_interval=metrics_interval)
+def real_service(model_dir, metrics_interval: float = 0.1, step_delay: float = 0.0) -> EngineService:
+    """The tiny model on the service thread. ``step_delay`` slows each engine step (a slower
+    machine), so the test's keys land while generation is still running on any CI box."""
+
+    def load():
+        llm = LLM.load(str(model_dir), device="cpu", kv_cache_memory=1 << 22)
+        if step_delay:
+            step = llm.step
+
+            def slow_step():
+                time.sleep(step_delay)
+                return step()
+
+            llm.step = slow_step
+        return llm
+
+    return EngineService(load, metrics_interval=metrics_interval)
 
 
 @pytest.mark.asyncio
@@ -186,13 +200,13 @@ async def test_real_model_streams_and_panels_update(model_dir):
 
 @pytest.mark.asyncio
 async def test_real_model_stop_mid_answer(model_dir):
-    svc = real_service(model_dir)
+    svc = real_service(model_dir, step_delay=0.02)
     conv = Conversation(sampling=SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True))
     app = ChatApp(svc, conv)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: svc.state == "ready")
         await type_and_send(pilot, "hello")
-        await wait_for(pilot, lambda: answers(app) and answers(app)[0].updates >= 3)
+        await wait_for(pilot, lambda: app.current is not None and app.current.completion_tokens >= 2)
         await pilot.press("escape")
         await wait_for(pilot, lambda: app.current is None)
         turn = app.conversation.turns[-1]
@@ -203,12 +217,12 @@ async def test_real_model_stop_mid_answer(model_dir):
 
 @pytest.mark.asyncio
 async def test_batch_screen_runs_jsonl_while_chat_answers_first(model_dir, tmp_path):
-    n = 8
+    n = 12
     src = tmp_path / "jobs.jsonl"
     src.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"one two three four {i}",
-                                       "max_tokens": 32, "temperature": 0, "ignore_eos": True}) + "\n"
+                                       "max_tokens": 200, "temperature": 0, "ignore_eos": True}) + "\n"
                            for i in range(n)))
-    svc = real_service(model_dir)
+    svc = real_service(model_dir, step_delay=0.02)
     conv = Conversation(sampling=SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     app = ChatApp(svc, conv)
     async with app.run_test(size=SIZE) as pilot:
@@ -220,8 +234,12 @@ async def test_batch_screen_runs_jsonl_while_chat_answers_first(model_dir, tmp_p
         job = svc.batch_jobs[0]
         await wait_for(pilot, lambda: job.progress is not None and job.progress.tokens > 0, what="batch start")
         await pilot.press("escape")  # back to the chat while the batch runs
-        await type_and_send(pilot, "hello")
-        stream = app.current
+        streams, submit = [], svc.submit
+        svc.submit = lambda req: (streams.append(submit(req)), streams[-1])[-1]
+        app.screen.query_one("#prompt").value = "hello"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: streams, what="chat submitted")
+        stream = streams[0]
         await wait_for(pilot, lambda: app.answers_streamed == 1, what="chat answer")
         if job.state == "running":
             assert "batch" in str(app.screen.query_one("#status").render())
@@ -229,8 +247,8 @@ async def test_batch_screen_runs_jsonl_while_chat_answers_first(model_dir, tmp_p
         await wait_for(pilot, lambda: job.state == "done", timeout=120, what="batch end")
         await pilot.pause(0.3)
         row = app.screen.rows[job.job_id]
-        assert "done: 8 written" in str(row.query_one(".job-stats").render())
-        assert stream.first_token_at < job.finished_at, "chat's first token came after the batch finished"
+        assert "done: 12 written" in str(row.query_one(".job-stats").render())
+        assert stream.first_token_at < job.finished_at, (job.started_at, stream.submitted_at, stream.first_token_at, job.finished_at)
     out = src.with_name("jobs.out.jsonl")
     assert len(out.read_text().splitlines()) == n
 

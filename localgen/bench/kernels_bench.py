@@ -156,13 +156,18 @@ def bench_cell(b: int, ctx: int, timer: Timer, mods, args, copy_bw: float) -> li
         row.update(extra or {})
         rows.append(row)
 
-    splits = pd.choose_num_splits(b, KV_HEADS, ctx, q.device)
+    cfg = pd.decode_config(b, KV_HEADS, ctx, HEAD_DIM, q.device)
+    splits = pd.choose_num_splits(b, KV_HEADS, ctx, q.device, cfg["block_n"],
+                                  programs_per_sm=cfg["programs_per_sm"])
+    cfg4 = pd.decode_config(b, KV_HEADS, ctx, HEAD_DIM, q.device, quant=True)
+    splits4 = pd.choose_num_splits(b, KV_HEADS, ctx, q.device, cfg4["block_n"],
+                                   programs_per_sm=cfg4["programs_per_sm"])
     out = torch.empty_like(q)
     variants = {"sync": dict(phi=None), "async": dict(phi=args.phi)}
     for name, kw in variants.items():
         fn = lambda kw=kw: pd.paged_decode_attention(q, k, v, tables, lens, scale, out=out,  # noqa
-                                                     max_context_len=ctx, num_splits=splits, **kw)
-        record(name, timer.graph(fn), timer.eager(fn), exact_bytes, {"num_splits": splits})
+                                                     max_context_len=ctx, **kw)
+        record(name, timer.graph(fn), timer.eager(fn), exact_bytes, {"num_splits": splits, "config": cfg})
     _, flags = pd.paged_decode_attention(q, k, v, tables, lens, scale, phi=args.phi,
                                          max_context_len=ctx, return_flags=True)
     rows[-1]["recomputed_rows"] = int(flags.sum())
@@ -186,8 +191,8 @@ def bench_cell(b: int, ctx: int, timer: Timer, mods, args, copy_bw: float) -> li
         torch.cuda.empty_cache()
         q4 = 2 * b * ctx * KV_HEADS * (HEAD_DIM // 2 + 2 * 2 * (-(-HEAD_DIM // 64)))
         fn = lambda: pd.paged_decode_attention_int4(q, qk, qv, tables, lens, scale, out=out,  # noqa
-                                                    max_context_len=ctx, num_splits=splits)
-        record("int4", timer.graph(fn), timer.eager(fn), q4, {"num_splits": splits})
+                                                    max_context_len=ctx)
+        record("int4", timer.graph(fn), timer.eager(fn), q4, {"num_splits": splits4, "config": cfg4})
         o4 = pd.paged_decode_attention_int4(q, qk, qv, tables, lens, scale, max_context_len=ctx)
         rows[-1]["max_abs_diff_vs_sync_bf16"] = float((o4.float() - want.float()).abs().max())
         del qk, qv

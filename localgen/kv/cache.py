@@ -22,24 +22,27 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> in
     return cfg.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size()) * block_size
 
 
-def free_memory_bytes(device: torch.device) -> int:
+def free_memory_bytes(device: torch.device, reserve_bytes: int = 0) -> int:
     """Bytes the KV cache may take by default: a share of free CUDA memory, or of available host
-    RAM (capped at CPU_DEFAULT_CAP)."""
+    RAM (capped at CPU_DEFAULT_CAP). On CUDA ``reserve_bytes`` are kept free first."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        return int(free * GPU_FREE_FRACTION)
+        return int((free - reserve_bytes) * GPU_FREE_FRACTION)
     return min(int(psutil.virtual_memory().available * CPU_AVAILABLE_FRACTION), CPU_DEFAULT_CAP)
 
 
 def plan_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
-                    kv_cache_memory: int | None, max_useful_tokens: int) -> int:
-    """Blocks to allocate: ``kv_cache_memory`` bytes if given, else a share of free memory,
-    never more than ``max_useful_tokens`` need (max_num_seqs full contexts).
+                    kv_cache_memory: int | None, max_useful_tokens: int,
+                    reserve_bytes: int = 0) -> int:
+    """Blocks to allocate: ``kv_cache_memory`` bytes if given, else a share of free memory after
+    ``reserve_bytes`` (activations, CUDA-graph pools), never more than ``max_useful_tokens`` need
+    (max_num_seqs full contexts).
 
     Raises ValueError when the budget holds less than one block.
     """
     per_block = bytes_per_block(cfg, block_size, dtype)
-    budget = kv_cache_memory if kv_cache_memory is not None else free_memory_bytes(device)
+    budget = kv_cache_memory if kv_cache_memory is not None else max(
+        0, free_memory_bytes(device, reserve_bytes))
     n = budget // per_block
     if kv_cache_memory is None:
         n = min(n, -(-max_useful_tokens // block_size))
@@ -54,11 +57,24 @@ class PagedKVCache:
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device):
-        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # one extra block past the allocator's range: padded rows of a CUDA-graph batch write there
+        shape = (cfg.num_layers, 2, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.scratch_block = num_blocks
         self.views = [LayerKV(self.data[i, 0], self.data[i, 1]) for i in range(cfg.num_layers)]
 
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+
+def activation_reserve_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int,
+                             dtype: torch.dtype) -> int:
+    """GPU memory to leave free beside the cache: a prefill's activations at
+    ``max_num_batched_tokens`` (residual, q/k/v, gated MLP), the logits of a full decode batch in
+    float32 (twice: graph outputs and sampling), and 256 MiB for CUDA-graph pools."""
+    esize = torch.tensor([], dtype=dtype).element_size()
+    per_token = 4 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size + 3 * cfg.intermediate_size
+    logits = 2 * max_num_seqs * cfg.vocab_size * 4
+    return max_num_batched_tokens * per_token * esize * 2 + logits + (256 << 20)

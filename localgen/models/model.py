@@ -60,7 +60,8 @@ class CausalLM:
                  device: torch.device):
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.family = family_of(cfg)
-        self.inv_freq = inv_frequencies(cfg) if cfg.family == "llama" else None
+        # on the device once: a host-to-device copy per step would break CUDA-graph capture
+        self.inv_freq = inv_frequencies(cfg).to(self.device) if cfg.family == "llama" else None
         gopt = getattr(self.family, "GLOBAL_OPTIONAL", set())
         self.global_w = read_weights(store, self.family.global_weight_names(cfg), gopt, dtype, self.device)
         self.layers = [

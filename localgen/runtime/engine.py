@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from localgen.kv.block_manager import BlockManager
-from localgen.kv.cache import PagedKVCache, plan_num_blocks
+from localgen.kv.cache import PagedKVCache, activation_reserve_bytes, plan_num_blocks
+from localgen.runtime.cuda_graphs import GraphedModelRunner
 from localgen.models.model import CausalLM
 from localgen.runtime.detokenizer import IncrementalDetokenizer
 from localgen.runtime.executor import ModelRunner
@@ -33,6 +34,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None
     max_model_len: int | None = None
+    cuda_graphs: bool = True  # replay decode steps as CUDA graphs on CUDA devices
 
 
 class Engine:
@@ -50,10 +52,17 @@ class Engine:
             self.kv_cache = self.runner.kv
             num_blocks = self.kv_cache.num_blocks
         else:
+            reserve = activation_reserve_bytes(mcfg, config.max_num_batched_tokens,
+                                               config.max_num_seqs, model.dtype)
             num_blocks = plan_num_blocks(mcfg, config.block_size, model.dtype, model.device,
-                                         config.kv_cache_memory, config.max_num_seqs * self.max_model_len)
+                                         config.kv_cache_memory, config.max_num_seqs * self.max_model_len,
+                                         reserve_bytes=reserve)
             self.kv_cache = PagedKVCache(mcfg, num_blocks, config.block_size, model.dtype, model.device)
-            self.runner = ModelRunner(model, self.kv_cache)
+            if model.device.type == "cuda" and config.cuda_graphs:
+                self.runner = GraphedModelRunner(model, self.kv_cache, config.max_num_seqs,
+                                                 self.max_model_len)
+            else:
+                self.runner = ModelRunner(model, self.kv_cache)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    max(config.max_num_batched_tokens, config.block_size))
