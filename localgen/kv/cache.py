@@ -14,7 +14,7 @@ from localgen.models.config import ModelConfig
 # Share of free memory the cache may take when the user gives no --kv-cache-memory.
 GPU_FREE_FRACTION = 0.9
 CPU_AVAILABLE_FRACTION = 0.25
-CPU_DEFAULT_CAP = 4 << 30  # host RAM is shared with everything else; --kv-cache-memory lifts it
+CPU_DEFAULT_CAP = 2 << 30  # host RAM is shared with everything else; --kv-cache-memory lifts it
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
