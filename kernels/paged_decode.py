@@ -429,13 +429,22 @@ def _dot_dtype(dtype: torch.dtype):
 def decode_config(num_seqs: int, num_kv_heads: int, max_context_len: int, head_dim: int,
                   device: torch.device, quant: bool = False) -> dict:
     """Launch parameters by shape: ``block_n`` (tokens per tile), ``num_warps``, ``num_stages``,
-    ``programs_per_sm`` (split-KV target) and ``fused`` (last split combines; one launch)."""
-    work = max(1, num_seqs * num_kv_heads)
-    if quant:
-        return dict(block_n=64, num_warps=4, num_stages=2, programs_per_sm=4, fused=True)
-    if work * max_context_len <= 8 * 4096:  # little work: latency-bound, spread it wide
-        return dict(block_n=32, num_warps=4, num_stages=2, programs_per_sm=4, fused=True)
-    return dict(block_n=64, num_warps=4, num_stages=2, programs_per_sm=4, fused=True)
+    ``programs_per_sm`` (split-KV target, ``choose_num_splits``) and ``fused`` (the last split
+    combines the partials in-kernel: one launch). From the H200 sweep (scripts/decode_sweep.py,
+    docs/results/kernels_bench_h200_v2.txt): 128-token tiles with 4 warps and a 2-deep pipeline
+    beat 32/64-token tiles, 8 warps and 3 stages at every measured shape; about two programs
+    per SM (one 64 KiB K+V tile pair each in flight) is the best split target for bf16 below
+    256 (sequence, KV head) programs and no split above; the int4 cache (a quarter of the bytes
+    per token) wants about four per SM."""
+    del head_dim, device  # one table for now (measured at head_dim 128, bf16)
+    base = num_seqs * num_kv_heads
+    if base >= 256:  # enough (sequence, KV head) programs without splitting
+        pps = 1
+    elif quant:
+        pps = 2 if (base <= 8 and max_context_len > 4096) else 4
+    else:
+        pps = 2
+    return dict(block_n=128, num_warps=4, num_stages=2, programs_per_sm=pps, fused=True)
 
 
 _COUNTERS: dict = {}

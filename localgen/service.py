@@ -779,18 +779,27 @@ class EngineService:
         )
 
 
+def _tier_shares(llm: Any, on_gpu: bool) -> tuple[float, float, float]:
+    """GPU/CPU/disk shares of what the model holds: from the offloading runtime's placement when
+    a policy runs it, else everything on the model's device."""
+    if getattr(llm, "policy", None) is not None and hasattr(llm, "memory_by_tier"):
+        tiers = llm.memory_by_tier()
+        total = sum(tiers.values()) or 1
+        return tiers.get("gpu", 0) / total, tiers.get("cpu", 0) / total, tiers.get("disk", 0) / total
+    return (1.0, 0.0, 0.0) if on_gpu else (0.0, 1.0, 0.0)
+
+
 def _model_info(llm: Any) -> ModelInfo:
-    """Where the model lives. Every tensor is on the model's device for now (no offloading
-    policy applied yet), so the shares are 1/0/0 for that device."""
+    """Where the model lives: the offloading policy's tiers, or the model's one device."""
     device = str(getattr(llm, "device", "cpu"))
     weight_bytes = int(getattr(llm, "weight_bytes", 0) or 0)
     on_gpu = device.startswith("cuda")
+    gpu_share, cpu_share, disk_share = _tier_shares(llm, on_gpu)
     return ModelInfo(
         name=str(getattr(llm, "model_name", "model")), device=device,
         dtype=str(getattr(llm, "dtype", "")).replace("torch.", ""),
         weight_bytes=weight_bytes,
-        weights_gpu_share=1.0 if on_gpu else 0.0, weights_cpu_share=0.0 if on_gpu else 1.0,
-        weights_disk_share=0.0,
+        weights_gpu_share=gpu_share, weights_cpu_share=cpu_share, weights_disk_share=disk_share,
         kv_cache_bytes=int(getattr(llm, "kv_cache_bytes", 0) or 0),
         kv_bytes_per_token=int(getattr(llm, "kv_bytes_per_token", 0) or 0),
         block_size=int(getattr(llm, "block_size", 16) or 16),

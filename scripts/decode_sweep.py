@@ -27,6 +27,10 @@ from localgen.bench.kernels_bench import (BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS,
                                           copy_bandwidth, import_kernels, quantize_chunked)
 
 
+def ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -35,6 +39,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--deadline", type=float, default=240.0)
     ap.add_argument("--no-int4", action="store_true")
+    ap.add_argument("--block-n", default="32,64,128")
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--stages", default="2,3")
+    ap.add_argument("--pps", default="1,2,4,8", help="programs per SM targets (split counts)")
     args = ap.parse_args()
     t0 = time.time()
     pd, ref, qr = import_kernels()
@@ -88,7 +96,8 @@ def main() -> None:
 
         seen = set()
         best = None
-        for bn, nw, ns, pps in itertools.product((32, 64, 128), (4, 8), (2, 3), (1, 2, 4, 8)):
+        for bn, nw, ns, pps in itertools.product(ints(args.block_n), ints(args.warps),
+                                              ints(args.stages), ints(args.pps)):
             splits = pd.choose_num_splits(b, KV_HEADS, ctx, q.device, bn, programs_per_sm=pps)
             key = (bn, nw, ns, splits)
             if key in seen:
@@ -116,7 +125,7 @@ def main() -> None:
             q4 = 2 * b * ctx * KV_HEADS * (HEAD_DIM // 2 + 8)
             b4 = None
             seen = set()
-            for bn, nw, pps in itertools.product((32, 64, 128), (4, 8), (2, 4, 8)):
+            for bn, nw, pps in itertools.product(ints(args.block_n), (4,), ints(args.pps)):
                 splits = pd.choose_num_splits(b, KV_HEADS, ctx, q.device, bn, programs_per_sm=pps)
                 if (bn, nw, splits) in seen:
                     continue

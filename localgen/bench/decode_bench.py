@@ -41,6 +41,7 @@ class DecodeRun:
     roofline_tokens_per_s: float
     fraction_of_roofline: float  # decode tokens/s (or tokens/s) over the roofline
     prefill_seconds: float | None = None
+    graph_replay_ms: float | None = None  # GPU time of one decode graph replay (no host work)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
@@ -75,6 +76,23 @@ def roofline(weight_bytes: int, kv_bytes_per_token: int, batch: int, prompt_len:
     return batch * bandwidth / step_bytes
 
 
+def graph_replay_ms(llm) -> float | None:
+    """Median GPU time of replaying the most recently captured decode graph (CUDA events)."""
+    graphs = getattr(llm.engine.runner, "graphs", None)
+    if not graphs:
+        return None
+    g = list(graphs.values())[-1]
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[10]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -85,13 +103,14 @@ def prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list
     return torch.randint(10, vocab - 10, (batch, prompt_len), generator=g).tolist()
 
 
-def run_localgen(llm, batch: int, prompt_len: int, gen_len: int) -> tuple[float, float]:
+def run_localgen(llm, batch: int, prompt_len: int, gen_len: int,
+                 seed: int = 0) -> tuple[float, float]:
     """Wall seconds of one generation, and decode tokens/s from the engine's metrics."""
     from localgen.api import Request, SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
     reqs = [Request(prompt_token_ids=p, sampling=sp)
-            for p in prompts(batch, prompt_len, llm.config.vocab_size)]
+            for p in prompts(batch, prompt_len, llm.config.vocab_size, seed)]
     m = llm.metrics
     dec_t0, dec_n0, pre_t0 = m.decode_seconds, m.decode_tokens, m.prefill_seconds
     _sync(llm.engine.model.device)
@@ -188,11 +207,13 @@ def bench(spec: str, batches: list[int], prompt_len: int, gen_len: int, *, devic
     runs: list[DecodeRun] = []
     for b in batches:
         # warm-up with the measured shapes: compiles kernels, captures this run's graph buckets
-        run_localgen(llm, b, prompt_len, gen_len)
+        # (other prompts than the measured ones: no prefix-cache hits in the measurement)
+        run_localgen(llm, b, prompt_len, gen_len, seed=1)
         roof = roofline(wbytes, kv_tok, b, prompt_len, gen_len, bw)
         wall, dec = run_localgen(llm, b, prompt_len, gen_len)
         runs.append(DecodeRun("localgen", b, prompt_len, gen_len, wall, b * gen_len / wall, dec,
-                              roof, dec / roof, run_localgen.last_prefill_s))
+                              roof, dec / roof, run_localgen.last_prefill_s,
+                              graph_replay_ms(llm)))
         if hf is not None:
             run_hf(hf, b, prompt_len, gen_len, llm.config.vocab_size, dev)  # warm-up, same shapes
             wall_hf = run_hf(hf, b, prompt_len, gen_len, llm.config.vocab_size, dev)
@@ -208,7 +229,8 @@ def bench(spec: str, batches: list[int], prompt_len: int, gen_len: int, *, devic
 
 def format_table(runs: list[DecodeRun]) -> str:
     lines = [f"{'engine':13s} {'batch':>5s} {'prompt':>6s} {'gen':>4s} {'tok/s':>9s} "
-             f"{'decode tok/s':>12s} {'roofline':>9s} {'%roof':>6s} {'vs HF':>7s} {'prefill s':>9s}"]
+             f"{'decode tok/s':>12s} {'roofline':>9s} {'%roof':>6s} {'vs HF':>7s} {'prefill s':>9s}"
+             f" {'graph ms':>8s}"]
     hf = {r.batch: r for r in runs if r.engine == "transformers"}
     for r in runs:
         ratio = r.tokens_per_s / hf[r.batch].tokens_per_s if r.batch in hf else float("nan")
@@ -216,7 +238,8 @@ def format_table(runs: list[DecodeRun]) -> str:
         lines.append(f"{r.engine:13s} {r.batch:5d} {r.prompt_len:6d} {r.gen_len:4d} "
                      f"{r.tokens_per_s:9.1f} {dec} {r.roofline_tokens_per_s:9.1f} "
                      f"{100 * r.fraction_of_roofline:5.1f}% {ratio:6.2f}x "
-                     f"{r.prefill_seconds if r.prefill_seconds is not None else float('nan'):9.3f}")
+                     f"{r.prefill_seconds if r.prefill_seconds is not None else float('nan'):9.3f}"
+                     f" {r.graph_replay_ms if r.graph_replay_ms is not None else float('nan'):8.3f}")
     return "\n".join(lines)
 
 

@@ -64,9 +64,10 @@ class CausalLM:
         self.inv_freq = inv_frequencies(cfg).to(self.device) if cfg.family == "llama" else None
         gopt = getattr(self.family, "GLOBAL_OPTIONAL", set())
         self.global_w = read_weights(store, self.family.global_weight_names(cfg), gopt, dtype, self.device)
+        fuse = getattr(self.family, "fuse_weights", lambda _cfg, w: w)
         self.layers = [
-            read_weights(store, self.family.layer_weight_names(cfg, i), self.family.OPTIONAL,
-                         dtype, self.device)
+            fuse(cfg, read_weights(store, self.family.layer_weight_names(cfg, i),
+                                   self.family.OPTIONAL, dtype, self.device))
             for i in range(cfg.num_layers)
         ]
 

@@ -44,7 +44,13 @@ NVARS = 9
 TERMS = ("ctog", "gtoc", "dtoc", "ctod", "comp")
 TIERS = ("gpu", "cpu", "disk")
 Form = Literal["released", "paper"]
-DEFAULT_MEM_FRACTION = 0.9  # headroom for allocator fragmentation and the CUDA context
+DEFAULT_MEM_FRACTION = 0.9  # GPU: headroom for allocator fragmentation and the CUDA context
+# Usable share of each tier's capacity. CPU RAM and disk: 0.8, FlexGen's relaxation ratios alpha_c and
+# alpha_n (FMInference/FlexGen experimental/cost_model.py, module globals used in solve_lp:
+# ``cmem = config.cmem * alpha_c``, ``nmem = config.nmem * alpha_n``). GPU: 0.9, not FlexGen's alpha_g = 0.8:
+# our GPU rows already count the double-buffered layer and the working buffers, and at 0.8 OPT-6.7B's
+# weights plus any KV cache no longer fit the T4's 15 GiB (FlexGen Table 5 has them all on the GPU).
+DEFAULT_MEM_FRACTIONS = {"gpu": DEFAULT_MEM_FRACTION, "cpu": 0.8, "disk": 0.8}
 
 
 def compressed_ratio(bits: int = 4, group_size: int = 64, dtype_bytes: int = 2) -> float:
@@ -135,7 +141,8 @@ class Prediction:
 class CostModel:
     """FlexGen App. A.3 cost model for ``cfg`` on ``hw`` running ``wl``.
 
-    ``mem_fraction`` of each capacity is usable (FlexGen's relaxation ratio alpha, 0.8 there).
+    ``mem_fraction``: usable share of each capacity, a float for every tier or a dict per tier
+    (default ``DEFAULT_MEM_FRACTIONS``: GPU 0.9, CPU and disk 0.8 as FlexGen's alpha_c and alpha_n).
     ``form`` picks how the five terms overlap: "paper" is App. A.3 as printed, each of T_pre and
     T_gen the max of the five; "released" (default) is the authors' fitted refinement in FlexGen's
     ``experimental/cost_model.py``: T_pre = max(ctog + dtoc, gtoc + ctod, comp) (disk->CPU->GPU of
@@ -147,11 +154,17 @@ class CostModel:
     """
 
     def __init__(self, cfg: ModelConfig, hw: HardwareProfile, wl: Workload,
-                 mem_fraction: float = DEFAULT_MEM_FRACTION, form: Form = "released"):
+                 mem_fraction: float | dict[str, float] | None = None, form: Form = "released"):
         if cfg.family not in ("opt", "llama"):
             raise ValueError(f"cost model has no shapes for family {cfg.family!r}")
         if form not in ("released", "paper"):
             raise ValueError(f"form must be 'released' or 'paper', got {form!r}")
+        if mem_fraction is None:
+            mem_fraction = dict(DEFAULT_MEM_FRACTIONS)
+        elif not isinstance(mem_fraction, dict):
+            mem_fraction = {t: float(mem_fraction) for t in TIERS}
+        else:
+            mem_fraction = {**DEFAULT_MEM_FRACTIONS, **mem_fraction}
         self.cfg, self.hw, self.wl, self.mem_fraction, self.form = cfg, hw, wl, mem_fraction, form
 
     # -- shapes ---------------------------------------------------------------------------------
@@ -160,6 +173,22 @@ class CostModel:
         c = self.cfg
         n_mlp = 2 if c.family == "opt" else 3
         return 2 * c.hidden_size * c.q_size + 2 * c.hidden_size * c.kv_size + n_mlp * c.hidden_size * c.intermediate_size
+
+    def min_gpu_weight_share(self) -> float:
+        """Smallest GPU weight share (wg) at which FlexGen's runtime puts a whole weight matrix on the GPU.
+
+        FlexGen flexgen/flex_opt.py ``init_weight_list``: within each sublayer (``SelfAttention``:
+        w_q, w_k, w_v, w_out + biases/LN; ``MLP``: wi, wo + biases/LN), tensor i goes to
+        ``get_choice(midpoint_i, [disk%, cpu%, gpu%], [disk, cpu, gpu])``, the tier where the midpoint
+        of its cumulative size falls; the GPU gets the tail. The last matrix reaches the GPU once
+        wg > (its size / 2) / (sublayer size): 1/8 for OPT's w_out, 1/4 for its wo (biases ignored).
+        Llama's MLP is taken in order gate, up, down. Returns the smaller of the sublayers' thresholds.
+        """
+        c = self.cfg
+        h, q, kv, h2 = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
+        attn = [h * q, h * kv, h * kv, q * h]
+        mlp = [h * h2] * (2 if c.family == "opt" else 3)
+        return min(m[-1] / 2 / sum(m) for m in (attn, mlp))
 
     def total_weight_bytes(self, compress_weight: bool = False) -> float:
         """All parameters (embeddings, norms, biases included) in stored bytes."""
@@ -266,8 +295,8 @@ class CostModel:
                 t["ctog"], t["gtoc"] = _affine(), _affine()
 
         memory = self._memory_rows(gbs, bls, cw, ck, wi, wi16, compress_weight, compress_cache, cpu_cache_compute)
-        cap = {"gpu": hw.gpu_mem * self.mem_fraction, "cpu": hw.cpu_mem * self.mem_fraction,
-               "disk": hw.disk_mem * self.mem_fraction}
+        f = self.mem_fraction
+        cap = {"gpu": hw.gpu_mem * f["gpu"], "cpu": hw.cpu_mem * f["cpu"], "disk": hw.disk_mem * f["disk"]}
         if not gpu:
             cap.pop("gpu")
         pre_rows, gen_rows = _overlap_rows(prefill, decode, self.form)

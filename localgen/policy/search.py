@@ -17,14 +17,15 @@ from typing import Iterable, Literal
 import numpy as np
 
 from localgen.models.config import ModelConfig
-from localgen.policy.cost_model import CC, CD, HC, HD, NVARS, WC, WD, TERMS, CostModel, Prediction, Terms, Workload, evaluate_terms
+from localgen.policy.cost_model import CC, CD, HC, HD, NVARS, WC, WD, WG, TERMS, CostModel, Prediction, Terms, Workload, evaluate_terms
 from localgen.policy.policy import Policy
 from localgen.profiler.hardware import HardwareProfile
 
 Compression = Literal["off", "on", "auto"]
 Objective = Literal["throughput", "latency"]
-GBS_CHOICES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-NB_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+WeightGranularity = Literal["tensor", "none"]
+MAX_GBS = 1 << 16  # FlexGen's loop is unbounded (it stops when nothing fits); a guard
+MAX_NB = 1 << 14
 _TIE_REL = 1e-6  # second LP may cost this much relative time to move fewer bytes
 
 
@@ -71,11 +72,22 @@ class SearchResult:
         return self.best.throughput
 
 
-def solve_lp(terms: Terms, latency_bound: float | None = None, tie_break: bool = False):
+def flexgen_gbs_choices() -> Iterable[int]:
+    """GPU batch sizes in FlexGen's order: 1, 2, 3, 4, then doubling (8, 16, 32, 64, ...), as in
+    FlexGen experimental/cost_model.py ``solve``: ``if gbs < 4: gbs += 1 else: gbs *= 2``."""
+    gbs = 1
+    while gbs <= MAX_GBS:
+        yield gbs
+        gbs = gbs + 1 if gbs < 4 else gbs * 2
+
+
+def solve_lp(terms: Terms, latency_bound: float | None = None, tie_break: bool = False,
+             bounds_override: dict[int, tuple[float, float]] | None = None):
     """Solve the App. A.3 LP for one batch shape. Returns fractions (9,) or None if infeasible.
 
     Variables: the 9 fractions, T_pre, T_gen (seconds per layer). Memory rows are divided by the
-    capacity so every row is O(1) for the solver.
+    capacity so every row is O(1) for the solver. ``bounds_override``: fraction index -> (lo, hi)
+    (fractions in ``terms.fixed_zero`` stay 0).
     """
     from scipy.optimize import linprog
 
@@ -106,7 +118,8 @@ def solve_lp(terms: Terms, latency_bound: float | None = None, tie_break: bool =
     a_eq = np.zeros((3, nv))
     for g in range(3):
         a_eq[g, 3 * g:3 * g + 3] = 1.0
-    bounds = [(0.0, 0.0) if i in terms.fixed_zero else (0.0, 1.0) for i in range(NVARS)] + [(0, None)] * 2
+    over = bounds_override or {}
+    bounds = [(0.0, 0.0) if i in terms.fixed_zero else over.get(i, (0.0, 1.0)) for i in range(NVARS)] + [(0, None)] * 2
     res = linprog(total, A_ub=np.array(a_ub), b_ub=np.array(b_ub), A_eq=a_eq, b_eq=np.ones(3),
                   bounds=bounds, method="highs")
     if res.status != 0:
@@ -140,44 +153,87 @@ def _options(hw: HardwareProfile, compression: Compression) -> list[tuple[bool, 
 
 def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: Compression = "off",
            objective: Objective = "throughput", latency_bound: float | None = None,
-           mem_fraction: float | None = None, form: str = "released", gbs_choices: Iterable[int] = GBS_CHOICES,
-           nb_choices: Iterable[int] = NB_CHOICES, num_alternatives: int = 4) -> SearchResult:
+           mem_fraction: float | dict[str, float] | None = None, form: str = "released",
+           gbs_choices: Iterable[int] | None = None, nb_choices: Iterable[int] | None = None,
+           weight_granularity: WeightGranularity = "tensor", num_alternatives: int = 4) -> SearchResult:
     """Find the policy with the highest predicted throughput (FlexGen §4.3).
 
+    Enumeration as FlexGen experimental/cost_model.py ``solve``: GPU batch sizes 1, 2, 3, 4, 8, 16, ...
+    until none fits; for each, num_gpu_batches = 1, 2, 3, ... until it no longer fits or the predicted
+    throughput drops (FlexGen: ``if throughput < prev_throughput: break``). Explicit ``gbs_choices`` /
+    ``nb_choices`` replace those sequences (an explicit nb list is scanned until infeasible, no early stop).
     ``objective="latency"`` (chat): one sequence (gbs = num_gpu_batches = 1), minimum time.
     ``latency_bound``: seconds for one block to finish prefill + ``gen_len`` tokens.
     ``compression``: 4-bit weights and KV off, on, or whichever is faster ("auto").
     ``form``: the cost model's overlap form (see ``CostModel``); ``mem_fraction``: usable share of
-    each capacity.
+    each capacity (float, or dict per tier; default GPU 0.9, CPU and disk 0.8).
+    ``weight_granularity="tensor"``: a GPU weight share is either 0 or large enough to hold one whole
+    weight matrix of a layer (``CostModel.min_gpu_weight_share``), as FlexGen's runtime places weights;
+    "none": any fraction.
     Raises NoFeasiblePolicyError when nothing fits.
     """
-    kw = {} if mem_fraction is None else {"mem_fraction": mem_fraction}
-    cm = CostModel(cfg, hw, wl, form=form, **kw)
+    cm = CostModel(cfg, hw, wl, form=form, mem_fraction=mem_fraction)
+    early_stop = nb_choices is None
     if objective == "latency":
-        gbs_choices, nb_choices = (1,), (1,)
-    found: list[tuple[float, tuple, Terms, np.ndarray]] = []
-    num_lps = 0
+        gbs_choices, nb_choices, early_stop = (1,), (1,), False
+    if gbs_choices is None:
+        gbs_choices = flexgen_gbs_choices()
+    gbs_choices = list(gbs_choices)
+    nb_seq = (lambda: range(1, MAX_NB + 1)) if nb_choices is None else (lambda: list(nb_choices))
+    wg_min = cm.min_gpu_weight_share() if (weight_granularity == "tensor" and hw.has_gpu) else 0.0
+    found: list[tuple[float, tuple, Terms, np.ndarray, dict | None]] = []
+    counter = [0]
     for opts in _options(hw, compression):
         for gbs in gbs_choices:
-            feasible_any = False
-            for nb in nb_choices:
+            feasible_any, prev = False, 0.0
+            for nb in nb_seq():
                 terms = cm.terms(gbs, nb, *opts)
-                x = solve_lp(terms, latency_bound)
-                num_lps += 1
-                if x is None:
+                sol = _solve_granular(terms, latency_bound, wg_min, counter)
+                if sol is None:
                     break  # memory and time only grow with the block size
+                x, over = sol
                 feasible_any = True
-                found.append((evaluate_terms(terms, x).throughput, (gbs, nb, opts), terms, x))
+                thr = evaluate_terms(terms, x).throughput
+                found.append((thr, (gbs, nb, opts), terms, x, over))
+                if early_stop and thr < prev:
+                    break  # FlexGen solve(): stop growing the block once throughput drops
+                prev = thr
             if not feasible_any:
                 break  # a larger GPU batch needs more working memory still
     if not found:
+        fr = cm.mem_fraction
         raise NoFeasiblePolicyError(
-            f"no policy fits {hw.name} for this model and workload (capacities x {cm.mem_fraction})"
-            + (f" within {latency_bound} s" if latency_bound else ""))
+            f"no policy fits {hw.name} for this model and workload (usable capacity GPU x {fr['gpu']}, "
+            f"CPU x {fr['cpu']}, disk x {fr['disk']})" + (f" within {latency_bound} s" if latency_bound else ""))
     found.sort(key=lambda f: -f[0])
     picked = [found[0]] + _distinct_runners_up(found, num_alternatives)
     cands = [_finish(f, latency_bound) for f in picked]
-    return SearchResult(cands[0], cands[1:], num_lps)
+    return SearchResult(cands[0], cands[1:], counter[0])
+
+
+def _solve_granular(terms: Terms, latency_bound, wg_min: float, counter: list):
+    """The LP with wg restricted to {0} or [wg_min, 1] (a disjunction: both branches solved when the
+    plain LP lands in between, the faster kept). Returns (fractions, bounds_override) or None.
+
+    Why: FlexGen's runtime (flexgen/flex_opt.py ``init_weight_list`` with ``get_choice``) places whole
+    weight tensors: each tensor of a (sub)layer goes to the tier where the midpoint of its cumulative
+    byte range falls, tiers in the order disk, CPU, GPU, so the GPU gets the tail of each sublayer's
+    tensor list. A GPU share below half the last matrix's share of its sublayer puts no matrix on the
+    GPU (only biases and layer norms), so e.g. "2% of the weights on the GPU" is realized as 0%.
+    """
+    counter[0] += 1
+    x = solve_lp(terms, latency_bound)
+    if x is None or wg_min <= 0 or WG in terms.fixed_zero or x[WG] <= 1e-9 or x[WG] >= wg_min - 1e-9:
+        return None if x is None else (x, None)
+    best = None
+    for over in ({WG: (0.0, 0.0)}, {WG: (wg_min, 1.0)}):
+        counter[0] += 1
+        xb = solve_lp(terms, latency_bound, bounds_override=over)
+        if xb is not None:
+            thr = evaluate_terms(terms, xb).throughput
+            if best is None or thr > best[0]:
+                best = (thr, xb, over)
+    return None if best is None else (best[1], best[2])
 
 
 def _kind(f) -> tuple:
@@ -198,8 +254,8 @@ def _distinct_runners_up(found, k):
 
 
 def _finish(f, latency_bound) -> Candidate:
-    _, (gbs, nb, (cw, ck, deleg)), terms, _ = f
-    x = solve_lp(terms, latency_bound, tie_break=True)
+    _, (gbs, nb, (cw, ck, deleg)), terms, _, over = f
+    x = solve_lp(terms, latency_bound, tie_break=True, bounds_override=over)
     policy = Policy.from_fractions(x, gbs=gbs, num_gpu_batches=nb, compress_weight=cw,
                                    compress_cache=ck, cpu_cache_compute=deleg)
     return Candidate(policy, evaluate_terms(terms, np.array(policy.fractions())))
