@@ -99,6 +99,54 @@ def check_prefill(dev, dtype, heads, kv_heads, head_dim) -> float:
     return rel_err(out, want)
 
 
+NS = 4  # token counts per case (the CPU smoke run of this function lowers it)
+
+
+def check_fused(dev, dtype) -> list[tuple[str, float]]:
+    """Fused elementwise kernels (add+RMSNorm, q/k rope, silu*mul) vs float64 on odd sizes."""
+    from localgen.kernels import fused_act, fused_norm, fused_rope
+
+    res = []
+    for hidden in (576, 4096, 8192):
+        for n in (1, 7, 33, 1000)[:NS]:
+            for with_res in (False, True):
+                x = torch.randn(n, hidden, device=dev, dtype=dtype) * 3
+                r = torch.randn(n, hidden, device=dev, dtype=dtype) if with_res else None
+                w = (1 + 0.5 * torch.randn(hidden, device=dev)).to(dtype)
+                out = torch.full_like(x, float("nan"))
+                nres = torch.full_like(x, float("nan")) if with_res else None
+                y, hr = fused_norm.add_rms_norm(x, r, w, 1e-5, out=out, residual_out=nres)
+                h64 = x.double() + (r.double() if with_res else 0)
+                want = w.double() * h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-5)
+                torch.cuda.synchronize()
+                e = max(rel_err(y, want), rel_err(hr, h64))
+                res.append((f"add_rms_norm hidden{hidden} n{n} res={with_res}", e))
+    for d, hq, hk in ((128, 32, 8), (64, 9, 3), (128, 32, 32), (80, 32, 32)):
+        for n in (1, 7, 33, 1000)[:NS]:
+            qkv = torch.randn(n, (hq + 2 * hk) * d, device=dev, dtype=dtype)
+            q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+            q, k = q.view(n, hq, d), k.view(n, hk, d)
+            pos = torch.randint(0, 131072, (n,), device=dev)
+            inv = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device=dev).float() / d))
+            wq, wk = fused_rope.rope_qk_ref(q.double(), k.double(), pos, inv)
+            qo, ko = fused_rope.rope_qk(q, k, pos, inv)
+            torch.cuda.synchronize()
+            res.append((f"rope_qk d{d} h{hq} kv{hk} n{n}", max(rel_err(qo, wq), rel_err(ko, wk))))
+            ang = pos.float()[:, None] * inv[None, :]
+            emb = torch.cat((ang, ang), -1).double()
+            qo, ko = fused_rope.rope_qk_cos_sin(q, k, emb.cos().float(), emb.sin().float())
+            torch.cuda.synchronize()
+            res.append((f"rope_qk_cos_sin d{d} h{hq} kv{hk} n{n}", max(rel_err(qo, wq), rel_err(ko, wk))))
+    for inter in (11008, 1000, 14336):
+        for n in (1, 33, 1000)[:NS]:
+            gu = torch.randn(n, 2 * inter, device=dev, dtype=dtype) * 4
+            g, u = gu.double().chunk(2, -1)
+            out = fused_act.silu_mul_fused(gu)
+            torch.cuda.synchronize()
+            res.append((f"silu_mul I{inter} n{n}", rel_err(out, torch.nn.functional.silu(g) * u)))
+    return res
+
+
 def check_engine(dev) -> str:
     """Tiny random Llama (GQA) on CUDA in fp32 vs transformers on CPU: first-step logits and
     greedy tokens."""
@@ -173,6 +221,13 @@ def main() -> int:
         ok = e < tol
         fails += not ok
         print(f"prefill {str(dtype):15s} h{h} kv{kvh} d{d}: rel err {e:.2e} {'ok' if ok else 'FAIL'}")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        tol = 1e-2 if dtype == torch.bfloat16 else 2e-3 if dtype == torch.float16 else 1e-5
+        bad = [(name, e) for name, e in check_fused(dev, dtype) if not e < tol]
+        for name, e in bad:
+            print(f"fused {str(dtype):15s} {name}: rel err {e:.2e} FAIL")
+        fails += len(bad)
+        print(f"fused elementwise {str(dtype):15s}: {'ok' if not bad else f'{len(bad)} FAIL'}")
     t = time.time()
     try:
         print("engine on CUDA:", check_engine(dev), f"({time.time() - t:.1f} s)")

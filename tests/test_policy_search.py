@@ -1,11 +1,13 @@
 """Policy search on the FlexGen paper's T4 machine (Table 1) against its Tables 2 and 5, and LP checks."""
 
+from itertools import islice
+
 import numpy as np
 import pytest
 
 from localgen.policy.cost_model import CostModel, Workload
 from localgen.policy.presets import preset_config
-from localgen.policy.search import NoFeasiblePolicyError, search, solve_lp
+from localgen.policy.search import NoFeasiblePolicyError, flexgen_gbs_choices, search, solve_lp
 from localgen.profiler.hardware import load_profile
 
 # FlexGen Table 2, "FlexGen" row (no compression), tokens/s on the T4 machine, gen_len 32. The prompt-512
@@ -26,26 +28,63 @@ def paper_search(model, prompt_len=512):
 
 def test_opt30b_matches_table5():
     """Paper/released run: weights 20% GPU / 80% CPU, cache and activations on CPU, CPU attention,
-    48 x 3 (FlexGen benchmark/flexgen/bench_suite.py, suite_30b_1x1). The search gets GPU batch 64
-    (FlexGen's fitted CPU-attention rate penalizes smaller GPU batches) and block 192 rather than 144."""
+    48 x 3 (FlexGen benchmark/flexgen/bench_suite.py, suite_30b_1x1); the issue asks for 64 x 2.
+    The search gets GPU batch 64 (FlexGen's fitted CPU-attention rate penalizes smaller GPU batches)
+    and 3 GPU batches: 64 x 3 predicts 7.40 tokens/s against 64 x 2's lower figure, so FlexGen's
+    enumeration (every num_gpu_batches until throughput drops) keeps going to 3. With CPU RAM usable
+    at 0.8 (FlexGen's alpha_c) block 192's cache no longer fits in RAM beside the weights: ~15% of it
+    goes to disk, whose reads hide under the decode step's CPU attention (same predicted time)."""
     p = paper_search("opt-30b").policy
     assert 0.1 <= p.wg <= 0.3 and p.wc >= 0.7 and p.wd == 0
-    assert p.cc >= 0.99 and p.hc >= 0.99
+    assert p.cg == 0 and p.cc >= 0.8 and p.hc >= 0.99
     assert p.cpu_cache_compute
     assert p.gbs == 64 and p.num_gpu_batches in (2, 3)
 
 
 def test_opt175b_matches_table5():
-    """Paper: no weights on GPU, half CPU half disk, cache on disk, activations on CPU."""
+    """Paper: no weights on GPU, half CPU half disk, cache on disk, activations on CPU.
+    wg == 0 now holds (FlexGen's runtime cannot place a share below one whole matrix on the GPU).
+    Not reproduced: wc ~0.5. The model prefers ~8% of the (1.1 TB) cache in RAM over weights there
+    and keeps ~1% of the cache (and 0.2% of the activations) in spare GPU memory, so wc is ~0.22 with RAM usable at 0.8."""
     p = paper_search("opt-175b").policy
-    assert p.wg <= 0.05 and p.wc >= 0.25 and p.wd >= 0.3
-    assert p.cg == 0 and p.cd >= 0.8 and p.hc == pytest.approx(1)
+    assert p.wg == 0 and p.wc >= 0.15 and p.wd >= 0.3
+    assert p.cg <= 0.02 and p.cd >= 0.8 and p.hc >= 0.99
 
 
 def test_opt67b_matches_table5():
-    """Paper: everything on the GPU."""
+    """Paper: everything on the GPU (the search keeps ~11% of the cache in RAM for a larger GPU batch)."""
     p = paper_search("opt-6.7b").policy
     assert p.wg >= 0.999 and p.hg >= 0.999 and p.cg >= 0.8
+
+
+def test_gbs_enumeration_is_flexgens():
+    """FlexGen experimental/cost_model.py solve(): 1, 2, 3, 4, then doubling."""
+    assert list(islice(flexgen_gbs_choices(), 9)) == [1, 2, 3, 4, 8, 16, 32, 64, 128]
+
+
+def test_usable_capacity_fractions_per_tier():
+    """GPU 0.9; CPU RAM and disk 0.8 (FlexGen's alpha_c, alpha_n); a float applies to every tier."""
+    hw = load_profile("flexgen_t4")
+    cm = CostModel(preset_config("opt-30b"), hw, Workload(512, 32))
+    cap = cm.terms(8, 1).capacity
+    assert cap["gpu"] == pytest.approx(0.9 * hw.gpu_mem)
+    assert cap["cpu"] == pytest.approx(0.8 * hw.cpu_mem) and cap["disk"] == pytest.approx(0.8 * hw.disk_mem)
+    cap = CostModel(preset_config("opt-30b"), hw, Workload(512, 32), mem_fraction=0.5).terms(8, 1).capacity
+    assert all(cap[t] == pytest.approx(0.5 * getattr(hw, f"{t}_mem")) for t in ("gpu", "cpu", "disk"))
+
+
+def test_gpu_weight_share_is_zero_or_a_whole_matrix():
+    """FlexGen flex_opt.py init_weight_list/get_choice: OPT's last attention matrix (w_out) reaches the
+    GPU at wg > 1/8; smaller shares are realized as none, so the search never returns 0 < wg < 1/8."""
+    cm = CostModel(preset_config("opt-175b"), load_profile("flexgen_t4"), Workload(512, 32))
+    assert cm.min_gpu_weight_share() == pytest.approx(1 / 8)
+    for model in ("opt-30b", "opt-175b", "opt-6.7b"):
+        res = paper_search(model)
+        for cand in [res.best] + res.alternatives:
+            assert cand.policy.wg == 0 or cand.policy.wg >= 1 / 8 - 1e-9
+    free = search(preset_config("opt-175b"), load_profile("flexgen_t4"), Workload(512, 32),
+                  weight_granularity="none", gbs_choices=(8,))
+    assert free.throughput >= paper_search("opt-175b").throughput * 0.9  # the rule costs little
 
 
 def test_six_cell_table(capsys):

@@ -14,7 +14,7 @@ import torch
 from localgen.kv.attention import AttentionMetadata, LayerKV
 from localgen.models import llama, opt
 from localgen.models.config import ModelConfig, UnsupportedModelError, supported_list
-from localgen.models.rope import inv_frequencies, rope_cos_sin
+from localgen.models.rope import RotaryPositions, inv_frequencies, rope_cos_sin
 
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "opt": opt}
 
@@ -79,6 +79,10 @@ class CausalLM:
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor:
         h = self.family.embed(self.cfg, self.global_w, token_ids, positions).to(self.dtype)
+        if self.family is llama and self.inv_freq is not None and llama.fused_enabled(h):
+            # CUDA + triton: the rope kernel forms cos/sin from positions; residual carried
+            rope = RotaryPositions(positions, self.inv_freq)
+            return llama.forward_layers(self.cfg, self.layers, h, rope, kv_caches, meta)
         rope = rope_cos_sin(self.inv_freq, positions, self.dtype) if self.inv_freq is not None else None
         for w, kv in zip(self.layers, kv_caches):
             h = self.family.layer(self.cfg, w, h, rope, kv, meta)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -38,6 +39,20 @@ def _llama3_scaling(inv: torch.Tensor, s: dict) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(medium, smoothed, scaled)
+
+
+@dataclass(frozen=True)
+class RotaryPositions:
+    """The fused-kernel form of a step's rope: int ``positions`` ``[num_tokens]`` and float32
+    ``inv_freq`` ``[head_dim // 2]``, both on the compute device; the Triton rope kernel forms
+    cos/sin itself (``localgen.kernels.fused_rope``). Not a tuple, so it cannot be unpacked as
+    ``cos, sin`` by mistake; ``cos_sin(dtype)`` gives the tables for the torch path."""
+
+    positions: torch.Tensor
+    inv_freq: torch.Tensor
+
+    def cos_sin(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(self.inv_freq, self.positions, dtype)
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):

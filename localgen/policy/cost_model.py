@@ -147,9 +147,10 @@ class CostModel:
     T_gen the max of the five; "released" (default) is the authors' fitted refinement in FlexGen's
     ``experimental/cost_model.py``: T_pre = max(ctog + dtoc, gtoc + ctod, comp) (disk->CPU->GPU of
     the same bytes is a chain) and T_gen = ctog + max(gtoc, dtoc, ctod, comp) (weight loads do not
-    hide behind decode compute). On the paper profile it gives Table 5's OPT-30B placement
-    (weights ~20/80 GPU/CPU, cache and activations on CPU) but not exactly OPT-175B's (it keeps ~2% of
-    the weights on the spare GPU memory and ~8% of the cache in RAM); "paper" is optimistic.
+    hide behind decode compute). On the paper profile, with the search's FlexGen enumeration and
+    whole-matrix weight rule, it gives Table 5's OPT-30B placement roughly (weights 13/87 GPU/CPU at
+    64 x 3, ~15% of the cache spilled to disk) and OPT-175B's no weights on the GPU, but keeps ~8% of
+    the 175B cache in RAM (so only ~22% of its weights there, not ~50%); "paper" is optimistic.
     Raises ValueError for an unknown model family or form.
     """
 
