@@ -103,3 +103,26 @@ def accuracy(
     args = ["--max-tokens", str(max_tokens), "--window", str(window), "--max-examples", str(max_examples),
             "--configs", configs] + (["--model", model] if model else []) + (["--out", str(out)] if out else [])
     raise typer.Exit(acc.main(args))
+
+
+@app.command("decode")
+def decode(
+    model: str = typer.Option("llama-2-7b", "--model",
+                              help="A preset shape (dummy weights), 'embedded', or a model path."),
+    batches: str = typer.Option("1,16,64", "--batches", help="Comma-separated batch sizes."),
+    prompt_len: int = typer.Option(128, "--prompt-len", min=1),
+    gen_len: int = typer.Option(128, "--gen-len", min=1),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32."),
+    device: Optional[str] = typer.Option(None, "--device"),
+    peer: bool = typer.Option(True, "--peer/--no-peer", help="Also run transformers generate."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here."),
+) -> None:
+    """Decode throughput and latency vs transformers `generate` and the HBM roofline. The same
+    benchmark runs without typer as ``python -m localgen.bench.decode_bench``."""
+    from localgen.bench import decode_bench
+
+    res = decode_bench.bench(model, [int(b) for b in batches.split(",")], prompt_len, gen_len,
+                             device=device, dtype=dtype, with_hf=peer,
+                             log=lambda m: typer.echo(m))
+    if out:
+        out.write_text(json.dumps(res, indent=2))
