@@ -34,7 +34,7 @@ def mt_bench_messages(n: int) -> list[list[dict]]:
 @pytest.fixture(scope="module")
 def llm():
     embedded_path()
-    return LLM.load(device="cpu", kv_cache_memory=256 << 20)
+    return LLM.load(device="cpu", dtype="float32", kv_cache_memory=256 << 20)  # the oracle dtype
 
 
 def test_first_32_greedy_tokens_equal_transformers_on_the_same_gguf(llm):

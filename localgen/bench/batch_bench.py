@@ -111,8 +111,13 @@ def _until_eos(row: list[int], eos_ids: list[int]) -> list[int]:
 
 def run(model: str | None, prompts_path: Path, limit: int, max_tokens: int, *,
         peer: bool = True, peer_batch_size: int = 16, max_num_seqs: int = 64,
-        kv_cache_memory: int | None = None, log=print) -> BatchBenchResult:
-    llm = LLM.load(model, device="cpu", max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory)
+        kv_cache_memory: int | None = None, dtype: str | None = "float32",
+        log=print) -> BatchBenchResult:
+    """``dtype`` float32 matches the transformers peer exactly (identical greedy outputs expected);
+    None takes localgen's default (bf16 + int4 kernel for a Q4_1 GGUF on bf16-capable CPUs)."""
+    llm = LLM.load(model, device="cpu", max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory,
+                   dtype=dtype)
+    log(f"localgen dtype: {llm.engine.model.dtype}")
     prompts = read_prompts(prompts_path, limit)
     prompt_ids = [llm.engine.tokenize(Request(messages=[{"role": "user", "content": p}]))
                   for p in prompts]

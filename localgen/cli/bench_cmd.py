@@ -22,6 +22,9 @@ def batch(
     peer: bool = typer.Option(True, "--peer/--no-peer", help="Also run transformers generate."),
     peer_batch_size: int = typer.Option(16, "--peer-batch-size", min=1),
     max_num_seqs: int = typer.Option(64, "--max-num-seqs", min=1),
+    dtype: str = typer.Option("float32", "--dtype",
+                              help="localgen's dtype: float32 (the peer's, identical outputs) or "
+                                   "'default' (bf16 + int4 kernel for a Q4_1 GGUF)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the result as JSON here."),
 ) -> None:
     """Throughput of batch generation vs transformers `generate` on the same prompts (CPU)."""
@@ -29,6 +32,7 @@ def batch(
 
     res = batch_bench.run(model, prompts, limit, max_tokens, peer=peer,
                           peer_batch_size=peer_batch_size, max_num_seqs=max_num_seqs,
+                          dtype=None if dtype == "default" else dtype,
                           log=lambda m: typer.echo(m, err=True))
     typer.echo(f"model {res.model}: {res.num_prompts} prompts, max_tokens {res.max_tokens}, "
                f"{res.threads} threads")

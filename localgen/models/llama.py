@@ -94,23 +94,30 @@ def fuse_weights(cfg: ModelConfig, w: dict) -> dict:
     return w
 
 
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, or a packed weight's own kernel (``localgen.quant.cpu_int4.Int4Linear``)."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, bias)
+    return w(x, bias)
+
+
 def _qkv(cfg: ModelConfig, w: dict, x: torch.Tensor):
     n = x.shape[0]
     if "qkv" in w:
-        q, k, v = F.linear(x, w["qkv"], w.get("qkv_bias")).split(
+        q, k, v = linear(x, w["qkv"], w.get("qkv_bias")).split(
             [cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
     else:
-        q = F.linear(x, w["q"], w.get("q_bias"))
-        k = F.linear(x, w["k"], w.get("k_bias"))
-        v = F.linear(x, w["v"], w.get("v_bias"))
+        q = linear(x, w["q"], w.get("q_bias"))
+        k = linear(x, w["k"], w.get("k_bias"))
+        v = linear(x, w["v"], w.get("v_bias"))
     return (q.reshape(n, cfg.num_heads, cfg.head_dim), k.reshape(n, cfg.num_kv_heads, cfg.head_dim),
             v.reshape(n, cfg.num_kv_heads, cfg.head_dim))
 
 
 def _gate_up(w: dict, x: torch.Tensor):
     if "gate_up" in w:
-        return F.linear(x, w["gate_up"]).chunk(2, dim=-1)
-    return F.linear(x, w["gate"], w.get("gate_bias")), F.linear(x, w["up"], w.get("up_bias"))
+        return linear(x, w["gate_up"]).chunk(2, dim=-1)
+    return linear(x, w["gate"], w.get("gate_bias")), linear(x, w["up"], w.get("up_bias"))
 
 
 def layer(cfg: ModelConfig, w: dict, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -122,10 +129,10 @@ def layer(cfg: ModelConfig, w: dict, h: torch.Tensor, rope: tuple[torch.Tensor, 
     cos, sin = rope
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     attn = paged_attention(q, k, v, kv, meta, cfg.head_dim ** -0.5)
-    h = h + F.linear(attn.reshape(n, cfg.q_size), w["o"], w.get("o_bias"))
+    h = h + linear(attn.reshape(n, cfg.q_size), w["o"], w.get("o_bias"))
     x = rms_norm(h, w["post_norm"], cfg.norm_eps)
     gate, up = _gate_up(w, x)
-    return h + F.linear(_act(cfg)(gate) * up, w["down"], w.get("down_bias"))
+    return h + linear(_act(cfg)(gate) * up, w["down"], w.get("down_bias"))
 
 
 def layer_step(cfg: ModelConfig, w: dict, x: torch.Tensor, residual: torch.Tensor | None,
@@ -146,17 +153,17 @@ def layer_step(cfg: ModelConfig, w: dict, x: torch.Tensor, residual: torch.Tenso
     else:
         q, k = frope.rope_qk_cos_sin(q, k, *rope)
     attn = paged_attention(q, k, v, kv, meta, cfg.head_dim ** -0.5)
-    o = F.linear(attn.reshape(n, cfg.q_size), w["o"], w.get("o_bias"))
+    o = linear(attn.reshape(n, cfg.q_size), w["o"], w.get("o_bias"))
     xn, residual = fnorm.add_rms_norm(o, residual, w["post_norm"], cfg.norm_eps)
     if cfg.activation in ("silu", "swish"):
         if "gate_up" in w:
-            act = fact.silu_mul_fused(F.linear(xn, w["gate_up"]))
+            act = fact.silu_mul_fused(linear(xn, w["gate_up"]))
         else:
             act = fact.silu_mul(*_gate_up(w, xn))
     else:
         gate, up = _gate_up(w, xn)
         act = _act(cfg)(gate) * up
-    return F.linear(act, w["down"], w.get("down_bias")), residual
+    return linear(act, w["down"], w.get("down_bias")), residual
 
 
 def forward_layers(cfg: ModelConfig, layers: list[dict], h: torch.Tensor,

@@ -49,6 +49,17 @@ def read_weights(store: WeightSource, names: dict[str, str], optional: set[str],
     return out
 
 
+def _use_cpu_int4(cfg: ModelConfig, store, dtype: torch.dtype, device: torch.device) -> bool:
+    """bf16 on the CPU with a GGUF source: run its Q4_1 matrices through the int4 kernel."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or cfg.family != "llama":
+        return False
+    if not hasattr(store, "reader"):  # only GGUF stores hold raw Q4_1 blocks
+        return False
+    from localgen.quant import cpu_int4
+
+    return cpu_int4.available()
+
+
 class CausalLM:
     """A decoder-only model resident on ``device`` in ``dtype``.
 
@@ -70,10 +81,17 @@ class CausalLM:
                                    self.family.OPTIONAL, dtype, self.device))
             for i in range(cfg.num_layers)
         ]
+        if _use_cpu_int4(cfg, store, dtype, self.device):
+            from localgen.quant.cpu_int4 import int4_layer_weights
+
+            for i, w in enumerate(self.layers):
+                w.update(int4_layer_weights(store, self.family.layer_weight_names(cfg, i)))
 
     def weight_bytes(self) -> int:
+        """Bytes of weights a forward pass reads (4-bit matrices: codes and scales)."""
         tensors = list(self.global_w.values()) + [t for w in self.layers for t in w.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.decode_nbytes
+                   for t in tensors)
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
