@@ -102,3 +102,11 @@ def test_interrupt_exits_130(engine):
     res = CliRunner().invoke(app, ["generate", "a b"])
     assert res.exit_code == 130 and "interrupted" in res.stderr
     assert made[0].aborted
+
+
+def test_chat_prompt_from_stdin_drops_the_trailing_newline(engine):
+    made, _ = engine
+    res = CliRunner().invoke(app, ["generate"], input="alpha beta\n")
+    assert res.exit_code == 0, res.output
+    req = next(iter(made[-1].requests.values()))
+    assert req.messages[-1]["content"] == "alpha beta"

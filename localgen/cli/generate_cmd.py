@@ -66,6 +66,8 @@ def generate(
         if prompt is None and sys.stdin.isatty():
             raise typer.BadParameter("give a PROMPT, or pipe one on stdin", param_hint="PROMPT")
         prompt = sys.stdin.read()
+        if not raw:  # the newline `echo` or a file ends with is not part of a chat question
+            prompt = prompt.rstrip("\r\n")
     if not prompt.strip():
         raise typer.BadParameter("the prompt is empty", param_hint="PROMPT")
     if raw and system is not None:
