@@ -65,12 +65,19 @@ def test_raw_prompt_from_stdin(engine):
         assert "finish stop" in res.stderr
 
 
+def test_defaults_are_the_chat_apps(engine):
+    made, _ = engine
+    assert CliRunner().invoke(app, ["generate", "x"]).exit_code == 0
+    sp = next(iter(made[0].requests.values())).sampling
+    assert (sp.temperature, sp.top_p) == (0.7, 0.95)
+
+
 def test_sampling_flags_reach_the_request(engine):
     made, _ = engine
     res = CliRunner().invoke(app, ["generate", "x", "--top-p", "0.9", "--top-k", "5", "--min-p", "0.1", "--repetition-penalty", "1.2", "--seed", "7"])
     assert res.exit_code == 0, res.output
     sp = next(iter(made[0].requests.values())).sampling
-    assert (sp.top_p, sp.top_k, sp.min_p, sp.repetition_penalty, sp.seed, sp.temperature) == (0.9, 5, 0.1, 1.2, 7, 1.0)
+    assert (sp.top_p, sp.top_k, sp.min_p, sp.repetition_penalty, sp.seed, sp.temperature) == (0.9, 5, 0.1, 1.2, 7, 0.7)
 
 
 @pytest.mark.parametrize(

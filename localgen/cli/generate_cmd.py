@@ -35,7 +35,7 @@ def generate(
     system: Optional[str] = typer.Option(None, "--system", "-s", help="System message (chat template only)."),
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the model's chat template."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Model: local HF dir, hub id or GGUF path (default: the embedded SmolLM2-135M-Instruct)."),
-    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="0 = greedy (default 1.0)."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="0 = greedy (default 0.7, as the chat app)."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling, in (0, 1] (1 = off)."),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off)."),
     min_p: Optional[float] = typer.Option(None, "--min-p", help="Drop tokens below min_p × the top probability (0 = off)."),
@@ -89,8 +89,10 @@ def generate(
         "max_tokens": max_tokens,
         "stop": tuple(stop) if stop else None,
     }
+    # the chat app's defaults: temperature 1.0 (the API's, OpenAI's) makes small models ramble
+    given = {"temperature": 0.7, "top_p": 0.95} | {k: v for k, v in given.items() if v is not None}
     try:
-        sampling = SamplingParams(**{k: v for k, v in given.items() if v is not None}).validate()
+        sampling = SamplingParams(**given).validate()
     except ValueError as e:
         name = str(e).split("=", 1)[0]
         raise typer.BadParameter(str(e), param_hint="--" + name.replace("_", "-")) from None
