@@ -9,6 +9,7 @@ Dummy weights of a real architecture's shape (``--model llama-2-7b``, any preset
 * tokens/s = batch × gen_len / wall time of the whole generation (prefill included), the
   number Hugging Face users see;
 * decode tokens/s = tokens produced by decode steps / decode time (localgen's metrics);
+* llama.cpp through llama-cpp-python on the same GGUF, where installed (CPU, batch 1);
 * the roofline: every decode step reads all weights and the batch's KV cache once, so
   ``tokens/s <= batch × copy_bandwidth / (weight bytes + mean KV bytes)`` (Efficiently Scaling
   Transformer Inference §2: decode is memory-bound). The copy bandwidth is measured here
@@ -134,6 +135,31 @@ def run_hf(model, batch: int, prompt_len: int, gen_len: int, vocab: int, device)
     return time.perf_counter() - t
 
 
+def run_llama_cpp(gguf_path: str, batch: int, prompt_len: int, gen_len: int, vocab: int,
+                  threads: int) -> tuple[float, float, float] | None:
+    """llama.cpp (llama-cpp-python, flash attention on) on the same GGUF and the same prompt ids,
+    batch 1 only: (wall seconds, decode tokens/s, prefill seconds); None when not installed or
+    batch > 1 (its Python API has no batched generation)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    if batch != 1:
+        return None
+    llm = Llama(model_path=gguf_path, n_ctx=prompt_len + gen_len + 8, n_batch=512,
+                n_threads=threads, flash_attn=True, verbose=False)
+    ids = prompts(1, prompt_len, vocab)[0]
+    for _ in range(2):  # the first pass warms up; the second is measured
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        t1 = time.perf_counter()
+        for _ in range(gen_len):
+            llm.eval([llm.sample(temp=0.0)])
+        t2 = time.perf_counter()
+    return t2 - t0, gen_len / (t2 - t1), t1 - t0
+
+
 def load_models(spec: str, device: torch.device, dtype: torch.dtype, max_num_seqs: int,
                 max_model_len: int, with_hf: bool):
     """(localgen LLM, transformers model or None) on the same (dummy or real) weights."""
@@ -220,11 +246,32 @@ def bench(spec: str, batches: list[int], prompt_len: int, gen_len: int, *, devic
             tps = b * gen_len / wall_hf
             runs.append(DecodeRun("transformers", b, prompt_len, gen_len, wall_hf, tps, None, roof,
                                   tps / roof))
+        gguf = getattr(getattr(llm, "source", None), "path", None)
+        if with_hf and dev.type == "cpu" and gguf is not None and str(gguf).endswith(".gguf"):
+            lc = run_llama_cpp(str(gguf), b, prompt_len, gen_len, llm.config.vocab_size,
+                               torch.get_num_threads())
+            if lc is not None:
+                wall_lc, dec_lc, pre_lc = lc
+                runs.append(DecodeRun("llama.cpp", b, prompt_len, gen_len, wall_lc,
+                                      gen_len / wall_lc, dec_lc, roof, dec_lc / roof, pre_lc))
         gc.collect()
-    table = format_table(runs)
+    table = format_table(runs) + _llama_cpp_ratios(runs)
     log(table)
     return {"model": spec, "device": str(dev), "dtype": str(dt), "copy_bandwidth": bw,
             "weight_bytes": wbytes, "runs": [asdict(r) for r in runs], "table": table}
+
+
+def _llama_cpp_ratios(runs: list[DecodeRun]) -> str:
+    """Lines of localgen ÷ llama.cpp ratios (decode, prefill, end to end) per batch measured by both."""
+    ours = {r.batch: r for r in runs if r.engine == "localgen"}
+    lines = []
+    for r in (r for r in runs if r.engine == "llama.cpp" and r.batch in ours):
+        o = ours[r.batch]
+        pre = (r.prefill_seconds / o.prefill_seconds) if o.prefill_seconds else float("nan")
+        lines.append(f"localgen / llama.cpp at batch {r.batch}: decode "
+                     f"{o.decode_tokens_per_s / r.decode_tokens_per_s:.2f}x, prefill {pre:.2f}x, "
+                     f"end to end {o.tokens_per_s / r.tokens_per_s:.2f}x")
+    return "".join("\n" + line for line in lines)
 
 
 def format_table(runs: list[DecodeRun]) -> str:
