@@ -90,12 +90,14 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             while not self.bm.can_append(seq.block_table, seq.num_tokens):
-                others = [s for s in self.running if s is not seq and s.status is SequenceStatus.RUNNING]
-                if others:
-                    self._preempt(max(others, key=lambda s: s.sort_key), batch)
-                    continue
-                batch.out_of_memory.append(seq)  # no other sequence to take blocks from
-                break
+                running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+                if len(running) == 1:
+                    batch.out_of_memory.append(seq)  # alone and still no room: it cannot grow
+                    break
+                victim = max(running, key=lambda s: s.sort_key)  # lowest priority, latest
+                self._preempt(victim, batch)
+                if victim is seq:
+                    break  # it was the one to give way; it is recomputed later
             else:
                 self.bm.append(seq.block_table, seq.token_ids)
                 batch.seqs.append(seq)
