@@ -40,14 +40,16 @@ def test_int4_linear_matches_dequantized_weights(m):
     assert torch.isfinite(y).all() and err < 1e-2, err  # bf16 activations and scales
 
 
-def test_engine_uses_int4_for_a_q4_1_gguf(tmp_path):
+@pytest.mark.parametrize("variant", ["smollm", "qwen2"])  # qwen2: q/k/v biases beside packed qkv
+def test_engine_uses_int4_for_a_q4_1_gguf(tmp_path, variant):
     from localgen.api import LLM, Request, SamplingParams
     from tests.tiny_models import make_hf_model, write_gguf
 
-    d = make_hf_model(tmp_path, "smollm")
+    d = make_hf_model(tmp_path, variant)
     path = write_gguf(tmp_path / "tiny-q4_1.gguf", d, "Q4_1")
     fast = LLM.load(str(path), device="cpu", dtype="bfloat16", kv_cache_memory=1 << 22)
     assert isinstance(fast.engine.model.layers[0]["qkv"], cpu_int4.Int4Linear)
+    assert ("qkv_bias" in fast.engine.model.layers[0]) == (variant == "qwen2")
     exact = LLM.load(str(path), device="cpu", dtype="float32", kv_cache_memory=1 << 22)
     assert isinstance(exact.engine.model.layers[0]["qkv"], torch.Tensor)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

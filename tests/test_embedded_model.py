@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from localgen.api import LLM, Request, SamplingParams
+from localgen.bench.data import data_dir
 from tests.test_engine_vs_hf import hf_greedy
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_questions.jsonl"
+DATA = data_dir() / "mt_bench_questions.jsonl"
 
 sources = pytest.importorskip("localgen.models.sources")
 

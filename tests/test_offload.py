@@ -11,6 +11,7 @@ import torch
 
 from localgen.api import LLM, Request, SamplingParams
 from localgen.policy import Policy
+from tests.test_engine_vs_hf import run_staggered
 from tests.tiny_models import VARIANTS, make_hf_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -37,14 +38,7 @@ def prompts(seed=0, lengths=(3, 17, 9, 33, 5)):
 
 def staggered(llm: LLM, ps) -> list[list[int]]:
     """Prompt i joins after i steps, so prefill and decode batches of several sizes occur."""
-    done, pending, ids = {}, list(enumerate(ps)), {}
-    while pending or llm.has_unfinished():
-        if pending:
-            i, p = pending.pop(0)
-            ids[llm.add_request(Request(prompt_token_ids=p, sampling=GREEDY))] = i
-        for out in llm.step():
-            if out.finished:
-                done[ids[out.request_id]] = out.token_ids
+    done = run_staggered(llm, ps, GREEDY)
     return [done[i] for i in range(len(ps))]
 
 

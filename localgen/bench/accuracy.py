@@ -30,7 +30,9 @@ from pathlib import Path
 
 import torch
 
-DATA = Path("/work/shared/data")
+from localgen.bench.data import data_dir
+
+DATA = data_dir()
 
 
 @dataclass

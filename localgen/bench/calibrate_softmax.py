@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from localgen.bench.data import data_dir
 from localgen.kernels import paged_attention_ref as ref
 from localgen.kv import attention
 
@@ -160,8 +161,8 @@ def run_mt_bench(llm, path: str, n: int, max_tokens: int) -> ScoreStats:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model (default: the embedded SmolLM2-135M)")
-    ap.add_argument("--wikitext", default="/work/shared/data/wikitext2_test.raw")
-    ap.add_argument("--mt-bench", default="/work/shared/data/mt_bench_questions.jsonl")
+    ap.add_argument("--wikitext", default=str(data_dir() / "wikitext2_test.raw"))
+    ap.add_argument("--mt-bench", default=str(data_dir() / "mt_bench_questions.jsonl"))
     ap.add_argument("--tokens", type=int, default=4096, help="WikiText tokens")
     ap.add_argument("--chunk", type=int, default=1024, help="tokens per WikiText sequence")
     ap.add_argument("--mt-bench-n", type=int, default=80)

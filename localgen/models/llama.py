@@ -87,8 +87,8 @@ def fuse_weights(cfg: ModelConfig, w: dict) -> dict:
     w = dict(w)
     if all(k in w for k in ("q", "k", "v")):
         w["qkv"] = torch.cat([w.pop("q"), w.pop("k"), w.pop("v")])
-        if all(k in w for k in ("q_bias", "k_bias", "v_bias")):
-            w["qkv_bias"] = torch.cat([w.pop("q_bias"), w.pop("k_bias"), w.pop("v_bias")])
+    if all(k in w for k in ("q_bias", "k_bias", "v_bias")):  # also when q/k/v come packed
+        w["qkv_bias"] = torch.cat([w.pop("q_bias"), w.pop("k_bias"), w.pop("v_bias")])
     if "gate" in w and "up" in w and "gate_bias" not in w:
         w["gate_up"] = torch.cat([w.pop("gate"), w.pop("up")])
     return w

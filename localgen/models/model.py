@@ -20,8 +20,11 @@ FAMILIES: dict[str, ModuleType] = {"llama": llama, "opt": opt}
 
 
 class WeightSource(Protocol):
-    def names(self) -> list[str]: ...
-    def get(self, name: str) -> torch.Tensor: ...
+    def names(self) -> list[str]:
+        """Hugging Face parameter names the source holds."""
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` (CPU, read on demand)."""
 
 
 def family_of(cfg: ModelConfig) -> ModuleType:
@@ -75,17 +78,21 @@ class CausalLM:
         self.inv_freq = inv_frequencies(cfg).to(self.device) if cfg.family == "llama" else None
         gopt = getattr(self.family, "GLOBAL_OPTIONAL", set())
         self.global_w = read_weights(store, self.family.global_weight_names(cfg), gopt, dtype, self.device)
-        fuse = getattr(self.family, "fuse_weights", lambda _cfg, w: w)
-        self.layers = [
-            fuse(cfg, read_weights(store, self.family.layer_weight_names(cfg, i),
-                                   self.family.OPTIONAL, dtype, self.device))
-            for i in range(cfg.num_layers)
-        ]
-        if _use_cpu_int4(cfg, store, dtype, self.device):
-            from localgen.quant.cpu_int4 import int4_layer_weights
+        self.layers = [self._read_layer(store, i) for i in range(cfg.num_layers)]
 
-            for i, w in enumerate(self.layers):
-                w.update(int4_layer_weights(store, self.family.layer_weight_names(cfg, i)))
+    def _read_layer(self, store: WeightSource, i: int) -> dict:
+        """Layer ``i``'s weights; on the CPU int4 path its Q4_1 matrices are read once, as
+        Int4Linear, and not also dequantized."""
+        names = self.family.layer_weight_names(self.cfg, i)
+        packed = {}
+        if _use_cpu_int4(self.cfg, store, self.dtype, self.device):
+            from localgen.quant.cpu_int4 import int4_layer_weights, replaced_names
+
+            packed = int4_layer_weights(store, names)
+            names = {k: v for k, v in names.items() if k not in replaced_names(packed)}
+        w = read_weights(store, names, self.family.OPTIONAL, self.dtype, self.device)
+        fuse = getattr(self.family, "fuse_weights", lambda _cfg, w: w)
+        return {**fuse(self.cfg, w), **packed}
 
     def weight_bytes(self) -> int:
         """Bytes of weights a forward pass reads (4-bit matrices: codes and scales)."""

@@ -98,12 +98,21 @@ _GROUPS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down
 def int4_layer_weights(store, names: dict[str, str]) -> dict[str, Int4Linear]:
     """Int4Linear replacements for a llama layer's matrices stored as Q4_1 in a GGUF store
     (``names``: short -> HF name, as ``llama.layer_weight_names``); groups with any other storage
-    type are left out (they stay dense)."""
+    type, or with biases of their own (only q/k/v biases are added after the packed GEMM), are left
+    out (they stay dense)."""
     from localgen.quant.gguf_import import gguf_int4
 
+    have = set(store.names())
     out = {}
     for fused, parts in _GROUPS.items():
+        if fused != "qkv" and any(names.get(f"{p}_bias") in have for p in parts):
+            continue
         tensors = [gguf_int4(store, names[p]) for p in parts]
         if all(t is not None for t in tensors):
             out[fused] = Int4Linear.from_int4(tensors)
     return out
+
+
+def replaced_names(packed: dict[str, Int4Linear]) -> set[str]:
+    """Short names of the separate matrices that ``packed``'s entries stand for."""
+    return {p for fused in packed for p in _GROUPS[fused]}

@@ -30,9 +30,9 @@ def filter_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if sp.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
         # drop a token once the more likely ones already reach top_p (as transformers does)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) >= sp.top_p
+        drop = probs.cumsum(-1) - probs >= sp.top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     if sp.min_p > 0.0:
         probs = torch.softmax(logits, dim=-1)

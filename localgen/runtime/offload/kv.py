@@ -2,7 +2,7 @@
 
 Each layer's K and V (``[num_blocks, block_size, num_kv_heads, head_dim]``, the plain layout of
 ``localgen.kv.cache``) live on one tier: the compute device ("gpu"), host memory ("cpu", pinned
-when a GPU computes), or a file ``<offload_dir>/kv_XXX.bin`` mapped read-write ("disk"). With
+when a GPU computes), or a file ``<offload_dir>/kv_<layer:03d>.bin`` mapped read-write ("disk"). With
 ``compress_cache`` they are stored as 4-bit groups of 64 along head_dim (the hidden dim), packed
 uint8 plus fp16 scale/min, in every tier.
 

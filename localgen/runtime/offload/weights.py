@@ -3,7 +3,7 @@ device in the order of the block schedule (FlexGen §4.2).
 
 Each layer's tensors (4-bit packed when the policy compresses weights, FlexGen §5) sit in one
 flat byte buffer, so one copy moves a layer: a resident buffer on the compute device ("gpu"), a
-pinned host buffer ("cpu"), or a file ``<offload_dir>/layer_XXX.bin`` read through a read-only
+pinned host buffer ("cpu"), or a file ``<offload_dir>/layer_<layer:03d>.bin`` read through a read-only
 memory map ("disk"). On CUDA, ``prefetch(j)`` starts layer j's load while the caller computes
 layer j-1: disk reads run on a CPU thread into one of two pinned staging buffers, then an async
 host->device copy on a side stream lands in one of two device staging buffers (double buffering);
