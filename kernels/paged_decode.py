@@ -266,38 +266,39 @@ def _finish(q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, bt_ptr, cl_ptr,
         _store_rows(out_ptr, out_rows, r_acc, r_acc_o, 1.0 / r_l, h_mask, HEAD_DIM, BLOCK_D,
                     QUANT, NG_P * HG)
     else:
-        # one query head at a time: its [splits, head_dim] partials in S_CHUNK-row tiles
-        for h in tl.static_range(GQA):
-            rb = seq64 * stride_mb + (kvh * GQA + h).to(tl.int64) * stride_mh
-            s_mask = offs_s < num_splits
-            m_1 = tl.load(mid_m_ptr + rb + offs_s * stride_ms, mask=s_mask, other=float("-inf"),
+        # all GQA heads at once, loads independent of each other (one round of L2 latency,
+        # not one chain per head): m and l [BLOCK_H, BLOCK_S], partials in S_CHUNK-split tiles
+        # [BLOCK_H, S_CHUNK, BLOCK_D] unrolled over BLOCK_S (a constexpr bound)
+        hs_mask = h_mask[:, None] & (offs_s < num_splits)[None, :]
+        hs_off = row_base[:, None] + offs_s[None, :] * stride_ms
+        l_s = tl.load(mid_l_ptr + hs_off, mask=hs_mask, other=0.0, cache_modifier=".cg")
+        if ASYNC:
+            big = tl.zeros([BLOCK_H], tl.float32)  # plain sums: every partial shares exp(-phi)
+            den = tl.sum(l_s, 1)
+        else:
+            m_s = tl.load(mid_m_ptr + hs_off, mask=hs_mask, other=float("-inf"),
                           cache_modifier=".cg")
-            l_1 = tl.load(mid_l_ptr + rb + offs_s * stride_ms, mask=s_mask, other=0.0,
-                          cache_modifier=".cg")
+            big = tl.max(m_s, 1)
+            big = tl.where(big == float("-inf"), 0.0, big)
+            den = tl.sum(tl.exp2(m_s - big[:, None]) * l_s, 1)  # empty splits: exp2(-inf) = 0
+        den = tl.where(den == 0.0, 1.0, den)
+        o = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for s0 in tl.static_range(0, BLOCK_S, S_CHUNK):
+            sc_ = s0 + offs_c
+            c_mask = h_mask[:, None] & (sc_ < num_splits)[None, :]  # [BLOCK_H, S_CHUNK]
+            c_off = row_base[:, None] + sc_[None, :] * stride_ms
+            part = tl.load(mid_o_ptr + c_off[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                           mask=c_mask[:, :, None] & d_mask[None, None, :], other=0.0,
+                           cache_modifier=".cg")
             if ASYNC:
-                big = 0.0  # plain sums: every partial shares the scaling exp(-phi)
-                den = tl.sum(l_1, 0)
+                o += tl.sum(part, 1)
             else:
-                big = tl.max(m_1, 0)
-                big = tl.where(big == float("-inf"), 0.0, big)
-                den = tl.sum(tl.exp2(m_1 - big) * l_1, 0)  # empty splits: exp2(-inf) = 0
-            den = tl.where(den == 0.0, 1.0, den)
-            o = tl.zeros([BLOCK_D], tl.float32)
-            for s0 in range(0, num_splits, S_CHUNK):
-                sc_ = s0 + offs_c
-                c_mask = sc_ < num_splits
-                part = tl.load(mid_o_ptr + (rb + sc_ * stride_ms)[:, None] * HEAD_DIM
-                               + offs_d[None, :], mask=c_mask[:, None] & d_mask[None, :],
-                               other=0.0, cache_modifier=".cg")
-                if ASYNC:
-                    o += tl.sum(part, 0)
-                else:
-                    m_c = tl.load(mid_m_ptr + rb + sc_ * stride_ms, mask=c_mask,
-                                  other=float("-inf"), cache_modifier=".cg")
-                    o += tl.sum(part * tl.exp2(m_c - big)[:, None], 0)
-            orow = seq64 * stride_ob + (kvh * GQA + h).to(tl.int64) * stride_oh
-            tl.store(out_ptr + orow + offs_d, (o / den).to(out_ptr.dtype.element_ty),
-                     mask=d_mask)
+                m_c = tl.load(mid_m_ptr + c_off, mask=c_mask, other=float("-inf"),
+                              cache_modifier=".cg")
+                o += tl.sum(part * tl.exp2(m_c - big[:, None])[:, :, None], 1)
+        tl.store(out_ptr + out_rows[:, None] + offs_d[None, :],
+                 (o / den[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=h_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -539,7 +540,7 @@ def _launch(q, k, v, block_tables, context_lens, scale, *, quant_group, phi, bou
     lo2 = float(bounds[0]) * LOG2E if is_async else 0.0
     hi2 = float(bounds[1]) * LOG2E if is_async else 0.0
     common = dict(GQA=gqa, HEAD_DIM=head_dim, BS=bs, BLOCK_H=block_h, BLOCK_N=block_n,
-                  BLOCK_D=block_d, BLOCK_S=block_s, S_CHUNK=min(block_s, 32), ASYNC=is_async,
+                  BLOCK_D=block_d, BLOCK_S=block_s, S_CHUNK=min(block_s, max(1, 32 // block_h)), ASYNC=is_async,
                   QUANT=quant, **qdims, DOT_DTYPE=dot_dtype, IEEE=ieee)
     kv_strides = (kc.stride(0), kc.stride(1), kc.stride(2))
     mid_strides = (mid_l.stride(0), mid_l.stride(1), mid_l.stride(2)) if not one_split else (0, 0, 0)

@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="2,3")
     ap.add_argument("--pps", default="1,2,4,8", help="programs per SM targets (split counts)")
+    ap.add_argument("--splits", default=None, help="explicit split counts (instead of --pps)")
     args = ap.parse_args()
     t0 = time.time()
     pd, ref, qr = import_kernels()
@@ -96,9 +97,12 @@ def main() -> None:
 
         seen = set()
         best = None
-        for bn, nw, ns, pps in itertools.product(ints(args.block_n), ints(args.warps),
-                                              ints(args.stages), ints(args.pps)):
-            splits = pd.choose_num_splits(b, KV_HEADS, ctx, q.device, bn, programs_per_sm=pps)
+        split_opts = [("n", s_) for s_ in ints(args.splits)] if args.splits else \
+            [("pps", p_) for p_ in ints(args.pps)]
+        for bn, nw, ns, (how, val) in itertools.product(ints(args.block_n), ints(args.warps),
+                                                        ints(args.stages), split_opts):
+            splits = val if how == "n" else pd.choose_num_splits(b, KV_HEADS, ctx, q.device, bn,
+                                                                  programs_per_sm=val)
             key = (bn, nw, ns, splits)
             if key in seen:
                 continue

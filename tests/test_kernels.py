@@ -304,3 +304,32 @@ def test_call_site_observer_and_cpu_path(seed):
     assert len(seen) == 1 and seen[0][0] is q
     want = ref.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.125)
     assert torch.equal(out, want)
+
+
+# ---- KV write ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kv_heads,head_dim", [(2, 64), (3, 80)])
+def test_write_kv_matches_index_copy(seed, dtype, kv_heads, head_dim):
+    from localgen.kernels.kv_write import write_kv
+
+    nb, n = 6, 11
+    shape = (nb, BS, kv_heads, head_dim)
+    # k/v as strided views of a fused qkv row, slots scattered over the blocks
+    qkv = torch.randn(n, kv_heads * 3, head_dim, dtype=dtype)
+    k, v = qkv[:, kv_heads:2 * kv_heads], qkv[:, 2 * kv_heads:]
+    slots = torch.randperm(nb * BS)[:n]
+    want_k, want_v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    ref.write_kv(want_k, want_v, k, v, slots)
+    got_k, got_v = torch.full(shape, 7.0, dtype=dtype), torch.full(shape, 7.0, dtype=dtype)
+    got_k.view(-1, kv_heads, head_dim)[slots] = 0  # poisoned everywhere except ...
+    got_v.view(-1, kv_heads, head_dim)[slots] = 0  # ... written slots, zeroed to spot misses
+    untouched = torch.ones(nb * BS, dtype=torch.bool)
+    untouched[slots] = False
+    write_kv(got_k, got_v, k, v, slots)
+    for got, want in ((got_k, want_k), (got_v, want_v)):
+        flat_g, flat_w = got.view(-1, kv_heads, head_dim), want.view(-1, kv_heads, head_dim)
+        assert torch.equal(flat_g[slots], flat_w[slots]), f"seed={seed}"
+        assert bool((flat_g[untouched] == 7.0).all()), f"seed={seed}: wrote outside the slots"
+    with pytest.raises(ValueError, match="do not match"):
+        write_kv(got_k, got_v, k, v, slots[:-1])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from localgen.kv.attention import AttentionMetadata
@@ -37,8 +38,9 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     batch: int
     max_context: int
-    device_inputs: torch.Tensor  # [batch, 4 + max_blocks]: ids, positions, slots, ctx, table
-    staging: torch.Tensor  # its pinned host twin
+    device_inputs: torch.Tensor  # flat: ids, positions, slots, ctx ([batch] each), table
+    staging: np.ndarray  # its pinned host twin, written through numpy (no torch op per field)
+    staging_t: torch.Tensor  # the same pinned memory as a tensor, the copy's source
     meta: AttentionMetadata
     logits: torch.Tensor
 
@@ -67,32 +69,37 @@ class GraphedModelRunner(ModelRunner):
         return g.logits[:n]
 
     def _fill(self, g: _Graph, seqs: list[Sequence]) -> None:
-        """Write the step's inputs into the graph's pinned staging row, then one asynchronous
-        host-to-device copy into the static buffers."""
-        n, bs, st = len(seqs), self.kv.block_size, g.staging
+        """Write the step's inputs into the graph's pinned staging buffer, then one asynchronous
+        host-to-device copy into the static buffers. Rows past ``len(seqs)`` are padding: they
+        write their K/V into the cache's scratch block and attend to that one slot."""
+        n, bs, b, st = len(seqs), self.kv.block_size, g.batch, g.staging
         scratch = self.kv.scratch_block
-        st.fill_(0)
-        st[:, 2] = scratch * bs  # padded rows write into the scratch block ...
-        st[:, 3] = 1  # ... and attend to that one slot
-        st[:, 4:] = scratch
-        rows = []
-        for s in seqs:
+        ids, pos, slots, ctx = st[:b], st[b:2 * b], st[2 * b:3 * b], st[3 * b:4 * b]
+        table = st[4 * b:].reshape(b, -1)
+        for i, s in enumerate(seqs):
             p = s.num_tokens - 1
-            rows.append([s.token_ids[-1], p, s.block_table[p // bs] * bs + p % bs, s.num_tokens]
-                        + s.block_table + [scratch] * (st.shape[1] - 4 - len(s.block_table)))
-        st[:n] = torch.tensor(rows, dtype=torch.long)
-        g.device_inputs.copy_(st, non_blocking=True)
+            ids[i], pos[i], ctx[i] = s.token_ids[-1], p, s.num_tokens
+            slots[i] = s.block_table[p // bs] * bs + p % bs
+            nb = len(s.block_table)
+            table[i, :nb] = s.block_table
+            table[i, nb:] = scratch
+        if n < b:
+            ids[n:], pos[n:], slots[n:], ctx[n:], table[n:] = 0, 0, scratch * bs, 1, scratch
+        g.device_inputs.copy_(g.staging_t, non_blocking=True)
 
     def _capture(self, batch: int, max_context: int) -> _Graph:
         dev, bs = self.device, self.kv.block_size
         width = -(-max_context // bs)
-        scratch = self.kv.scratch_block
-        # one [batch, 4 + width] buffer: ids, positions, slots, context lens, block table
-        inputs = torch.zeros(batch, 4 + width, dtype=torch.long, device=dev)
-        inputs[:, 2], inputs[:, 3], inputs[:, 4:] = scratch * bs, 1, scratch
-        staging = torch.empty_like(inputs, device="cpu").pin_memory()
-        cols = [inputs[:, i].contiguous() for i in range(4)]
-        tables = inputs[:, 4:].contiguous()
+        # one flat buffer, every field a contiguous view of it (no unpacking kernels in the
+        # graph): ids, positions, slots, context lens ([batch] each), then the [batch, width]
+        # block table
+        inputs = torch.zeros(batch * (4 + width), dtype=torch.long, device=dev)
+        cols = [inputs[i * batch:(i + 1) * batch] for i in range(4)]
+        tables = inputs[4 * batch:].view(batch, width)
+        cols[2].fill_(self.kv.scratch_block * bs)
+        cols[3].fill_(1)
+        tables.fill_(self.kv.scratch_block)
+        staging_t = inputs.cpu().pin_memory()
         meta = AttentionMetadata(
             is_prefill=False, slot_mapping=cols[2], block_tables=tables, context_lens=cols[3],
             query_lens=[1] * batch,
@@ -100,10 +107,6 @@ class GraphedModelRunner(ModelRunner):
         )
 
         def forward():
-            # unpack the one copied buffer into the contiguous tensors the kernels read
-            for i, col in enumerate(cols):
-                col.copy_(inputs[:, i])
-            tables.copy_(inputs[:, 4:])
             return self.model.logits(self.model.forward(cols[0], cols[1], self.kv.views, meta))
 
         stream = torch.cuda.Stream(dev)
@@ -115,6 +118,6 @@ class GraphedModelRunner(ModelRunner):
         with torch.cuda.graph(graph, pool=self.pool):
             logits = forward()
         self.pool = graph.pool()
-        g = _Graph(graph, batch, max_context, inputs, staging, meta, logits)
+        g = _Graph(graph, batch, max_context, inputs, staging_t.numpy(), staging_t, meta, logits)
         self.graphs[(batch, max_context)] = g
         return g

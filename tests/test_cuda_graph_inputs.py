@@ -1,0 +1,45 @@
+"""The decode graph's input staging (runtime/cuda_graphs.py), checked on the CPU: the flat buffer
+of ids, positions, slots, context lengths and block tables the captured graph reads."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from localgen.runtime.cuda_graphs import GraphedModelRunner, _Graph
+from localgen.runtime.request import Priority, SamplingParams
+from localgen.runtime.sequence import Sequence
+
+
+def _graph(batch: int, width: int) -> _Graph:
+    staging_t = torch.full((batch * (4 + width),), -7, dtype=torch.long)  # poisoned
+    return _Graph(None, batch, width * 16, torch.zeros_like(staging_t), staging_t.numpy(),
+                  staging_t, None, None)
+
+
+def _seq(tokens: list[int], table: list[int]) -> Sequence:
+    return Sequence("r", tokens, 1, SamplingParams(), Priority.INTERACTIVE, None,
+                    block_table=table)
+
+
+def test_fill_writes_each_field_and_pads_unused_rows():
+    runner = object.__new__(GraphedModelRunner)
+    runner.kv = SimpleNamespace(block_size=16, scratch_block=99)
+    g = _graph(batch=4, width=3)
+    a = _seq(list(range(20)), [5, 8])  # 20 tokens: the last one at position 19, block 8 slot 3
+    b = _seq([1, 2, 3], [2])
+    runner._fill(g, [a, b])
+    got = g.device_inputs
+    b4 = 4
+    ids, pos, slots, ctx = (got[i * b4:(i + 1) * b4].tolist() for i in range(4))
+    table = got[4 * b4:].view(4, 3).tolist()
+    assert ids == [19, 3, 0, 0]
+    assert pos == [19, 2, 0, 0]
+    assert slots == [8 * 16 + 3, 2 * 16 + 2, 99 * 16, 99 * 16]
+    assert ctx == [20, 3, 1, 1]
+    assert table == [[5, 8, 99], [2, 99, 99], [99, 99, 99], [99, 99, 99]]
+    # a second, smaller step overwrites the rows that were live before
+    runner._fill(g, [b])
+    assert g.device_inputs[:4].tolist() == [3, 0, 0, 0]
+    assert g.device_inputs[4 * b4:].view(4, 3)[1].tolist() == [99, 99, 99]
+    assert np.all(g.staging == g.device_inputs.numpy())
