@@ -131,3 +131,35 @@ def test_cpu_attention_rate_follows_flexgen_fit():
     assert cm.cpu_attn_flops(16) == pytest.approx(hw.cpu_flops * (1 - 0.0328 * 2))
     hw.cpu_flops_fit = None
     assert cm.cpu_attn_flops(16) == hw.cpu_flops
+
+
+def test_cpu_cache_counts_full_length_already_in_prefill():
+    """FlexGen pre-allocates each block's KV buffers for s + n tokens (App. A.2.1) and App. A.3's
+    cpu_home^p has 4(s+n)h1*cc*bls*l: every CPU row charges the cache at its final length."""
+    from localgen.policy.cost_model import CC
+    cm = CostModel(tiny_opt(), round_hw(), Workload(4, 3))
+    cache_full = 2 * 8 * 2 * (4 + 3) * 2 * 2  # K+V, fp16, s+n, block 2, 2 layers
+    rows = [r for tier, r in cm.terms(2, 1, cpu_cache_compute=True).memory if tier == "cpu"]
+    assert len(rows) >= 2 and all(r[CC] == pytest.approx(cache_full) for r in rows)
+
+
+def test_cache_moves_over_pageable_links():
+    """Both runtimes copy the KV cache from/to pageable memory (FlexGen's unpinned cache, our gathered
+    blocks): cache loads use ctog_bdw_pageable, else the fitted gtoc_bdw_cache; weights stay pinned."""
+    pol = Policy(gbs=2, num_gpu_batches=1, wg=0, wc=1, cg=0, cc=1, hg=1, hc=0)  # no CPU attention
+    wi, kv_read, kv_new = 512 * 2, 2 * 8 * 2 * 5.5 * 2, 2 * 8 * 2 * 2
+    p = CostModel(tiny_opt(), round_hw(ctog_bdw_pageable=500.0, gtoc_bdw_pageable=400.0),
+                  Workload(4, 3)).predict(pol)
+    assert p.decode_terms["ctog"] == pytest.approx(wi / 1e3 + kv_read / 500.0)
+    assert p.decode_terms["gtoc"] == pytest.approx(kv_new / 400.0)
+    q = CostModel(tiny_opt(), round_hw(gtoc_bdw_cache=250.0), Workload(4, 3)).predict(pol)
+    assert q.decode_terms["ctog"] == pytest.approx(wi / 1e3 + kv_read / 250.0)
+    assert q.decode_terms["gtoc"] == pytest.approx(kv_new / 250.0)
+
+
+def test_weight_share_granularity_opt():
+    """FlexGen's get_choice places whole tensors: OPT's smallest GPU share is w_out, the smallest
+    CPU/disk share w_q, each 1/12 of a layer's bytes (attention 4h^2 of 12h^2)."""
+    cm = CostModel(preset_config("opt-30b"), load_profile("flexgen_t4"), Workload(512, 32))
+    assert cm.min_gpu_weight_share() == pytest.approx(1 / 12)
+    assert cm.min_offload_weight_share() == pytest.approx(1 / 12)

@@ -1,4 +1,4 @@
-"""Policy search on the FlexGen paper's T4 machine (Table 1) against its Tables 2 and 5, and LP checks."""
+"""Policy search on the FlexGen paper's T4 machine (Table 1) against its Tables 2, 15 and 16, and LP checks."""
 
 from itertools import islice
 
@@ -8,13 +8,8 @@ import pytest
 from localgen.policy.cost_model import CostModel, Workload
 from localgen.policy.presets import preset_config
 from localgen.policy.search import NoFeasiblePolicyError, flexgen_gbs_choices, search, solve_lp
+from localgen.policy.table2 import PAPER_TABLE2, flexgen_weight_placement, paper_policy
 from localgen.profiler.hardware import load_profile
-
-# FlexGen Table 2, "FlexGen" row (no compression), tokens/s on the T4 machine, gen_len 32. The prompt-512
-# cells match FlexGen's benchmark/batch_size_table.md; the prompt-1024 cells could not be checked against a
-# stored copy of the paper (no source reachable) and are kept as recalled.
-PAPER_TABLE2 = {("opt-6.7b", 512): 25.26, ("opt-30b", 512): 7.32, ("opt-175b", 512): 0.69,
-                ("opt-6.7b", 1024): 13.72, ("opt-30b", 1024): 3.50, ("opt-175b", 1024): 0.35}
 
 _cache = {}
 
@@ -26,14 +21,22 @@ def paper_search(model, prompt_len=512):
     return _cache[key]
 
 
-def test_opt30b_matches_table5():
-    """Paper/released run: weights 20% GPU / 80% CPU, cache and activations on CPU, CPU attention,
-    48 x 3 (FlexGen benchmark/flexgen/bench_suite.py, suite_30b_1x1); the issue asks for 64 x 2.
-    The search gets GPU batch 64 (FlexGen's fitted CPU-attention rate penalizes smaller GPU batches)
-    and 3 GPU batches: 64 x 3 predicts 7.40 tokens/s against 64 x 2's lower figure, so FlexGen's
-    enumeration (every num_gpu_batches until throughput drops) keeps going to 3. With CPU RAM usable
-    at 0.8 (FlexGen's alpha_c) block 192's cache no longer fits in RAM beside the weights: ~15% of it
-    goes to disk, whose reads hide under the decode step's CPU attention (same predicted time)."""
+def test_paper_numbers_are_the_verified_ones():
+    """Table 2's FlexGen row (no compression); policies from Tables 15/16 and bench_suite.py."""
+    assert {k: c.throughput for k, c in PAPER_TABLE2.items()} == {
+        ("opt-6.7b", 512): 25.26, ("opt-30b", 512): 7.32, ("opt-175b", 512): 0.69,
+        ("opt-6.7b", 1024): 13.72, ("opt-30b", 1024): 3.50, ("opt-175b", 1024): 0.35}
+    assert (PAPER_TABLE2[("opt-30b", 512)].gbs, PAPER_TABLE2[("opt-30b", 512)].num_gpu_batches) == (48, 3)
+
+
+def test_opt30b_matches_the_papers_placement():
+    """Paper (Table 4/15, bench_suite suite_30b_1x1): weights 20% GPU / 80% CPU, cache and activations
+    on the CPU, CPU attention, 48 x 3 (the issue's 64 x 2 is not in any version we could check; 48 is
+    not in FlexGen's own gbs enumeration 1, 2, 3, 4, 8, ..., the paper tuned it by hand, §4.3).
+    The search: GPU batch 64 with ~12% of the weights on the GPU and 3 GPU batches. 64 x 3 (7.39
+    tokens/s) beats 64 x 2 (6.9) because at 2 GB/s the ~16% of its cache that no longer fits in RAM
+    is read from the SSD while the CPU computes attention over the rest (dtoc 0.21 s < comp 0.29 s per
+    layer); the paper avoids disk by principle (batch_size_table.md, "avoid unnecessary offloading")."""
     p = paper_search("opt-30b").policy
     assert 0.1 <= p.wg <= 0.3 and p.wc >= 0.7 and p.wd == 0
     assert p.cg == 0 and p.cc >= 0.8 and p.hc >= 0.99
@@ -41,20 +44,38 @@ def test_opt30b_matches_table5():
     assert p.gbs == 64 and p.num_gpu_batches in (2, 3)
 
 
-def test_opt175b_matches_table5():
-    """Paper: no weights on GPU, half CPU half disk, cache on disk, activations on CPU.
-    wg == 0 now holds (FlexGen's runtime cannot place a share below one whole matrix on the GPU).
-    Not reproduced: wc ~0.5. The model prefers ~8% of the (1.1 TB) cache in RAM over weights there
-    and keeps ~1% of the cache (and 0.2% of the activations) in spare GPU memory, so wc is ~0.22 with RAM usable at 0.8."""
-    p = paper_search("opt-175b").policy
-    assert p.wg == 0 and p.wc >= 0.15 and p.wd >= 0.3
-    assert p.cg <= 0.02 and p.cd >= 0.8 and p.hc >= 0.99
+def test_opt175b_matches_the_papers_placement():
+    """Paper: no weights on the GPU, half in RAM, half on disk, cache on disk (0 50 0 0 0 100). With the
+    CPU cache charged at full length in prefill (App. A.3 cpu_home^p), RAM goes to weights: per byte of
+    RAM they save as many disk reads per decode step as the cache ((s+n/2)/(s+n) of it) and more."""
+    for s in (512, 1024):
+        p = paper_search("opt-175b", s).policy
+        assert p.wg == 0 and 0.4 <= p.wc <= 0.6 and p.wd >= 0.4
+        assert p.cg <= 0.01 and p.cd >= 0.95 and p.cpu_cache_compute
 
 
-def test_opt67b_matches_table5():
-    """Paper: everything on the GPU (the search keeps ~11% of the cache in RAM for a larger GPU batch)."""
+def test_opt67b_matches_the_papers_placement():
+    """Paper: everything on the GPU at 2 x 1. The search keeps weights and activations there and all but
+    ~5% of the cache, which it attends on the CPU to run 3 sequences instead of 2 (see the results file)."""
     p = paper_search("opt-6.7b").policy
-    assert p.wg >= 0.999 and p.hg >= 0.999 and p.cg >= 0.8
+    assert p.wg == 1 and p.hg >= 0.999 and p.cg >= 0.9
+
+
+def test_paper_policies_predicted_close_to_measured():
+    """The cost model on the paper's own policies (weights as FlexGen realizes them) against Table 2."""
+    hw = load_profile("flexgen_t4")
+    for (model, s), cell in PAPER_TABLE2.items():
+        cm = CostModel(preset_config(model), hw, Workload(s, 32))
+        got = cm.predict(paper_policy(cm, cell)).throughput
+        assert 0.7 <= got / cell.throughput <= 1.3, (model, s, got)
+
+
+def test_flexgen_realizes_nominal_weight_percents_per_tensor():
+    cm = CostModel(preset_config("opt-30b"), load_profile("flexgen_t4"), Workload(512, 32))
+    assert flexgen_weight_placement(cm, 0.2, 0.8) == pytest.approx((1 / 12, 11 / 12, 0))
+    assert flexgen_weight_placement(cm, 0.0, 0.5) == pytest.approx((0, 0.5, 0.5))
+    assert flexgen_weight_placement(cm, 0.04, 0.96) == pytest.approx((0, 1, 0))
+    assert flexgen_weight_placement(cm, 1.0, 0.0) == pytest.approx((1, 0, 0))
 
 
 def test_gbs_enumeration_is_flexgens():
@@ -73,15 +94,15 @@ def test_usable_capacity_fractions_per_tier():
     assert all(cap[t] == pytest.approx(0.5 * getattr(hw, f"{t}_mem")) for t in ("gpu", "cpu", "disk"))
 
 
-def test_gpu_weight_share_is_zero_or_a_whole_matrix():
-    """FlexGen flex_opt.py init_weight_list/get_choice: OPT's last attention matrix (w_out) reaches the
-    GPU at wg > 1/8; smaller shares are realized as none, so the search never returns 0 < wg < 1/8."""
-    cm = CostModel(preset_config("opt-175b"), load_profile("flexgen_t4"), Workload(512, 32))
-    assert cm.min_gpu_weight_share() == pytest.approx(1 / 8)
+def test_weight_share_is_none_or_whole_matrices():
+    """FlexGen flex_opt.py init_weight_list/get_choice: a GPU share below OPT's w_out (1/12 of the bytes)
+    puts no matrix on the GPU, a CPU/disk share below w_q (1/12) none off it: the search returns
+    wg in {0} | [1/12, 11/12] | {1}."""
     for model in ("opt-30b", "opt-175b", "opt-6.7b"):
         res = paper_search(model)
         for cand in [res.best] + res.alternatives:
-            assert cand.policy.wg == 0 or cand.policy.wg >= 1 / 8 - 1e-9
+            wg = cand.policy.wg
+            assert wg == 0 or wg == 1 or 1 / 12 - 1e-9 <= wg <= 11 / 12 + 1e-9, (model, wg)
     free = search(preset_config("opt-175b"), load_profile("flexgen_t4"), Workload(512, 32),
                   weight_granularity="none", gbs_choices=(8,))
     assert free.throughput >= paper_search("opt-175b").throughput * 0.9  # the rule costs little
@@ -89,19 +110,16 @@ def test_gpu_weight_share_is_zero_or_a_whole_matrix():
 
 def test_six_cell_table(capsys):
     """Predicted vs paper for all six cells of Table 2 (printed; run with -s to see it)."""
-    rows = []
-    for (model, s), paper in sorted(PAPER_TABLE2.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        r = paper_search(model, s)
-        rows.append(f"{model:9s} s={s:<5d} predicted {r.throughput:7.3f}  paper {paper:6.2f}  "
-                    f"ratio {r.throughput / paper:5.2f}  {r.policy.describe()}")
+    from localgen.policy.table2 import markdown, rows
+    table = rows()
     with capsys.disabled():
-        print("\n" + "\n".join(rows))
-    assert len(rows) == 6
+        print("\n" + markdown(table))
+    assert len(table) == 6 and all(0.5 <= r.ratio <= 2 for r in table)
 
 
 @pytest.mark.parametrize("model,prompt_len", sorted(PAPER_TABLE2))
 def test_throughput_within_2x_of_table2(model, prompt_len):
-    got, paper = paper_search(model, prompt_len).throughput, PAPER_TABLE2[(model, prompt_len)]
+    got, paper = paper_search(model, prompt_len).throughput, PAPER_TABLE2[(model, prompt_len)].throughput
     assert paper / 2 <= got <= paper * 2, f"{model} s={prompt_len}: predicted {got:.3f}, paper {paper}"
 
 

@@ -48,8 +48,9 @@ DEFAULT_MEM_FRACTION = 0.9  # GPU: headroom for allocator fragmentation and the 
 # Usable share of each tier's capacity. CPU RAM and disk: 0.8, FlexGen's relaxation ratios alpha_c and
 # alpha_n (FMInference/FlexGen experimental/cost_model.py, module globals used in solve_lp:
 # ``cmem = config.cmem * alpha_c``, ``nmem = config.nmem * alpha_n``). GPU: 0.9, not FlexGen's alpha_g = 0.8:
-# our GPU rows already count the double-buffered layer and the working buffers, and at 0.8 OPT-6.7B's
-# weights plus any KV cache no longer fit the T4's 15 GiB (FlexGen Table 5 has them all on the GPU).
+# our GPU rows already count the double-buffered layer and the working buffers, and at 0.8 (11.8 of the
+# T4's 14.76 GiB) OPT-6.7B's 12.4 GiB of weights would not fit (FlexGen Tables 15/16 run them all on the GPU).
+# 0.9 leaves ~1.5 GiB for the CUDA context, cuBLAS workspace and fragmentation.
 DEFAULT_MEM_FRACTIONS = {"gpu": DEFAULT_MEM_FRACTION, "cpu": 0.8, "disk": 0.8}
 
 
@@ -147,10 +148,10 @@ class CostModel:
     T_gen the max of the five; "released" (default) is the authors' fitted refinement in FlexGen's
     ``experimental/cost_model.py``: T_pre = max(ctog + dtoc, gtoc + ctod, comp) (disk->CPU->GPU of
     the same bytes is a chain) and T_gen = ctog + max(gtoc, dtoc, ctod, comp) (weight loads do not
-    hide behind decode compute). On the paper profile, with the search's FlexGen enumeration and
-    whole-matrix weight rule, it gives Table 5's OPT-30B placement roughly (weights 13/87 GPU/CPU at
-    64 x 3, ~15% of the cache spilled to disk) and OPT-175B's no weights on the GPU, but keeps ~8% of
-    the 175B cache in RAM (so only ~22% of its weights there, not ~50%); "paper" is optimistic.
+    hide behind decode compute); "paper" is optimistic. On the paper profile the search reproduces
+    Table 2 within 0.84-1.3x and the paper's placements for OPT-175B (no weights on the GPU, ~half in
+    RAM, cache on disk) and roughly for OPT-30B and OPT-6.7B; docs/results/policy_table2.md
+    (``python -m localgen.policy.table2``) has the table and the remaining differences.
     Raises ValueError for an unknown model family or form.
     """
 
@@ -175,21 +176,39 @@ class CostModel:
         n_mlp = 2 if c.family == "opt" else 3
         return 2 * c.hidden_size * c.q_size + 2 * c.hidden_size * c.kv_size + n_mlp * c.hidden_size * c.intermediate_size
 
+    def _sublayer_matrices(self) -> tuple[list[int], list[int]]:
+        """Matrix sizes (elements) of a layer's two sublayers in FlexGen's tensor order:
+        attention w_q, w_k, w_v, w_out; MLP wi, wo (OPT) or gate, up, down (Llama)."""
+        c = self.cfg
+        h, q, kv, h2 = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
+        return [h * q, h * kv, h * kv, q * h], [h * h2] * (2 if c.family == "opt" else 3)
+
     def min_gpu_weight_share(self) -> float:
-        """Smallest GPU weight share (wg) at which FlexGen's runtime puts a whole weight matrix on the GPU.
+        """Smallest nonzero share of a layer's weight bytes that FlexGen's runtime can put on the GPU.
 
         FlexGen flexgen/flex_opt.py ``init_weight_list``: within each sublayer (``SelfAttention``:
         w_q, w_k, w_v, w_out + biases/LN; ``MLP``: wi, wo + biases/LN), tensor i goes to
         ``get_choice(midpoint_i, [disk%, cpu%, gpu%], [disk, cpu, gpu])``, the tier where the midpoint
-        of its cumulative size falls; the GPU gets the tail. The last matrix reaches the GPU once
-        wg > (its size / 2) / (sublayer size): 1/8 for OPT's w_out, 1/4 for its wo (biases ignored).
-        Llama's MLP is taken in order gate, up, down. Returns the smaller of the sublayers' thresholds.
+        of its cumulative size falls, so the GPU gets each sublayer's tail. The first matrix to reach
+        the GPU is the last matrix of the sublayer whose midpoint threshold is lowest (OPT: w_out, at a
+        nominal --percent of 1/8); returned is its share of the layer's bytes (OPT: 1/12; biases
+        ignored). E.g. the paper's "20% of OPT-30B's weights on the GPU" puts w_out there, 1/12 of the bytes.
         """
-        c = self.cfg
-        h, q, kv, h2 = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
-        attn = [h * q, h * kv, h * kv, q * h]
-        mlp = [h * h2] * (2 if c.family == "opt" else 3)
-        return min(m[-1] / 2 / sum(m) for m in (attn, mlp))
+        subs = self._sublayer_matrices()
+        total = sum(map(sum, subs))
+        return min(subs, key=lambda m: m[-1] / 2 / sum(m))[-1] / total
+
+    def min_offload_weight_share(self) -> float:
+        """Smallest nonzero share of a layer's weight bytes that FlexGen's runtime can keep off the GPU.
+
+        The mirror of ``min_gpu_weight_share``: the tiers fill disk, CPU, GPU in tensor order, so the
+        first matrix of a sublayer leaves the GPU once ``wc + wd`` passes its midpoint (OPT: w_q, 1/8
+        nominal, 1/12 of the bytes). A smaller CPU/disk share (e.g. 1%) leaves every matrix on the GPU,
+        as does layer granularity (a share below half a layer rounds to none).
+        """
+        subs = self._sublayer_matrices()
+        total = sum(map(sum, subs))
+        return min(subs, key=lambda m: m[0] / 2 / sum(m))[0] / total
 
     def total_weight_bytes(self, compress_weight: bool = False) -> float:
         """All parameters (embeddings, norms, biases included) in stored bytes."""
@@ -253,7 +272,15 @@ class CostModel:
         inf = float("inf")
         ctog = hw.ctog_bdw if gpu else inf
         gtoc = hw.gtoc_bdw if gpu else inf
-        gtoc_cache = (hw.gtoc_bdw_cache or hw.gtoc_bdw) if gpu else inf
+        # The KV cache crosses PCIe from/to pageable memory, not pinned buffers: FlexGen keeps its CPU
+        # cache unpinned (flexgen/pytorch_backend.py init_cache_one_gpu_batch: "disable pin_memory due to
+        # high memory overhead") and copies strided slices of it; our runtime gathers a batch's blocks
+        # into a fresh (pageable) tensor before the copy (runtime/offload/kv.py). So cache stores use
+        # gtoc_bdw_cache (FlexGen's fitted figure for exactly that path), else the pageable bandwidth;
+        # cache loads the pageable ctog bandwidth, else -- the paper publishes no load figure for that
+        # path -- the same fitted gtoc_bdw_cache, else pinned as the last resort.
+        gtoc_cache = (hw.gtoc_bdw_cache or hw.gtoc_bdw_pageable or hw.gtoc_bdw) if gpu else inf
+        ctog_cache = (hw.ctog_bdw_pageable or hw.gtoc_bdw_cache or hw.ctog_bdw) if gpu else inf
         dtoc, ctod = hw.dtoc_bdw, hw.ctod_bdw
 
         deq_w = self._elementwise_time(wi16 * (1 + r), gpu) if compress_weight else 0.0
@@ -281,8 +308,8 @@ class CostModel:
         else:
             attn = (kv16 / hw.bmm_flops_gen if gpu else kv16 / hw.cpu_flops) + self._elementwise_time(deq_kv, gpu)
             ctog_g = _affine(wc=wi / ctog, wd=wi / ctog, hc=hid_g / ctog, hd=hid_g / ctog,
-                             cc=kv_read / ctog, cd=kv_read / ctog)
-            gtoc_g = _affine(hc=hid_g / gtoc, hd=hid_g / gtoc, cc=kv_new / gtoc, cd=kv_new / gtoc)
+                             cc=kv_read / ctog_cache, cd=kv_read / ctog_cache)
+            gtoc_g = _affine(hc=hid_g / gtoc, hd=hid_g / gtoc, cc=kv_new / gtoc_cache, cd=kv_new / gtoc_cache)
             comp_g = _affine(mm_g + attn)
         decode = {
             "ctog": ctog_g,
@@ -313,7 +340,6 @@ class CostModel:
         n_mlp = 2 if c.family == "opt" else 3
         wtot = self.total_weight_bytes(compress_weight)
         cache_full = 2 * kv * B * ck * (s + n) * bls * c.num_layers  # all layers, final length
-        cache_pre = cache_full * s / (s + n)
         kv_gbs = 2 * kv * B * ck * (s + n) * gbs  # one layer, one GPU batch, final length
         deq_buf = wi16 if compress_weight else 0.0
         # largest live intermediates of one GPU batch (fp16): qkv projection, attention, MLP
@@ -339,8 +365,18 @@ class CostModel:
             work_p, work_g = 0.0, [0.0]
         else:  # the CPU is the compute device: its working buffers land in RAM
             work_p, work_g = deq_buf + max(ops_p), [deq_buf + max(ops_g)]
-        deleg = gbs * (4 * nh * (s + n) + B * (2 * q + 2 * kv)) if cpu_cache_compute else 0.0
-        rows.append(("cpu", _affine(work_p + s * h1 * B * gbs, wc=wtot, hc=s * h1 * B * bls, cc=cache_pre,
+        # CPU attention (delegation): fp32 scores and the new q/k/v of one GPU batch, plus an fp32 copy of
+        # that batch's K and V over the full length (FlexGen pytorch_backend.py
+        # init_attention_compute_workspace allocates such fp32 K/V buffers; our runtime gathers the
+        # batch's blocks and attends in fp32)
+        deleg = (gbs * (4 * nh * (s + n) + B * (2 * q + 2 * kv)) + 2 * 4 * kv * (s + n) * gbs
+                 if cpu_cache_compute else 0.0)
+        # The CPU cache counts at its full length (s + n) already in prefill: FlexGen pre-allocates each
+        # block's KV buffers for prompt + generation at the start of the block (App. A.2.1 "FlexGen now
+        # pre-allocates continuous buffers for all KV cache"), and App. A.3's cpu_home^p has the same
+        # 4(s+n)h1*cc*bls*l as gpu_home^p. Counting only the prompt's s here let the LP trade cache for
+        # weights in RAM at a ~6% discount (OPT-175B then kept 8% of its cache in RAM and 22% of its weights).
+        rows.append(("cpu", _affine(work_p + s * h1 * B * gbs, wc=wtot, hc=s * h1 * B * bls, cc=cache_full,
                                     wd=2 * wi, cd=2 * kv * B * ck * s * gbs)))
         for w in work_g:
             rows.append(("cpu", _affine(w + deleg + 2 * h1 * B * gbs, wc=wtot, hc=h1 * B * bls,

@@ -167,9 +167,9 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
     ``compression``: 4-bit weights and KV off, on, or whichever is faster ("auto").
     ``form``: the cost model's overlap form (see ``CostModel``); ``mem_fraction``: usable share of
     each capacity (float, or dict per tier; default GPU 0.9, CPU and disk 0.8).
-    ``weight_granularity="tensor"``: a GPU weight share is either 0 or large enough to hold one whole
-    weight matrix of a layer (``CostModel.min_gpu_weight_share``), as FlexGen's runtime places weights;
-    "none": any fraction.
+    ``weight_granularity="tensor"``: the GPU weight share is 0, 1, or leaves at least one whole weight
+    matrix of a layer on each side (``CostModel.min_gpu_weight_share``, ``min_offload_weight_share``:
+    1/12 of the bytes for OPT), as FlexGen's runtime places weights; "none": any fraction.
     Raises NoFeasiblePolicyError when nothing fits.
     """
     cm = CostModel(cfg, hw, wl, form=form, mem_fraction=mem_fraction)
@@ -180,7 +180,9 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
         gbs_choices = flexgen_gbs_choices()
     gbs_choices = list(gbs_choices)
     nb_seq = (lambda: range(1, MAX_NB + 1)) if nb_choices is None else (lambda: list(nb_choices))
-    wg_min = cm.min_gpu_weight_share() if (weight_granularity == "tensor" and hw.has_gpu) else 0.0
+    tensor = weight_granularity == "tensor" and hw.has_gpu
+    wg_min = cm.min_gpu_weight_share() if tensor else 0.0
+    off_min = cm.min_offload_weight_share() if tensor else 0.0
     found: list[tuple[float, tuple, Terms, np.ndarray, dict | None]] = []
     counter = [0]
     for opts in _options(hw, compression):
@@ -188,7 +190,7 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
             feasible_any, prev = False, 0.0
             for nb in nb_seq():
                 terms = cm.terms(gbs, nb, *opts)
-                sol = _solve_granular(terms, latency_bound, wg_min, counter)
+                sol = _solve_granular(terms, latency_bound, wg_min, counter, off_min)
                 if sol is None:
                     break  # memory and time only grow with the block size
                 x, over = sol
@@ -211,22 +213,30 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
     return SearchResult(cands[0], cands[1:], counter[0])
 
 
-def _solve_granular(terms: Terms, latency_bound, wg_min: float, counter: list):
-    """The LP with wg restricted to {0} or [wg_min, 1] (a disjunction: both branches solved when the
-    plain LP lands in between, the faster kept). Returns (fractions, bounds_override) or None.
+def _solve_granular(terms: Terms, latency_bound, wg_min: float, counter: list, off_min: float = 0.0):
+    """The LP with wg restricted to {0}, [wg_min, 1 - off_min] or {1} (a disjunction: the branches are
+    solved when the plain LP lands in a gap, the fastest kept). Returns (fractions, bounds_override) or None.
 
     Why: FlexGen's runtime (flexgen/flex_opt.py ``init_weight_list`` with ``get_choice``) places whole
-    weight tensors: each tensor of a (sub)layer goes to the tier where the midpoint of its cumulative
-    byte range falls, tiers in the order disk, CPU, GPU, so the GPU gets the tail of each sublayer's
-    tensor list. A GPU share below half the last matrix's share of its sublayer puts no matrix on the
-    GPU (only biases and layer norms), so e.g. "2% of the weights on the GPU" is realized as 0%.
+    weight tensors: each tensor of a sublayer goes to the tier where the midpoint of its cumulative
+    byte range falls, tiers in the order disk, CPU, GPU. A GPU share below the smallest tail matrix
+    (``CostModel.min_gpu_weight_share``) puts no matrix on the GPU (only biases and layer norms), and
+    a CPU/disk share below the smallest head matrix (``min_offload_weight_share``) keeps every matrix on
+    the GPU: "2% of the weights on the GPU" is realized as 0%, "1% on the CPU" as 100% on the GPU.
     """
     counter[0] += 1
     x = solve_lp(terms, latency_bound)
-    if x is None or wg_min <= 0 or WG in terms.fixed_zero or x[WG] <= 1e-9 or x[WG] >= wg_min - 1e-9:
+    if x is None or WG in terms.fixed_zero or (wg_min <= 0 and off_min <= 0):
         return None if x is None else (x, None)
+    lo, hi = wg_min, 1.0 - off_min
+    branches = [{WG: (0.0, 0.0)}, {WG: (1.0, 1.0)}] + ([{WG: (lo, hi)}] if lo <= hi else [])
+    w = x[WG]
+    # an allowed solution keeps its region as the override, so the tie-break LP (``_finish``) stays in it
+    for over, inside in zip(branches, (w <= 1e-9, w >= 1 - 1e-9, lo - 1e-9 <= w <= hi + 1e-9)):
+        if inside:
+            return x, over
     best = None
-    for over in ({WG: (0.0, 0.0)}, {WG: (wg_min, 1.0)}):
+    for over in branches:
         counter[0] += 1
         xb = solve_lp(terms, latency_bound, bounds_override=over)
         if xb is not None:
