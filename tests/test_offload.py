@@ -165,7 +165,9 @@ def test_compressed_weights_equal_offline_round_trip(dirs, tmp_path, w):
 
 
 def test_compressed_kv_attention_within_bound():
-    """TierKV with 4-bit KV attends over exactly the dequantized cache (grouped along head_dim)."""
+    """TierKV with plain 4-bit KV (no rotation, no recent-block pool: FlexGen's format as is)
+    attends over exactly the dequantized cache (grouped along head_dim). The defaults (rotated K/V,
+    own block in fp) are checked against their own reference in test_kv_rotation.py."""
     from localgen.kernels import paged_attention_ref as ref
     from localgen.kv.attention import AttentionMetadata
     from localgen.quant import dequantize, quantize
@@ -176,7 +178,7 @@ def test_compressed_kv_attention_within_bound():
 
     cfg = ModelConfig.from_hf_dict(make_config("llama3").to_dict())
     cache = TieredKVCache(cfg, 8, 4, torch.float32, torch.device("cpu"), ["cpu"] * cfg.num_layers,
-                          True, False, None, Timers(torch.device("cpu")))
+                          True, False, None, Timers(torch.device("cpu")), rotate=False, recent_blocks=0)
     g = torch.Generator().manual_seed(0)
     n, H, kvh, d = 7, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q, k, v = (torch.randn(n, h, d, generator=g) for h in (H, kvh, kvh))
@@ -195,7 +197,9 @@ def test_compressed_logits_close(dirs):
     """Prefill logits with 4-bit weights and/or 4-bit KV stay close to fp32. The tiny random model
     is scaled (layer matrices x0.5) so it is not chaotic; at hidden 64 a 64-group spans a whole
     column of Gaussian weights, so each matrix carries ~10% error: bounds are relative L2 0.2 (KV)
-    and 0.45 (weights, both), and the greedy next token agrees. (Real-model accuracy: bench.)"""
+    and 0.45 (weights, both). With 4-bit KV alone the greedy next token agrees; with 4-bit weights
+    too it stays among the top 2 (the weight error alone leaves one prompt's top two 0.1 apart, a
+    tie that any KV rounding can flip). (Real-model accuracy: ``localgen bench accuracy``.)"""
     from localgen.models.sources import resolve_model
     from localgen.runtime.engine import EngineConfig
 
@@ -223,7 +227,9 @@ def test_compressed_logits_close(dirs):
     for key, bound in (("kv4", 0.2), ("w4kv4", 0.45)):
         rel = float((res[key] - res["plain"]).norm() / res["plain"].norm())
         assert 0 < rel < bound, (key, rel)
-        assert torch.equal(res[key].argmax(-1), res["plain"].argmax(-1))
+    assert torch.equal(res["kv4"].argmax(-1), res["plain"].argmax(-1))
+    top2 = res["w4kv4"].topk(2, -1).indices
+    assert (top2 == res["plain"].argmax(-1)[:, None]).any(-1).all()
 
 
 def test_pinning_failure_falls_back_to_pageable(monkeypatch):

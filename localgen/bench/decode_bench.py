@@ -8,8 +8,13 @@ Dummy weights of a real architecture's shape (``--model llama-2-7b``, any preset
 
 * tokens/s = batch × gen_len / wall time of the whole generation (prefill included), the
   number Hugging Face users see;
-* decode tokens/s = tokens produced by decode steps / decode time (localgen's metrics);
-* llama.cpp through llama-cpp-python on the same GGUF, where installed (CPU, batch 1);
+* decode tokens/s = tokens produced by decode steps / decode time (localgen's metrics; for
+  transformers ``batch × (gen_len - 1) / (T(gen_len) - T(1))`` from a second ``generate`` with one
+  new token, whose time T(1) is its prefill);
+* prefill tokens/s = batch × prompt_len / prefill time;
+* llama.cpp through llama-cpp-python's low-level batch API on the same GGUF, where installed
+  (CPU): one sequence id per prompt, greedy on the logits of each sequence's last token, flash
+  attention on at batch 1 and off above (as the issue's anchors);
 * the roofline: every decode step reads all weights and the batch's KV cache once, so
   ``tokens/s <= batch × copy_bandwidth / (weight bytes + mean KV bytes)`` (Efficiently Scaling
   Transformer Inference §2: decode is memory-bound). The copy bandwidth is measured here
@@ -43,6 +48,7 @@ class DecodeRun:
     fraction_of_roofline: float  # decode tokens/s (or tokens/s) over the roofline
     prefill_seconds: float | None = None
     graph_replay_ms: float | None = None  # GPU time of one decode graph replay (no host work)
+    prefill_tokens_per_s: float | None = None  # batch * prompt_len / prefill_seconds
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
@@ -135,29 +141,126 @@ def run_hf(model, batch: int, prompt_len: int, gen_len: int, vocab: int, device)
     return time.perf_counter() - t
 
 
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def run_hf_split(model, batch: int, prompt_len: int, gen_len: int, vocab: int, device,
+                 repeat: int = 1) -> tuple[float, float, float | None]:
+    """transformers ``generate`` timed whole and with one new token (its prefill): (wall seconds
+    of the whole generation, prefill seconds T(1), decode tokens/s
+    ``batch × (gen_len - 1) / (T(gen_len) - T(1))``; None when gen_len is 1). The first call
+    warms up with the measured shapes; with ``repeat`` > 1 each time is the median of that many
+    measurements."""
+    run_hf(model, batch, prompt_len, gen_len, vocab, device)  # warm-up, same shapes
+    t1s, walls = [], []
+    for _ in range(repeat):
+        t1s.append(run_hf(model, batch, prompt_len, 1, vocab, device))
+        walls.append(run_hf(model, batch, prompt_len, gen_len, vocab, device))
+    t1, wall = _median(t1s), _median(walls)
+    dec = batch * (gen_len - 1) / (wall - t1) if gen_len > 1 and wall > t1 else None
+    return wall, t1, dec
+
+
 def run_llama_cpp(gguf_path: str, batch: int, prompt_len: int, gen_len: int, vocab: int,
-                  threads: int) -> tuple[float, float, float] | None:
-    """llama.cpp (llama-cpp-python, flash attention on) on the same GGUF and the same prompt ids,
-    batch 1 only: (wall seconds, decode tokens/s, prefill seconds); None when not installed or
-    batch > 1 (its Python API has no batched generation)."""
+                  threads: int, repeat: int = 1) -> tuple[float, float, float] | None:
+    """llama.cpp (llama-cpp-python) on the same GGUF and the same prompt ids: (wall seconds,
+    decode tokens/s, prefill seconds); None when llama-cpp-python is not installed. Flash
+    attention on at batch 1 and off above, as the issue's anchors were measured."""
     try:
-        from llama_cpp import Llama
+        import llama_cpp  # noqa: F401
     except ImportError:
         return None
-    if batch != 1:
-        return None
-    llm = Llama(model_path=gguf_path, n_ctx=prompt_len + gen_len + 8, n_batch=512,
-                n_threads=threads, flash_attn=True, verbose=False)
-    ids = prompts(1, prompt_len, vocab)[0]
-    for _ in range(2):  # the first pass warms up; the second is measured
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(ids)
-        t1 = time.perf_counter()
-        for _ in range(gen_len):
-            llm.eval([llm.sample(temp=0.0)])
-        t2 = time.perf_counter()
-    return t2 - t0, gen_len / (t2 - t1), t1 - t0
+    return run_llama_cpp_batch(gguf_path, batch, prompt_len, gen_len, vocab, threads,
+                               flash_attn=batch == 1, repeat=repeat)
+
+
+def run_llama_cpp_batch(gguf_path: str, batch: int, prompt_len: int, gen_len: int, vocab: int,
+                        threads: int, *, flash_attn: bool = False, n_batch: int = 2048,
+                        out_tokens: list | None = None, prompt_ids: list[list[int]] | None = None,
+                        repeat: int = 1) -> tuple[float, float, float]:
+    """``batch`` sequences through llama.cpp at once with llama-cpp-python's low-level API: one
+    context with ``n_seq_max = batch`` (a KV stream per sequence), the prompts packed into
+    ``llama_batch``es of up to ``n_batch`` tokens with sequence ``i``'s tokens under seq id ``i``
+    and logits requested for each prompt's last token only, then one token per sequence per
+    decode call; greedy (argmax of each sequence's logits), EOS ignored, the same prompt ids as
+    the other engines. Returns (wall seconds incl. prefill, decode tokens/s, prefill seconds);
+    the first pass warms up, the next ``repeat`` are measured (medians). ``out_tokens``, when
+    given, receives each sequence's generated ids; ``prompt_ids`` replaces the bench's prompts."""
+    import llama_cpp as lc
+    import numpy as np
+
+    try:  # quiet, as Llama(verbose=False) is
+        from llama_cpp._logger import set_verbose
+        set_verbose(False)
+    except ImportError:
+        pass
+    lc.llama_backend_init()
+    model = lc.llama_model_load_from_file(str(gguf_path).encode(), lc.llama_model_default_params())
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {gguf_path}")
+    cp = lc.llama_context_default_params()
+    per_seq = -(-(prompt_len + gen_len + 8) // 256) * 256
+    cp.n_ctx, cp.n_seq_max = batch * per_seq, batch
+    cp.n_batch, cp.n_ubatch = n_batch, min(512, n_batch)
+    cp.n_threads = cp.n_threads_batch = threads
+    cp.flash_attn_type = (lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                          else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+    cp.kv_unified = False  # no shared prefix: a stream per sequence
+    cp.no_perf = True
+    ctx = lc.llama_init_from_model(model, cp)
+    if not ctx:
+        lc.llama_model_free(model)
+        raise RuntimeError("llama.cpp could not create a context")
+    n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    b = lc.llama_batch_init(n_batch, 0, 1)
+    ids = prompt_ids if prompt_ids is not None else prompts(batch, prompt_len, vocab)
+
+    def decode(entries: list[tuple[int, int, int, bool]]) -> list[int]:
+        """Submit (token, position, seq id, wants logits) entries; argmax per logits row."""
+        b.n_tokens = len(entries)
+        outs = []
+        for i, (tok, pos, seq, out) in enumerate(entries):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, int(out)
+            b.seq_id[i][0] = seq
+            if out:
+                outs.append(i)
+        rc = lc.llama_decode(ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        rows = (np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(n_vocab,))
+                for i in outs)
+        return [int(r.argmax()) for r in rows]
+
+    times = []
+    try:
+        for _ in range(1 + repeat):  # the first pass warms up
+            lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+            flat = [(tok, pos, s, pos == prompt_len - 1)
+                    for s, p in enumerate(ids) for pos, tok in enumerate(p)]
+            t0 = time.perf_counter()
+            nxt = []
+            for i in range(0, len(flat), n_batch):
+                nxt += decode(flat[i:i + n_batch])
+            t1 = time.perf_counter()
+            steps = [nxt]
+            for step in range(gen_len - 1):
+                nxt = decode([(tok, prompt_len + step, s, True) for s, tok in enumerate(nxt)])
+                steps.append(nxt)
+            t2 = time.perf_counter()
+            times.append((t0, t1, t2))
+    finally:
+        lc.llama_batch_free(b)
+        lc.llama_free(ctx)
+        lc.llama_model_free(model)
+    if out_tokens is not None:
+        out_tokens[:] = [list(seq) for seq in zip(*steps)]
+    wall = _median([t2 - t0 for t0, _, t2 in times[1:]])
+    pre = _median([t1 - t0 for t0, t1, _ in times[1:]])
+    dec_s = _median([t2 - t1 for _, t1, t2 in times[1:]])
+    dec = batch * (gen_len - 1) / dec_s if gen_len > 1 else float("nan")
+    return wall, dec, pre
 
 
 def load_models(spec: str, device: torch.device, dtype: torch.dtype, max_num_seqs: int,
@@ -221,7 +324,10 @@ def _hf_from_source(llm, device, dtype):
 
 
 def bench(spec: str, batches: list[int], prompt_len: int, gen_len: int, *, device: str | None,
-          dtype: str, with_hf: bool = True, log=print) -> dict:
+          dtype: str, with_hf: bool = True, log=print, repeat: int = 1) -> dict:
+    """Every engine, every batch size; with ``repeat`` > 1 each engine's times are medians of
+    that many measured runs (localgen's later runs use other prompts of the same length, so the
+    prefix cache serves none of them)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}[dtype]
@@ -236,48 +342,68 @@ def bench(spec: str, batches: list[int], prompt_len: int, gen_len: int, *, devic
         # (other prompts than the measured ones: no prefix-cache hits in the measurement)
         run_localgen(llm, b, prompt_len, gen_len, seed=1)
         roof = roofline(wbytes, kv_tok, b, prompt_len, gen_len, bw)
-        wall, dec = run_localgen(llm, b, prompt_len, gen_len)
+        meas = []
+        for i in range(repeat):
+            wall, dec = run_localgen(llm, b, prompt_len, gen_len, seed=0 if i == 0 else 100 + i)
+            meas.append((wall, dec, run_localgen.last_prefill_s))
+        wall, dec, pre = (_median([m[j] for m in meas]) for j in range(3))
         runs.append(DecodeRun("localgen", b, prompt_len, gen_len, wall, b * gen_len / wall, dec,
-                              roof, dec / roof, run_localgen.last_prefill_s,
-                              graph_replay_ms(llm)))
+                              roof, dec / roof, pre, graph_replay_ms(llm),
+                              b * prompt_len / pre if pre else None))
         if hf is not None:
-            run_hf(hf, b, prompt_len, gen_len, llm.config.vocab_size, dev)  # warm-up, same shapes
-            wall_hf = run_hf(hf, b, prompt_len, gen_len, llm.config.vocab_size, dev)
+            wall_hf, pre_hf, dec_hf = run_hf_split(hf, b, prompt_len, gen_len,
+                                                   llm.config.vocab_size, dev, repeat)
             tps = b * gen_len / wall_hf
-            runs.append(DecodeRun("transformers", b, prompt_len, gen_len, wall_hf, tps, None, roof,
-                                  tps / roof))
+            runs.append(DecodeRun("transformers", b, prompt_len, gen_len, wall_hf, tps, dec_hf,
+                                  roof, (dec_hf or tps) / roof, pre_hf, None,
+                                  b * prompt_len / pre_hf))
         gguf = getattr(getattr(llm, "source", None), "path", None)
         if with_hf and dev.type == "cpu" and gguf is not None and str(gguf).endswith(".gguf"):
             lc = run_llama_cpp(str(gguf), b, prompt_len, gen_len, llm.config.vocab_size,
-                               torch.get_num_threads())
+                               torch.get_num_threads(), repeat)
             if lc is not None:
                 wall_lc, dec_lc, pre_lc = lc
                 runs.append(DecodeRun("llama.cpp", b, prompt_len, gen_len, wall_lc,
-                                      gen_len / wall_lc, dec_lc, roof, dec_lc / roof, pre_lc))
+                                      b * gen_len / wall_lc, dec_lc, roof, dec_lc / roof, pre_lc,
+                                      None, b * prompt_len / pre_lc))
         gc.collect()
-    table = format_table(runs) + _llama_cpp_ratios(runs)
+    ratios = peer_ratios(runs)
+    table = format_table(runs) + "".join("\n" + line for line in format_ratios(ratios))
     log(table)
     return {"model": spec, "device": str(dev), "dtype": str(dt), "copy_bandwidth": bw,
-            "weight_bytes": wbytes, "runs": [asdict(r) for r in runs], "table": table}
+            "weight_bytes": wbytes, "threads": torch.get_num_threads(), "repeat": repeat,
+            "runs": [asdict(r) for r in runs], "ratios": ratios, "table": table}
 
 
-def _llama_cpp_ratios(runs: list[DecodeRun]) -> str:
-    """Lines of localgen ÷ llama.cpp ratios (decode, prefill, end to end) per batch measured by both."""
+def peer_ratios(runs: list[DecodeRun]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """localgen ÷ each peer per batch size measured by both: ``decode`` (decode tokens/s),
+    ``prefill`` (prefill tokens/s) and ``throughput`` (tokens/s of the whole generation, prefill
+    included) — the ratios issue 7 names (batch-1 decode, prefill, batch-16 throughput)."""
     ours = {r.batch: r for r in runs if r.engine == "localgen"}
-    lines = []
-    for r in (r for r in runs if r.engine == "llama.cpp" and r.batch in ours):
-        o = ours[r.batch]
-        pre = (r.prefill_seconds / o.prefill_seconds) if o.prefill_seconds else float("nan")
-        lines.append(f"localgen / llama.cpp at batch {r.batch}: decode "
-                     f"{o.decode_tokens_per_s / r.decode_tokens_per_s:.2f}x, prefill {pre:.2f}x, "
-                     f"end to end {o.tokens_per_s / r.tokens_per_s:.2f}x")
-    return "".join("\n" + line for line in lines)
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for r in runs:
+        o = ours.get(r.batch)
+        if r.engine == "localgen" or o is None:
+            continue
+        div = lambda a, b: a / b if a and b else None  # noqa: E731
+        out.setdefault(r.engine, {})[str(r.batch)] = {
+            "decode": div(o.decode_tokens_per_s, r.decode_tokens_per_s),
+            "prefill": div(o.prefill_tokens_per_s, r.prefill_tokens_per_s),
+            "throughput": div(o.tokens_per_s, r.tokens_per_s)}
+    return out
+
+
+def format_ratios(ratios: dict) -> list[str]:
+    f = lambda x: f"{x:.2f}x" if x is not None else "-"  # noqa: E731
+    return [f"localgen / {peer} at batch {b}: decode {f(r['decode'])}, prefill {f(r['prefill'])}, "
+            f"throughput incl. prefill {f(r['throughput'])}"
+            for peer, per_batch in ratios.items() for b, r in per_batch.items()]
 
 
 def format_table(runs: list[DecodeRun]) -> str:
     lines = [f"{'engine':13s} {'batch':>5s} {'prompt':>6s} {'gen':>4s} {'tok/s':>9s} "
              f"{'decode tok/s':>12s} {'roofline':>9s} {'%roof':>6s} {'vs HF':>7s} {'prefill s':>9s}"
-             f" {'graph ms':>8s}"]
+             f" {'prefill tok/s':>13s} {'graph ms':>8s}"]
     hf = {r.batch: r for r in runs if r.engine == "transformers"}
     for r in runs:
         ratio = r.tokens_per_s / hf[r.batch].tokens_per_s if r.batch in hf else float("nan")
@@ -286,6 +412,7 @@ def format_table(runs: list[DecodeRun]) -> str:
                      f"{r.tokens_per_s:9.1f} {dec} {r.roofline_tokens_per_s:9.1f} "
                      f"{100 * r.fraction_of_roofline:5.1f}% {ratio:6.2f}x "
                      f"{r.prefill_seconds if r.prefill_seconds is not None else float('nan'):9.3f}"
+                     f" {r.prefill_tokens_per_s or float('nan'):13.1f}"
                      f" {r.graph_replay_ms if r.graph_replay_ms is not None else float('nan'):8.3f}")
     return "\n".join(lines)
 
@@ -301,9 +428,15 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     ap.add_argument("--out", default=None, help="write JSON results here")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="measured runs per engine and batch size (medians reported)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads for torch and llama.cpp (default: torch's)")
     a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     res = bench(a.model, [int(x) for x in a.batches.split(",")], a.prompt_len, a.gen_len,
-                device=a.device, dtype=a.dtype, with_hf=not a.no_hf)
+                device=a.device, dtype=a.dtype, with_hf=not a.no_hf, repeat=a.repeat)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=2)

@@ -118,15 +118,25 @@ def decode(
     gen_len: int = typer.Option(128, "--gen-len", min=1),
     dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32."),
     device: Optional[str] = typer.Option(None, "--device"),
-    peer: bool = typer.Option(True, "--peer/--no-peer", help="Also run transformers generate."),
+    peer: bool = typer.Option(True, "--peer/--no-peer",
+                              help="Also run the peers: transformers generate, llama.cpp (CPU)."),
+    repeat: int = typer.Option(1, "--repeat", min=1,
+                               help="Measured runs per engine and batch size (medians)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1,
+                                          help="CPU threads for torch and llama.cpp."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here."),
 ) -> None:
-    """Decode throughput and latency vs transformers `generate` and the HBM roofline. The same
-    benchmark runs without typer as ``python -m localgen.bench.decode_bench``."""
+    """Decode throughput and latency vs transformers `generate` (and llama.cpp on the same GGUF on
+    the CPU) and the HBM roofline. The same benchmark runs without typer as
+    ``python -m localgen.bench.decode_bench``."""
+    import torch
+
     from localgen.bench import decode_bench
 
+    if threads:
+        torch.set_num_threads(threads)
     res = decode_bench.bench(model, [int(b) for b in batches.split(",")], prompt_len, gen_len,
-                             device=device, dtype=dtype, with_hf=peer,
+                             device=device, dtype=dtype, with_hf=peer, repeat=repeat,
                              log=lambda m: typer.echo(m))
     if out:
         out.write_text(json.dumps(res, indent=2))

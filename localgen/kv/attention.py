@@ -15,6 +15,7 @@ test per call when off.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -46,8 +47,8 @@ def _triton():
     global _triton_mods
     if _triton_mods is None:
         try:
-            from localgen.kernels import paged_decode, paged_prefill
-            _triton_mods = (paged_decode, paged_prefill)
+            from localgen.kernels import kv_write, paged_decode, paged_prefill
+            _triton_mods = (paged_decode, paged_prefill, kv_write)
         except Exception:  # triton missing or unusable: the reference twins serve
             _triton_mods = False
     return _triton_mods
@@ -69,14 +70,139 @@ class AttentionMetadata:
     context_lens: torch.Tensor
     query_lens: list[int]
     context_lens_list: list[int]
+    # the CPU decode path's per-step gather plan (CpuDecodePlan), built by the first layer
+    cpu_decode: "CpuDecodePlan | None" = None
 
 
 @dataclass
 class LayerKV:
-    """The KV view of one layer: two ``[num_blocks, block_size, num_kv_heads, head_dim]`` tensors."""
+    """The KV view of one layer: two ``[num_blocks, block_size, num_kv_heads, head_dim]`` tensors;
+    ``pair``, when the layer's K and V are one ``[2, num_blocks, ...]`` tensor (``PagedKVCache``),
+    lets the CPU decode path gather both in one index."""
 
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+    pair: torch.Tensor | None = None
+
+
+@dataclass
+class CpuDecodePlan:
+    """What every layer of one CPU decode step reads, built once per step: the longest context
+    ``max_len``; either ``first_block`` (one sequence whose blocks are consecutive: K/V are a view
+    of the cache, no gather) or ``blocks`` (``[num_seqs * n_blocks]`` block ids to gather); and
+    ``mask`` (``[num_seqs, 1, 1, max_len]`` bool, None when every sequence has ``max_len``
+    tokens)."""
+
+    max_len: int
+    n_blocks: int
+    first_block: int | None
+    blocks: torch.Tensor | None
+    mask: torch.Tensor | None
+
+    @classmethod
+    def build(cls, meta: "AttentionMetadata", block_size: int) -> "CpuDecodePlan":
+        lens = meta.context_lens_list
+        max_len = max(lens)
+        n = -(-max_len // block_size)
+        tables = meta.block_tables[:, :n]
+        if len(lens) == 1:
+            ids = tables[0].tolist()
+            if ids == list(range(ids[0], ids[0] + n)):
+                return cls(max_len, n, ids[0], None, None)
+        mask = None
+        if min(lens) != max_len:
+            pos = torch.arange(max_len, device=meta.context_lens.device)
+            mask = (pos[None, :] < meta.context_lens[:, None])[:, None, None, :]
+        return cls(max_len, n, None, tables.reshape(-1), mask)
+
+
+def cpu_decode_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
+                         scale: float) -> torch.Tensor:
+    """One query token per sequence over its paged context, on the CPU: the block gather plan is
+    built once per step (``meta.cpu_decode``), K and V are gathered together when the cache holds
+    them as one tensor (or viewed in place when one sequence's blocks are consecutive), and one
+    SDPA call attends with the query heads of each KV head as that head's queries (GQA without
+    repeating K/V); no mask when all contexts have the same length. Same math as
+    ``paged_attention_ref.paged_decode_attention``."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = kv.k_cache.shape
+    plan = meta.cpu_decode
+    if plan is None:
+        plan = meta.cpu_decode = CpuDecodePlan.build(meta, block_size)
+    L, n = plan.max_len, plan.n_blocks
+    if plan.first_block is not None:
+        b0 = plan.first_block
+        k = kv.k_cache[b0:b0 + n].view(1, n * block_size, kv_heads, head_dim)[:, :L]
+        v = kv.v_cache[b0:b0 + n].view(1, n * block_size, kv_heads, head_dim)[:, :L]
+    elif kv.pair is not None:
+        both = kv.pair.index_select(1, plan.blocks).view(2, num_seqs, n * block_size, kv_heads,
+                                                         head_dim)[:, :, :L]
+        k, v = both[0], both[1]
+    else:
+        k = kv.k_cache.index_select(0, plan.blocks).view(num_seqs, -1, kv_heads, head_dim)[:, :L]
+        v = kv.v_cache.index_select(0, plan.blocks).view(num_seqs, -1, kv_heads, head_dim)[:, :L]
+    qg = q.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.mask, scale=scale)
+    return out.view(num_seqs, num_heads, head_dim)
+
+
+# Queries per SDPA call in CPU prefill: torch's CPU flash kernel computes every query block
+# against all keys even when causal (one 512-key block), so chunks of 64 queries that see only
+# the keys up to their last position skip the masked upper triangle (511-token prompt, 9 heads,
+# 1 thread: 8.6 ms per layer in one causal call, 5.9 ms in 64-query chunks).
+PREFILL_QUERY_CHUNK = 64
+
+
+@functools.lru_cache(maxsize=256)
+def _causal_chunk_mask(a: int, e: int, device: torch.device) -> torch.Tensor:
+    """``[e - a, e]`` bool: query ``a + t`` sees keys ``0 .. a + t``."""
+    return torch.ones(e - a, e, dtype=torch.bool, device=device).tril_(a)
+
+
+def cpu_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV,
+                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of packed variable-length prompts on the CPU. Runs of consecutive
+    sequences with nothing cached before their queries and the same length attend together in
+    4-D SDPA calls over this step's own k/v (no gather from the cache; 4-D batched inputs take
+    torch's flash kernel, where 3-D GQA inputs fall back to the unfused math path, ~1.7x slower),
+    ``PREFILL_QUERY_CHUNK`` queries a call over the keys they can see; a sequence with a cached
+    prefix attends over its gathered context with a causal offset mask.
+    Same math as ``paged_attention_ref.paged_prefill_attention``."""
+    num_heads, head_dim = q.shape[1:]
+    kv_heads = kv.k_cache.shape[2]
+    gqa = kv_heads != num_heads
+    out = torch.empty_like(q)
+    lens = list(zip(meta.context_lens_list, meta.query_lens))
+    i = start = 0
+    while i < len(lens):
+        ctx, ql = lens[i]
+        if ctx == ql:  # a run of fresh prompts of one length: batched, chunked calls
+            j = i
+            while j < len(lens) and lens[j] == (ql, ql):
+                j += 1
+            n, end = j - i, start + (j - i) * ql
+            qb = q[start:end].view(n, ql, num_heads, head_dim).transpose(1, 2)
+            kb = k[start:end].view(n, ql, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+            vb = v[start:end].view(n, ql, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+            ob = out[start:end].view(n, ql, num_heads, head_dim)
+            for a in range(0, ql, PREFILL_QUERY_CHUNK):
+                e = min(ql, a + PREFILL_QUERY_CHUNK)
+                ob[:, a:e] = torch.nn.functional.scaled_dot_product_attention(
+                    qb[:, :, a:e], kb[:, :, :e], vb[:, :, :e], scale=scale, enable_gqa=gqa,
+                    attn_mask=_causal_chunk_mask(a, e, q.device)).transpose(1, 2)
+            i, start = j, end
+            continue
+        kc = ref.gather_kv(kv.k_cache, meta.block_tables[i], ctx).transpose(0, 1)[None]
+        vc = ref.gather_kv(kv.v_cache, meta.block_tables[i], ctx).transpose(0, 1)[None]
+        qpos = torch.arange(ctx - ql, ctx, device=q.device)[:, None]
+        mask = torch.arange(ctx, device=q.device)[None, :] <= qpos  # key j visible to query t
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[start:start + ql].transpose(0, 1)[None], kc.to(q.dtype), vc.to(q.dtype),
+            attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[start:start + ql] = o[0].transpose(0, 1)
+        i, start = i + 1, start + ql
+    return out
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV,
@@ -88,11 +214,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     attend = getattr(kv, "attend", None)  # an offloaded / 4-bit layer cache (runtime.offload.kv)
     if attend is not None:
         return attend(q, k, v, meta, scale)
-    ref.write_kv(kv.k_cache, kv.v_cache, k, v, meta.slot_mapping)
+    if q.is_cuda and _triton():  # K and V in one launch (kernels/kv_write.py)
+        _triton_mods[2].write_kv(kv.k_cache, kv.v_cache, k, v, meta.slot_mapping)
+    elif q.is_cuda or k.dtype != kv.k_cache.dtype:
+        ref.write_kv(kv.k_cache, kv.v_cache, k, v, meta.slot_mapping)
+    else:  # the same stores without the dtype casts' dispatch
+        kv_heads, head_dim = kv.k_cache.shape[-2:]
+        kv.k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        kv.v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     if _score_observer is not None:
         _score_observer(q, kv, meta, scale)
     if q.is_cuda and _triton():
-        decode, prefill = _triton_mods
+        decode, prefill = _triton_mods[:2]
         if meta.is_prefill:
             return prefill.paged_prefill_attention(q, kv.k_cache, kv.v_cache, meta.block_tables,
                                                    meta.context_lens_list, meta.query_lens, scale)
@@ -100,6 +233,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
         return decode.paged_decode_attention(q, kv.k_cache, kv.v_cache, meta.block_tables,
                                              meta.context_lens, scale, phi=phi, bounds=bounds,
                                              max_context_len=max(meta.context_lens_list))
+    if not q.is_cuda:
+        if meta.is_prefill:
+            return cpu_prefill_attention(q, k, v, kv, meta, scale)
+        return cpu_decode_attention(q, kv, meta, scale)
     if meta.is_prefill:
         return ref.paged_prefill_attention(q, kv.k_cache, kv.v_cache, meta.block_tables,
                                            meta.context_lens_list, meta.query_lens, scale)

@@ -62,7 +62,8 @@ class PagedKVCache:
         self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch_block = num_blocks
-        self.views = [LayerKV(self.data[i, 0], self.data[i, 1]) for i in range(cfg.num_layers)]
+        self.views = [LayerKV(self.data[i, 0], self.data[i, 1], self.data[i])
+                      for i in range(cfg.num_layers)]
 
     @property
     def nbytes(self) -> int:

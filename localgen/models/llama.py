@@ -69,10 +69,9 @@ def global_weight_names(cfg: ModelConfig) -> dict[str, str]:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # float32 statistics, as Hugging Face LlamaRMSNorm does, whatever the compute dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    # float32 statistics, as Hugging Face LlamaRMSNorm does, whatever the compute dtype:
+    # ``weight * (x / rms(x))`` rounded to x's dtype before the weight multiplies it
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
 def embed(cfg: ModelConfig, w: dict, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -114,6 +113,20 @@ def _qkv(cfg: ModelConfig, w: dict, x: torch.Tensor):
             v.reshape(n, cfg.num_kv_heads, cfg.head_dim))
 
 
+def _qkv_roped(cfg: ModelConfig, w: dict, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+    """q, k (rotated) and v ``[n, heads, head_dim]``. With fused q/k/v weights, q and k are
+    rotated together as one ``[n, num_heads + num_kv_heads, head_dim]`` view of the GEMM output
+    (one rotary pass, no split copies)."""
+    cos, sin = rope
+    if "qkv" not in w:
+        q, k, v = _qkv(cfg, w, x)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    n, hq, hk, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    y = linear(x, w["qkv"], w.get("qkv_bias"))
+    qk = apply_rope(y[:, :(hq + hk) * d].view(n, hq + hk, d), cos, sin)
+    return qk[:, :hq], qk[:, hq:], y[:, (hq + hk) * d:].view(n, hk, d)
+
+
 def _gate_up(w: dict, x: torch.Tensor):
     if "gate_up" in w:
         return linear(x, w["gate_up"]).chunk(2, dim=-1)
@@ -125,14 +138,12 @@ def layer(cfg: ModelConfig, w: dict, h: torch.Tensor, rope: tuple[torch.Tensor, 
     """One decoder layer: pre-norm attention then pre-norm gated MLP, both residual."""
     n = h.shape[0]
     x = rms_norm(h, w["input_norm"], cfg.norm_eps)
-    q, k, v = _qkv(cfg, w, x)
-    cos, sin = rope
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = _qkv_roped(cfg, w, x, rope)
     attn = paged_attention(q, k, v, kv, meta, cfg.head_dim ** -0.5)
     h = h + linear(attn.reshape(n, cfg.q_size), w["o"], w.get("o_bias"))
     x = rms_norm(h, w["post_norm"], cfg.norm_eps)
     gate, up = _gate_up(w, x)
-    return h + linear(_act(cfg)(gate) * up, w["down"], w.get("down_bias"))
+    return h + linear(_act(cfg)(gate).mul_(up), w["down"], w.get("down_bias"))
 
 
 def layer_step(cfg: ModelConfig, w: dict, x: torch.Tensor, residual: torch.Tensor | None,
@@ -183,7 +194,7 @@ def logits(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
         x, _ = _fused()[0].add_rms_norm(h, None, w["norm"], cfg.norm_eps)
     else:
         x = rms_norm(h, w["norm"], cfg.norm_eps)
-    return F.linear(x, w.get("lm_head", w["embed"])).float()
+    return linear(x, w.get("lm_head", w["embed"])).float()
 
 
 def _act(cfg: ModelConfig):

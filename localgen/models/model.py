@@ -77,7 +77,17 @@ class CausalLM:
         # on the device once: a host-to-device copy per step would break CUDA-graph capture
         self.inv_freq = inv_frequencies(cfg).to(self.device) if cfg.family == "llama" else None
         gopt = getattr(self.family, "GLOBAL_OPTIONAL", set())
-        self.global_w = read_weights(store, self.family.global_weight_names(cfg), gopt, dtype, self.device)
+        gnames = self.family.global_weight_names(cfg)
+        self.global_w = read_weights(store, gnames, gopt, dtype, self.device)
+        if _use_cpu_int4(cfg, store, dtype, self.device):
+            # the output matrix (tied: the embedding) through the int4 kernel at small M: the
+            # largest single read of a decode step (vocab x hidden), a quarter of bf16's bytes
+            from localgen.quant.cpu_int4 import int4_output_weight
+
+            key = "lm_head" if "lm_head" in self.global_w else "embed"
+            lm = int4_output_weight(store, gnames[key], dense=self.global_w[key])
+            if lm is not None:
+                self.global_w["lm_head"] = lm
         self.layers = [self._read_layer(store, i) for i in range(cfg.num_layers)]
 
     def _read_layer(self, store: WeightSource, i: int) -> dict:
@@ -96,7 +106,10 @@ class CausalLM:
 
     def weight_bytes(self) -> int:
         """Bytes of weights a forward pass reads (4-bit matrices: codes and scales)."""
-        tensors = list(self.global_w.values()) + [t for w in self.layers for t in w.values()]
+        packed_head = not isinstance(self.global_w.get("lm_head", torch.empty(0)), torch.Tensor)
+        # with a packed output matrix a decode step reads it, not the dense embedding (a row)
+        tensors = [t for k, t in self.global_w.items() if not (packed_head and k == "embed")]
+        tensors += [t for w in self.layers for t in w.values()]
         return sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.decode_nbytes
                    for t in tensors)
 

@@ -62,8 +62,24 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+_signed = (None, None)  # (sin table, its sign-folded twin): the last step's, reused by every layer
+
+
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated, ``[num_tokens, 1, head_dim]``: rotate-half's minus
+    sign folded into the table, so a rotation is ``x cos + roll(x, d/2) sin_signed``."""
+    global _signed
+    cached = _signed  # one read: another thread may replace it meanwhile
+    if cached[0] is sin:
+        return cached[1]
+    half = sin.shape[-1] // 2
+    signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None, :]
+    _signed = (sin, signed)
+    return signed
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x ``[num_tokens, heads, head_dim]`` rotated by position (rotate-half layout)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    """x ``[num_tokens, heads, head_dim]`` rotated by position (rotate-half layout):
+    ``x cos + rotate_half(x) sin`` with ``rotate_half(x) = cat(-x2, x1) = roll(x, d/2) * sign``,
+    three kernels (roll, mul, addcmul) instead of six."""
+    return torch.addcmul(x * cos[:, None, :], x.roll(x.shape[-1] // 2, -1), _signed_sin(sin))

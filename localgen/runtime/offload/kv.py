@@ -6,6 +6,27 @@ when a GPU computes), or a file ``<offload_dir>/kv_<layer:03d>.bin`` mapped read
 ``compress_cache`` they are stored as 4-bit groups of 64 along head_dim (the hidden dim), packed
 uint8 plus fp16 scale/min, in every tier.
 
+Rotated 4-bit KV (on by default with ``compress_cache``; QuaRot, Ashkboos et al. 2024, §4 "KV
+cache"; SpinQuant, Liu et al. 2024): before quantizing, each head's K and V are multiplied by a
+fixed orthogonal ``R`` ``[head_dim, head_dim]`` (``kv_rotation``). Post-RoPE keys carry a few
+outlier channels that stretch every 64-group's range, so plain 4-bit codes leave the other
+channels a step or two; a Hadamard-like ``R`` spreads each outlier over all channels and shrinks
+the range. Nothing is rotated back on the cache: the query is rotated the same way (scores
+``(qR)(kR)^T = qk^T``) and the output over rotated values is ``(PV)R``, turned back by ``R^T`` on
+the ``[num_tokens, num_heads, head_dim]`` output. The stored format is unchanged (FlexGen's packed
+codes + fp16 scale/min); the cache simply holds ``kR``/``vR``.
+
+Recent block uncompressed (on by default with ``compress_cache``; KIVI, Liu et al. 2024, §3.3
+keeps the most recent tokens in full precision, here at block granularity): every token is stored
+4-bit as above, and in addition the fp values of each running sequence's last (partly filled)
+block are kept in a small write-through pool (``recent_blocks`` blocks per layer, on the tier's
+device, least recently written evicted first). A query reads the keys/values of its own block
+(the block holding its position) in full precision and every earlier block 4-bit, in prefill
+exactly as in decode: a prompt scored in one prefill sees what token-by-token decoding would see.
+A block without a pool entry (evicted, or filled from the prefix cache) falls back to its 4-bit
+values, so the pool changes accuracy, never correctness. Most attention mass of small models sits
+on the last few tokens, which is where 4-bit keys cost the most.
+
 Attention for an offloaded or compressed layer (``TierKV.attend``, reached through the hook in
 ``localgen.kv.attention.paged_attention``):
 1. new K/V are (quantized on the compute device and) written to the layer's tier at their slots;
@@ -20,6 +41,7 @@ A layer that is on the compute device and uncompressed gets the plain ``LayerKV`
 from __future__ import annotations
 
 import os
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +53,9 @@ from localgen.kv.attention import AttentionMetadata, LayerKV
 from localgen.models.config import ModelConfig
 from localgen.runtime.offload.memory import Layout, host_empty
 from localgen.runtime.offload.timers import Timers
+
+
+DEFAULT_RECENT_BLOCKS = 64  # fp pool rows per layer when the caller does not say (one per sequence)
 
 
 def kv_layer_bytes(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -51,18 +76,78 @@ def _kv_items(cfg, num_blocks, block_size, dtype, compress):
     return items
 
 
+def kv_rotation(head_dim: int, seed: int = 0) -> torch.Tensor:
+    """A fixed orthogonal ``[head_dim, head_dim]`` float64 matrix for rotated 4-bit KV (QuaRot §4).
+
+    Power-of-two ``head_dim``: the normalized Sylvester (Walsh-)Hadamard matrix ``H / sqrt(d)``,
+    the online rotation QuaRot applies to keys after RoPE: every entry is ``±1/sqrt(d)``, so each
+    input channel (an outlier) is spread evenly over all outputs. (Measured on SmolLM2-135M, a
+    seeded random ±1 diagonal in front, QuaRot's randomized variant, did no better.) Other sizes
+    (80, 96, ...): a random orthogonal matrix from ``seed`` (QR of a Gaussian with the signs of R's
+    diagonal folded in, SpinQuant's initialization). Deterministic for a given ``(head_dim, seed)``.
+    Raises ValueError for ``head_dim < 1``.
+    """
+    if head_dim < 1:
+        raise ValueError(f"head_dim must be positive, got {head_dim}")
+    if head_dim & (head_dim - 1) == 0:
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < head_dim:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        return h / head_dim ** 0.5
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(head_dim, head_dim, generator=g, dtype=torch.float64)
+    q, r = torch.linalg.qr(a)
+    return q * torch.sign(torch.diagonal(r))[None, :]
+
+
 class TierKV:
-    """One layer's K/V on an offload tier and/or 4-bit; ``attend`` is the attention call site."""
+    """One layer's K/V on an offload tier and/or 4-bit; ``attend`` is the attention call site.
+
+    ``rotation``: an orthogonal ``[head_dim, head_dim]`` matrix (``kv_rotation``) or None. When
+    given, ``write`` stores ``kR``/``vR`` and ``attend`` rotates q by R and its output by ``R^T``,
+    so results equal attention over the unrotated cache up to the (smaller) quantization error.
+    ``recent_blocks`` (compressed only; 0 = off): capacity of the fp pool of recently written
+    blocks through which each query reads its own block in full precision (module docstring).
+    """
 
     def __init__(self, tensors: dict[str, torch.Tensor], tier: str, compress: bool,
-                 compute_device: torch.device, dtype: torch.dtype, cpu_compute: bool, timers: Timers):
+                 compute_device: torch.device, dtype: torch.dtype, cpu_compute: bool, timers: Timers,
+                 rotation: torch.Tensor | None = None, recent_blocks: int = 0,
+                 plans: "_PlanCache | None" = None):
         self.t, self.tier, self.compress = tensors, tier, compress
         self.device, self.dtype, self.cpu_compute, self.timers = compute_device, dtype, cpu_compute, timers
-        self.store_device = tensors["k#packed" if compress else "k"].device
+        key = tensors["k#packed" if compress else "k"]
+        self.store_device = key.device
+        self.block_size, self.kv_heads = key.shape[1], key.shape[2]
+        self.head_dim = key.shape[3] * (2 if compress else 1)
+        self.set_rotation(rotation)
+        self.recent_blocks = recent_blocks if compress else 0
+        # the pool: block id -> row of pool_k/pool_v ([rows, block_size, kv_heads, head_dim],
+        # compute dtype, store device), grown on demand up to recent_blocks rows; iteration
+        # order = least recently written first
+        self.pool_rows: OrderedDict[int, int] = OrderedDict()
+        self.pool_k = self.pool_v = None
+        self._free: list[int] = []
+        self.plans = plans if plans is not None else _PlanCache()
+
+    def set_rotation(self, rotation: torch.Tensor | None) -> None:
+        """Use ``rotation`` (``[head_dim, head_dim]`` orthogonal, or None) from now on; only
+        meaningful before anything is written (what is stored stays in the old basis)."""
+        # in the compute dtype (one matmul per tensor, no casts): rounding R's entries to bf16
+        # scales a Hadamard by a constant within 2^-9 and perturbs a random orthogonal matrix by
+        # ~2^-9/sqrt(d), below the rounding of the bf16 activations it multiplies
+        self.rot = None if rotation is None else rotation.to(self.device, self.dtype)
+        self.rot_t = None if rotation is None else self.rot.T.contiguous()
 
     # -- storage -------------------------------------------------------------------------------
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store new ``[num_tokens, num_kv_heads, head_dim]`` keys/values at flat slots."""
+        """Store new ``[num_tokens, num_kv_heads, head_dim]`` keys/values at flat slots (as
+        ``kR``/``vR`` when this layer has a rotation). The recent-block pool is kept by ``attend``."""
+        if self.rot is not None:
+            k, v = _rotate(k, self.rot), _rotate(v, self.rot)
+        self._store(k, v, slots)
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         off = self.store_device != k.device
         slots = slots.to(self.store_device)
         for name, x in (("k", k), ("v", v)):
@@ -98,57 +183,308 @@ class TierKV:
     # -- attention -----------------------------------------------------------------------------
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
-        """Write k/v, then attention of q ``[num_tokens, num_heads, head_dim]`` over the cache."""
-        self.write(k, v, meta.slot_mapping)
+        """Write k/v, then attention of q ``[num_tokens, num_heads, head_dim]`` over the cache;
+        returns ``[num_tokens, num_heads, head_dim]`` on the compute device."""
+        if self.rot is not None:
+            k, v = _rotate(k, self.rot), _rotate(v, self.rot)
+            q = _rotate(q, self.rot).to(q.dtype)  # (qR)(kR)^T = qk^T
+        self._store(k, v, meta.slot_mapping)
         on_cpu = (self.cpu_compute and not meta.is_prefill and self.tier != "gpu"
                   and self.device.type != "cpu")
         where = torch.device("cpu") if on_cpu else self.device
-        bs = self.t["k#packed" if self.compress else "k"].shape[1]
-        tables = meta.block_tables.tolist()
-        used: list[int] = []
-        for row, ctx in zip(tables, meta.context_lens_list):
-            used += row[:-(-ctx // bs)]
-        uniq = sorted(set(used))
-        pos = {b: i for i, b in enumerate(uniq)}
-        ids = torch.tensor(uniq, dtype=torch.long)
-        local = torch.tensor([[pos.get(b, 0) for b in row] for row in tables], dtype=torch.long,
-                             device=where)
-        kc, vc = self._blocks("k", ids, where), self._blocks("v", ids, where)
+        plan = self.plans.get(meta, self.block_size)
+        kc, vc = self._blocks("k", plan.ids, where), self._blocks("v", plan.ids, where)
         if on_cpu:
             with self.timers.section("gtoc"):
                 qc = q.to(where)
         else:
             qc = q
         with self.timers.section("compute"):
-            if meta.is_prefill:
-                out = ref.paged_prefill_attention(qc, kc, vc, local, meta.context_lens_list,
-                                                  meta.query_lens, scale)
+            if self.recent_blocks:
+                out = self._attend_recent(qc, k, v, kc, vc, plan, meta, scale, where)
+            elif meta.is_prefill:
+                out = ref.paged_prefill_attention(qc, kc, vc, plan.local_on(where),
+                                                  meta.context_lens_list, meta.query_lens, scale)
             else:
-                out = ref.paged_decode_attention(qc, kc, vc, local, meta.context_lens.to(where), scale)
+                out = ref.paged_decode_attention(qc, kc, vc, plan.local_on(where),
+                                                 meta.context_lens.to(where), scale)
         if on_cpu:
             with self.timers.section("ctog"):
                 out = out.to(self.device)
+        if self.rot is not None:
+            with self.timers.section("compute"):
+                out = _rotate(out, self.rot_t).to(out.dtype)  # P(VR) R^T = PV
         return out
+
+    # -- the recent-block pool ---------------------------------------------------------------------
+    def _attend_recent(self, q, k, v, kc, vc, plan: "_StepPlan", meta, scale, where):
+        """Attention where each query reads its own block in fp and earlier blocks 4-bit; the pool
+        keeps each sequence's last block (module docstring). Same shapes as ``attend``; ``kc``/``vc``
+        are the gathered, dequantized blocks ``[len(plan.ids), block_size, kvh, d]`` (this call's
+        own copy: own blocks are overwritten in place in decode).
+
+        Pool invariant: a row holds, for every slot of its block written so far, the fp value, or
+        the 4-bit one where the row was (re)made after the slot was written (eviction, prefix
+        cache), so a row is read whole, with no per-slot mask."""
+        if plan.decode is None:
+            out = self._attend_recent_general(q, k, v, kc, vc, plan, meta, scale, where)
+            self._keep_recent(plan, meta, k, v, kc, vc)
+            return out
+        offs = plan.decode[1]
+        rows, init = self._assign_rows(plan, meta)
+        dev = self.store_device
+        if init:  # rows (re)made mid-block start from the block's 4-bit values
+            ri = plan.tensor("init_rows", [rows[i] for i in init], dev)
+            li = plan.tensor("init_local", [plan.decode_local[i] for i in init], where)  # same order
+            self.pool_k[ri], self.pool_v[ri] = kc[li].to(dev), vc[li].to(dev)
+        have = [i for i, r in enumerate(rows) if r >= 0]
+        if len(have) == len(rows):  # the usual case: this step's token into the pool, the rows out
+            r_t = plan.tensor("rows", rows, dev)
+            self.pool_k[r_t, plan.tensor("offs", offs, dev)] = k.to(dev, self.dtype)
+            self.pool_v[r_t, plan.tensor("offs", offs, dev)] = v.to(dev, self.dtype)
+            li = plan.tensor("own_local", plan.decode_local, where)
+            kc[li], vc[li] = self.pool_k[r_t].to(where), self.pool_v[r_t].to(where)
+        else:  # more sequences than pool rows: those without one read only this token in fp
+            d_t = plan.tensor("dst", plan.decode_dst, where)
+            kc.view(-1, *kc.shape[2:]).index_copy_(0, d_t, k.to(where, self.dtype))
+            vc.view(-1, *vc.shape[2:]).index_copy_(0, d_t, v.to(where, self.dtype))
+            if have:
+                r_t = plan.tensor("rows", [rows[i] for i in have], dev)
+                o_t = plan.tensor("offs", [offs[i] for i in have], dev)
+                t_t = plan.tensor("have", have, k.device)
+                self.pool_k[r_t, o_t] = k[t_t].to(dev, self.dtype)
+                self.pool_v[r_t, o_t] = v[t_t].to(dev, self.dtype)
+                li = plan.tensor("own_local", [plan.decode_local[i] for i in have], where)
+                kc[li], vc[li] = self.pool_k[r_t].to(where), self.pool_v[r_t].to(where)
+        return ref.paged_decode_attention(q, kc, vc, plan.local_on(where), meta.context_lens.to(where), scale)
+
+    def _own_region(self, i: int, row: list[int], ctx: int, ql: int, start: int, kc, vc, local,
+                    k: torch.Tensor, v: torch.Tensor, where: torch.device):
+        """Sequence ``i``'s own-block region in fp: positions ``bs * (a // bs) .. ctx-1`` (a = its
+        first query position) as ``[n, kv_heads, head_dim]`` K and V on ``where``: the first own
+        block's slots written before this step from its pool row if it has one (else their 4-bit
+        values), then this step's new tokens ``k/v[start:start+ql]`` as given."""
+        bs, a = self.block_size, ctx - ql
+        j0 = a // bs
+        new_k, new_v = k[start:start + ql].to(where, self.dtype), v[start:start + ql].to(where, self.dtype)
+        n0 = a - j0 * bs  # earlier slots of the first own block
+        if n0 == 0:
+            return new_k, new_v
+        r = self.pool_rows.get(row[j0])
+        if r is not None:
+            pk, pv = self.pool_k[r, :n0].to(where), self.pool_v[r, :n0].to(where)
+        else:
+            pk, pv = kc[local[i][j0], :n0], vc[local[i][j0], :n0]
+        return torch.cat([pk, new_k]), torch.cat([pv, new_v])
+
+    def _attend_recent_general(self, q, k, v, kc, vc, plan, meta, scale, where):
+        """Any batch (prefill, several queries per sequence, shared own blocks): per sequence, one
+        SDPA over its 4-bit context followed by its own-block region in fp, masked so that a query
+        at position p sees 4-bit keys before its block and fp keys of its block up to p."""
+        bs, num_heads = self.block_size, q.shape[1]
+        outs, start = [], 0
+        for i, (row, ctx, ql) in enumerate(zip(plan.tables, meta.context_lens_list, meta.query_lens)):
+            a = ctx - ql
+            s0 = (a // bs) * bs
+            fk, fv = self._own_region(i, row, ctx, ql, start, kc, vc, plan.local, k, v, where)
+            ids = torch.tensor(plan.local[i][:-(-ctx // bs)], device=where)
+            keys = torch.cat([kc[ids].flatten(0, 1)[:ctx], fk]).transpose(0, 1)  # [kvh, 2ctx - s0, d]
+            vals = torch.cat([vc[ids].flatten(0, 1)[:ctx], fv]).transpose(0, 1)
+            qpos = torch.arange(a, ctx, device=where)[:, None]
+            own = (qpos // bs) * bs  # first position of each query's own block
+            jq = torch.arange(ctx, device=where)[None, :]
+            jf = torch.arange(s0, ctx, device=where)[None, :]
+            mask = torch.cat([jq < own, (jf >= own) & (jf <= qpos)], dim=1)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[start:start + ql].transpose(0, 1), keys.to(q.dtype), vals.to(q.dtype),
+                attn_mask=mask, scale=scale, enable_gqa=self.kv_heads != num_heads)
+            outs.append(o.transpose(0, 1))
+            start += ql
+        return torch.cat(outs)
+
+    def _keep_recent(self, plan: "_StepPlan", meta, k: torch.Tensor, v: torch.Tensor, kc, vc) -> None:
+        """After a general step: pool this step's tokens of each sequence's last block."""
+        bs, start, dev = self.block_size, 0, self.store_device
+        rows, init = self._assign_rows(plan, meta)
+        init = set(init)
+        r_l, o_l, t_l = [], [], []
+        for i, (r, ctx, ql) in enumerate(zip(rows, meta.context_lens_list, meta.query_lens)):
+            j = (ctx - 1) // bs
+            first = max(ctx - ql, j * bs)
+            if r >= 0:
+                if i in init:
+                    li = plan.local[i][j]
+                    self.pool_k[r], self.pool_v[r] = kc[li].to(dev), vc[li].to(dev)
+                r_l += [r] * (ctx - first)
+                o_l += range(first - j * bs, ctx - j * bs)
+                t_l += range(start + first - (ctx - ql), start + ql)
+            start += ql
+        if r_l:
+            r_t, o_t = plan.tensor("keep_rows", r_l, dev), plan.tensor("keep_offs", o_l, dev)
+            t_t = plan.tensor("keep_toks", t_l, k.device)
+            self.pool_k[r_t, o_t] = k[t_t].to(dev, self.dtype)
+            self.pool_v[r_t, o_t] = v[t_t].to(dev, self.dtype)
+
+    def _assign_rows(self, plan: "_StepPlan", meta) -> tuple[list[int], list[int]]:
+        """Pool bookkeeping of a step (Python only): drop the rows of blocks each sequence has
+        moved past, find or make the row of each sequence's last block. Returns (row per sequence,
+        -1 where the pool is full of this step's rows; indices of the sequences whose row is new
+        while their block already holds earlier slots, to be filled from the 4-bit values)."""
+        bs = self.block_size
+        rows, need, taken = [], [], set()
+        for i, (row, ctx, ql) in enumerate(zip(plan.tables, meta.context_lens_list, meta.query_lens)):
+            a, j = ctx - ql, (ctx - 1) // bs
+            lo = a // bs - (1 if a % bs == 0 and a else 0)  # a block just left is done, too
+            for jj in range(lo, j):
+                r = self.pool_rows.pop(row[jj], None)
+                if r is not None:
+                    self._free.append(r)
+            r = self.pool_rows.pop(row[j], None)  # existing rows first, so none is evicted below
+            if r is None:
+                need.append(i)
+                r = -1
+            else:
+                self.pool_rows[row[j]] = r  # most recently written
+                taken.add(row[j])
+            rows.append(r)
+        init = []
+        for i in need:
+            row, ctx, ql = plan.tables[i], meta.context_lens_list[i], meta.query_lens[i]
+            j = (ctx - 1) // bs
+            r = self._new_row(taken)
+            if r >= 0:
+                self.pool_rows[row[j]] = r
+                taken.add(row[j])
+                rows[i] = r
+                if ctx - ql > j * bs:  # the block already holds slots from earlier steps
+                    init.append(i)
+        return rows, init
+
+    def _new_row(self, taken: set[int]) -> int:
+        """A free pool row (growing the pool, else evicting the least recently written block
+        unless it is in ``taken``); -1 when none can be had."""
+        if self.pool_k is None:
+            self._grow(min(8, self.recent_blocks))
+        if not self._free:
+            if self.pool_k.shape[0] < self.recent_blocks:
+                self._grow(min(2 * self.pool_k.shape[0], self.recent_blocks))
+            elif self.pool_rows and next(iter(self.pool_rows)) not in taken:
+                self._free.append(self.pool_rows.pop(next(iter(self.pool_rows))))
+            else:
+                return -1
+        return self._free.pop()
+
+    def _grow(self, n: int) -> None:
+        shape = (n, self.block_size, self.kv_heads, self.head_dim)
+        old = 0 if self.pool_k is None else self.pool_k.shape[0]
+        new = [torch.zeros(shape, dtype=self.dtype, device=self.store_device) for _ in range(2)]
+        if old:
+            new[0][:old], new[1][:old] = self.pool_k, self.pool_v
+        self.pool_k, self.pool_v = new
+        self._free += range(old, n)
+
+
+def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """``x @ r`` in ``r``'s dtype (the compute dtype); the result in that dtype."""
+    return (x if x.dtype == r.dtype else x.to(r.dtype)) @ r
+
+
+class _StepPlan:
+    """What every layer of one step reads, built once per step from its ``AttentionMetadata``:
+    the blocks to gather (``ids``, sorted, CPU int64), each sequence's table remapped onto them
+    (``local``), and for a decode step whose own (last) blocks are not shared, ``decode`` =
+    (own block id, offset of the new token in it) per sequence, with ``decode_local`` (the own
+    blocks' local indices) and ``decode_dst`` (the new tokens' flat local slots)."""
+
+    def __init__(self, meta: AttentionMetadata, bs: int):
+        self.tables = meta.block_tables.tolist()
+        used: list[int] = []
+        for row, ctx in zip(self.tables, meta.context_lens_list):
+            used += row[:-(-ctx // bs)]
+        uniq = sorted(set(used))
+        pos = {b: i for i, b in enumerate(uniq)}
+        self.ids = torch.tensor(uniq, dtype=torch.long)
+        self.local = [[pos.get(b, 0) for b in row] for row in self.tables]
+        self._on: dict[torch.device, torch.Tensor] = {}
+        self._tensors: dict = {}
+        self.decode = None
+        if not meta.is_prefill and all(ql == 1 for ql in meta.query_lens):
+            own = [row[(c - 1) // bs] for row, c in zip(self.tables, meta.context_lens_list)]
+            mine = set(own)
+            if len(uniq) == len(used) or all(n == 1 for b, n in Counter(used).items() if b in mine):
+                offs = [(c - 1) % bs for c in meta.context_lens_list]
+                self.decode = (own, offs)
+                self.decode_local = [pos[b] for b in own]
+                self.decode_dst = [li * bs + o for li, o in zip(self.decode_local, offs)]
+
+    def tensor(self, key: str, values: list[int], device: torch.device) -> torch.Tensor:
+        """``values`` as an int64 tensor on ``device``, reused while the same values are asked
+        for under ``key`` (the layers of a step ask for the same ones: one host->device copy)."""
+        hit = self._tensors.get((key, device))
+        if hit is not None and hit[0] == values:
+            return hit[1]
+        t = torch.tensor(values, dtype=torch.long, device=device)
+        self._tensors[(key, device)] = (values, t)
+        return t
+
+    def local_on(self, device: torch.device) -> torch.Tensor:
+        t = self._on.get(device)
+        if t is None:
+            t = self._on[device] = torch.tensor(self.local, dtype=torch.long, device=device)
+        return t
+
+
+class _PlanCache:
+    """The plans of the last few steps' metadata objects, shared by all layers of a cache (the
+    block schedule interleaves the GPU batches of a block, so a few are live at once)."""
+
+    def __init__(self, size: int = 16):
+        self.size, self.entries = size, OrderedDict()
+
+    def get(self, meta: AttentionMetadata, bs: int) -> _StepPlan:
+        hit = self.entries.get(id(meta))
+        if hit is not None and hit[0] is meta:
+            return hit[1]
+        plan = _StepPlan(meta, bs)
+        self.entries[id(meta)] = (meta, plan)  # holding meta keeps its id from being reused
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+        return plan
 
 
 class TieredKVCache:
     """K/V of every layer on the tier ``tiers[i]`` gives; ``views[i]`` is what layer i attends with.
 
     ``num_blocks``/``block_size`` describe the block manager's pool (shared by all layers).
-    Raises ValueError when a layer goes to disk and no ``offload_dir`` is given.
+    With ``compress``: ``rotate`` (default on) stores K/V rotated by ``kv_rotation`` (QuaRot), which
+    cuts the 4-bit error on outlier channels (without compression it would change nothing but
+    float rounding, so it is off there unless asked for); ``recent_blocks`` (default
+    ``DEFAULT_RECENT_BLOCKS``; 0 = off) is the per-layer capacity of the fp pool of each sequence's
+    last block, one block per concurrently running sequence (the runner passes ``max_num_seqs``).
+    ``nbytes``/``bytes_on`` count the pools at full capacity. Raises ValueError when a layer goes
+    to disk and no ``offload_dir`` is given.
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, tiers: list[str], compress: bool, cpu_compute: bool,
-                 offload_dir: str | os.PathLike | None, timers: Timers):
+                 offload_dir: str | os.PathLike | None, timers: Timers, rotate: bool | None = None,
+                 recent_blocks: int | None = None):
         self.num_blocks, self.block_size, self.tiers = num_blocks, block_size, list(tiers)
         self.device = torch.device(device)
         lay = Layout(_kv_items(cfg, num_blocks, block_size, dtype, compress))
+        if recent_blocks is None:
+            recent_blocks = DEFAULT_RECENT_BLOCKS
+        self.recent_blocks = min(recent_blocks, num_blocks) if compress else 0
+        # the pool of a disk layer lives in host memory
+        self.pool_bytes = self.recent_blocks * block_size * cfg.num_kv_heads * cfg.head_dim * 2 * dtype.itemsize
         self.layer_bytes = lay.nbytes
         self.views: list = []
         self.maps: list = []
         if "disk" in self.tiers and offload_dir is None:
             raise ValueError("the policy puts KV cache on disk (cd > 0): give an offload dir")
+        self.rotate = compress if rotate is None else rotate
+        rot = kv_rotation(cfg.head_dim) if self.rotate else None
+        plans = _PlanCache()  # one per step, shared by the layers
         for i, tier in enumerate(self.tiers):
             if tier == "gpu":
                 buf = torch.zeros(lay.nbytes, dtype=torch.uint8, device=self.device)
@@ -162,14 +498,18 @@ class TieredKVCache:
                 self.maps.append(mm)
                 buf = torch.from_numpy(mm)
             t = lay.views(buf)
-            if tier == "gpu" and not compress:
+            if tier == "gpu" and not compress and rot is None:
                 self.views.append(LayerKV(t["k"], t["v"]))
             else:
-                self.views.append(TierKV(t, tier, compress, self.device, dtype, cpu_compute, timers))
+                self.views.append(TierKV(t, tier, compress, self.device, dtype, cpu_compute, timers, rot,
+                                         self.recent_blocks, plans))
 
     def bytes_on(self, tier: str) -> int:
-        return self.layer_bytes * sum(t == tier for t in self.tiers)
+        """Bytes held on ``tier``: the stored K/V, plus the recent-block pools at full capacity
+        (a disk layer's pool is in host memory, "cpu")."""
+        pools = sum((t if t != "disk" else "cpu") == tier for t in self.tiers)
+        return self.layer_bytes * sum(t == tier for t in self.tiers) + self.pool_bytes * pools
 
     @property
     def nbytes(self) -> int:
-        return self.layer_bytes * len(self.tiers)
+        return (self.layer_bytes + self.pool_bytes) * len(self.tiers)

@@ -208,7 +208,8 @@ def build_offload(cfg: ModelConfig, store, dtype: torch.dtype, device: torch.dev
                            engine_config.kv_cache_memory, max_useful_tokens)
         tiers = assign_tiers([1] * cfg.num_layers, (policy.cg, policy.cc, policy.cd))
         kv = TieredKVCache(cfg, n, engine_config.block_size, dtype, device, tiers,
-                           policy.compress_cache, policy.cpu_cache_compute, offload_dir, model.timers)
+                           policy.compress_cache, policy.cpu_cache_compute, offload_dir, model.timers,
+                           recent_blocks=engine_config.max_num_seqs)
         return OffloadRunner(model, kv)
 
     return model, factory
