@@ -15,8 +15,10 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     """Store new keys/values ``[num_tokens, num_kv_heads, head_dim]`` at flat slots
     ``block_id * block_size + offset`` (``slot_mapping``: ``[num_tokens]``, int64)."""
     kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        # no cast when the dtypes match: a .to() call is a dispatch even when it returns x
+        x = x if x.dtype == cache.dtype else x.to(cache.dtype)
+        cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, x)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

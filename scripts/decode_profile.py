@@ -51,13 +51,9 @@ def host_phases(llm, steps: int) -> dict[str, float]:
         t0 = time.perf_counter()
         batch = eng.scheduler.schedule()
         t1 = time.perf_counter()
-        runner = eng.runner
-        seqs = batch.seqs
-        import bisect
-        n, longest = len(seqs), max(s.num_tokens for s in seqs)
-        b = runner.batch_buckets[bisect.bisect_left(runner.batch_buckets, n)]
-        c = runner.ctx_buckets[bisect.bisect_left(runner.ctx_buckets, longest)]
-        g = runner.graphs.get((b, c)) or runner._capture(b, c)
+        runner, seqs = eng.runner, batch.seqs
+        n = len(seqs)
+        g = runner.graph_for(seqs)
         runner._fill(g, seqs)
         t2 = time.perf_counter()
         g.graph.replay()

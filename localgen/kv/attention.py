@@ -214,17 +214,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     attend = getattr(kv, "attend", None)  # an offloaded / 4-bit layer cache (runtime.offload.kv)
     if attend is not None:
         return attend(q, k, v, meta, scale)
-    if q.is_cuda and _triton():  # K and V in one launch (kernels/kv_write.py)
+    on_triton = q.is_cuda and _triton()
+    if on_triton:  # K and V in one launch (kernels/kv_write.py)
         _triton_mods[2].write_kv(kv.k_cache, kv.v_cache, k, v, meta.slot_mapping)
-    elif q.is_cuda or k.dtype != kv.k_cache.dtype:
+    else:
         ref.write_kv(kv.k_cache, kv.v_cache, k, v, meta.slot_mapping)
-    else:  # the same stores without the dtype casts' dispatch
-        kv_heads, head_dim = kv.k_cache.shape[-2:]
-        kv.k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        kv.v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     if _score_observer is not None:
         _score_observer(q, kv, meta, scale)
-    if q.is_cuda and _triton():
+    if on_triton:
         decode, prefill = _triton_mods[:2]
         if meta.is_prefill:
             return prefill.paged_prefill_attention(q, kv.k_cache, kv.v_cache, meta.block_tables,

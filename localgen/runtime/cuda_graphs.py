@@ -60,13 +60,18 @@ class GraphedModelRunner(ModelRunner):
     def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         if is_prefill:
             return super().run(seqs, is_prefill)
-        n, longest = len(seqs), max(s.num_tokens for s in seqs)
-        b = self.batch_buckets[bisect.bisect_left(self.batch_buckets, n)]
-        c = self.ctx_buckets[bisect.bisect_left(self.ctx_buckets, longest)]
-        g = self.graphs.get((b, c)) or self._capture(b, c)
+        g = self.graph_for(seqs)
         self._fill(g, seqs)
         g.graph.replay()
-        return g.logits[:n]
+        return g.logits[:len(seqs)]
+
+    def graph_for(self, seqs: list[Sequence]) -> _Graph:
+        """The decode graph of the smallest (batch, context) bucket pair that holds ``seqs``,
+        captured on first use."""
+        longest = max(s.num_tokens for s in seqs)
+        b = self.batch_buckets[bisect.bisect_left(self.batch_buckets, len(seqs))]
+        c = self.ctx_buckets[bisect.bisect_left(self.ctx_buckets, longest)]
+        return self.graphs.get((b, c)) or self._capture(b, c)
 
     def _fill(self, g: _Graph, seqs: list[Sequence]) -> None:
         """Write the step's inputs into the graph's pinned staging buffer, then one asynchronous
