@@ -228,11 +228,11 @@ def print_result(r: RunResult, out=print) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="llama-2-7b", help="shape preset (localgen.policy.presets)")
-    ap.add_argument("--policy", action="append", required=True,
-                    help="gbs,ngb,wg,wc,cg,cc,hg,hc[,w4][,kv4][,cpuattn]; repeat for several")
+    ap.add_argument("--policy", action="append", default=[],
+                    help="gbs,ngb,wg,wc,cg,cc,hg,hc[,w4][,kv4][,cpuattn]; repeat for several (none: peers only)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen-len", type=int, default=32)
-    ap.add_argument("--gpu-memory", default="6GiB")
+    ap.add_argument("--gpu-memory", default="6GiB", help="GPU memory cap ('none': the whole GPU)")
     ap.add_argument("--peer-batches", default="1,8", help="batch sizes for accelerate ('' = none)")
     ap.add_argument("--profile", default=None, help="HardwareProfile name/path for predictions")
     ap.add_argument("--offload-dir", default="/tmp/localgen_offload")
@@ -249,9 +249,14 @@ def main(argv=None) -> int:
     if a.profile:
         from localgen.profiler.hardware import load_profile
         hw = load_profile(a.profile)
-    gpu_mem = parse_size(a.gpu_memory)
+    gpu_mem = None if a.gpu_memory.lower() == "none" else parse_size(a.gpu_memory)
     if torch.cuda.is_available():
+        if gpu_mem is None:
+            gpu_mem = torch.cuda.get_device_properties(0).total_memory
         print(f"device: {torch.cuda.get_device_name()}, cap {gpu_mem / GiB:.1f} GiB", flush=True)
+    if hw is not None and gpu_mem is not None:  # predict for the capped GPU the run emulates
+        import dataclasses
+        hw = dataclasses.replace(hw, gpu_mem=min(hw.gpu_mem, gpu_mem))
     store = DummyStore(cfg, family_of(cfg))
     results = []
     for spec in a.policy:

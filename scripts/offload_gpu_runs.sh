@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue 6 on a lent H200: the offloading runtime beside accelerate and FlexGen's figures.
+# Run from the repo root on the GPU machine: scripts/offload_gpu_runs.sh STAGE   (writes to $OUT)
+#   selftest : scripts/offload_selftest.py (every placement on CUDA vs the resident path)
+#   llama7b  : Llama-2-7B shape, 6 GiB cap: a searched uncompressed policy and the searched 4-bit one,
+#              accelerate at batch 1, 8, 32 (same max_memory)
+#   opt67b   : OPT-6.7B with FlexGen's measured policy (45/55, 32x4, CPU attention)
+#   opt30b   : OPT-30B, 16 GiB cap: FlexGen's policy (20/80, 32x2, CPU attention), the searched 4-bit one
+#   opt30b_peer : accelerate on OPT-30B, 16 GiB cap, batch 1 and 8
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+ln -sfn ../kernels localgen/kernels; ln -sfn ../profiles localgen/profiles; export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+B="python3 -m localgen.bench.offload_bench --profile h200 --timed-steps 1 --offload-dir /tmp/lg_off"
+for stage in "$@"; do
+  case $stage in
+    selftest) timeout 150 python3 scripts/offload_selftest.py 2>&1 | tee "$OUT/offload_selftest_h200.txt" ;;
+    llama7b) timeout 400 $B --preset llama-2-7b --gpu-memory 6GiB \
+        --policy 16,8,26,74,0,100,100,0,cpuattn --policy 4,4,100,0,100,0,100,0,w4,kv4 \
+        --peer-batches 1,8,32 --out "$OUT/offload_llama7b_h200.json" 2>&1 | tee "$OUT/offload_llama7b_h200.txt" ;;
+    opt67b) timeout 200 $B --preset opt-6.7b --gpu-memory none \
+        --policy 32,4,45,55,0,100,100,0,cpuattn --peer-batches '' \
+        --out "$OUT/offload_opt67b_h200.json" 2>&1 | tee "$OUT/offload_opt67b_h200.txt" ;;
+    opt30b) timeout 560 $B --preset opt-30b --gpu-memory 16GiB \
+        --policy 32,2,20,80,0,100,100,0,cpuattn --policy 4,14,9,91,100,0,0,100,w4,kv4 --peer-batches '' \
+        --out "$OUT/offload_opt30b_h200.json" 2>&1 | tee "$OUT/offload_opt30b_h200.txt" ;;
+    opt30b_peer) timeout 560 $B --preset opt-30b --gpu-memory 16GiB --peer-batches 1,8 \
+        --out "$OUT/offload_opt30b_peer_h200.json" 2>&1 | tee "$OUT/offload_opt30b_peer_h200.txt" ;;
+  esac
+  free -g | head -2
+done
