@@ -7,6 +7,7 @@
 #   opt67b   : OPT-6.7B with FlexGen's measured policy (45/55, 32x4, CPU attention)
 #   opt30b   : OPT-30B, 16 GiB cap: FlexGen's policy (20/80, 32x2, CPU attention), the searched 4-bit one
 #   opt30b_peer : accelerate on OPT-30B, 16 GiB cap, batch 1 and 8
+#   cpuattn  : scripts/cpu_attention_bench.py on the host CPU; llama7b_short: the first llama7b policy, 3 tokens
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 ln -sfn ../kernels localgen/kernels; ln -sfn ../profiles localgen/profiles; export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -23,6 +24,9 @@ for stage in "$@"; do
     opt30b) timeout 560 $B --preset opt-30b --gpu-memory 16GiB \
         --policy 32,2,20,80,0,100,100,0,cpuattn --policy 4,14,9,91,100,0,0,100,w4,kv4 --peer-batches '' \
         --out "$OUT/offload_opt30b_h200.json" 2>&1 | tee "$OUT/offload_opt30b_h200.txt" ;;
+    cpuattn) timeout 200 python3 scripts/cpu_attention_bench.py 2>&1 | tee "$OUT/cpu_attention_h200_host.txt" ;;
+    llama7b_short) timeout 300 $B --preset llama-2-7b --gpu-memory 6GiB --gen-len 3 \
+        --policy 16,8,26,74,0,100,100,0,cpuattn --peer-batches '' 2>&1 | tee "$OUT/offload_llama7b_short_h200.txt" ;;
     opt30b_peer) timeout 560 $B --preset opt-30b --gpu-memory 16GiB --peer-batches 1,8 \
         --out "$OUT/offload_opt30b_peer_h200.json" 2>&1 | tee "$OUT/offload_opt30b_peer_h200.txt" ;;
   esac

@@ -64,6 +64,10 @@ class RunResult:
     error: str = ""
 
 
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
 def _sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -101,10 +105,14 @@ def run_localgen(cfg, store, policy, batch: int, prompt_len: int, gen_len: int, 
                         max_num_batched_tokens=max(8192, batch * prompt_len),
                         kv_cache_memory=int(per_tok * (tokens + batch * block_size) * 1.05),
                         enable_prefix_caching=False)
+    t0 = time.perf_counter()
     llm = LLM.from_parts(cfg, store, None, ecfg, device=device, dtype=dtype, name="bench",
                          policy=policy, offload_dir=offload_dir, gpu_memory=gpu_memory)
+    _log(f"  built in {time.perf_counter() - t0:.1f} s; {policy.describe()}")
     _generate(llm, min(batch, policy.bls), 8, 2, seed=1)  # warm up (allocator, kernels)
+    _log("  warmed up")
     pre, dec = _generate(llm, batch, prompt_len, gen_len)
+    _log(f"  generated: prefill {pre:.2f} s, decode {dec:.2f} s")
     res = RunResult("localgen", batch, pre, dec, batch * gen_len / (pre + dec),
                     batch * (gen_len - 1) / dec if dec else 0.0, policy.describe())
     res.memory_gib = {k: round(v / GiB, 3) for k, v in llm.memory_by_tier().items()}
