@@ -2,7 +2,7 @@
 the reference (fused SDPA over gathered, masked K/V) beside plain-matmul variants, per dtype, with
 the KV bytes read per second. Run where the offloaded runs happen (the GPU machine's CPU):
 
-    python3 scripts/cpu_attention_bench.py
+    python3 scripts/cpu_attention_bench.py [--fresh]   # --fresh: glibc malloc defaults
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import paged_attention_ref as ref  # noqa: E402
+from localgen.runtime.executor import keep_freed_host_memory  # noqa: E402
 
 
 def gather_bhld(cache, bt, n, dtype=None):
@@ -55,13 +56,34 @@ def per_seq_variant(q, kc, vc, bt, cl, scale):
     return torch.stack(outs).to(q.dtype)
 
 
+def per_seq_strided(q, kc, vc, bt, cl, scale):
+    """One sequence at a time in the cache dtype: its blocks gathered as [L, kvh, D] (one copy
+    of whole blocks) and read as [kvh, L, D] strided matrices by bmm (no transpose copy)."""
+    B, H, D = q.shape
+    kvh, bs = kc.shape[2], kc.shape[1]
+    g = H // kvh
+    out = torch.empty_like(q)
+    for i in range(B):
+        L = int(cl[i]); n = -(-L // bs)
+        ids = bt[i, :n]
+        K = kc.index_select(0, ids).view(n * bs, kvh, D)[:L].transpose(0, 1)
+        V = vc.index_select(0, ids).view(n * bs, kvh, D)[:L].transpose(0, 1)
+        qi = q[i].view(kvh, g, D)
+        s = torch.bmm(qi, K.transpose(1, 2)).float() * scale
+        p = torch.softmax(s, -1).to(V.dtype)
+        out[i] = torch.bmm(p, V).view(H, D)
+    return out
+
+
 def main() -> int:
     torch.manual_seed(0)
-    print("threads", torch.get_num_threads(), "torch", torch.__version__, flush=True)
+    kept = "--fresh" not in sys.argv and keep_freed_host_memory()  # as the offload runner does
+    print("threads", torch.get_num_threads(), "torch", torch.__version__,
+          "freed host memory kept" if kept else "malloc defaults (fresh mmaps)", flush=True)
     shapes = [("llama-2-7b gbs16", 16, 32, 32, 128, 544), ("opt-30b gbs32", 32, 56, 56, 128, 544),
               ("opt-6.7b gbs32", 32, 32, 32, 128, 544)]
     variants = [ref.paged_decode_attention, matmul_variant(None), matmul_variant(torch.float32),
-                matmul_variant(torch.bfloat16), per_seq_variant]
+                matmul_variant(torch.bfloat16), per_seq_variant, per_seq_strided]
     for name, B, H, kvh, D, L in shapes:
         bs = 16
         nb = B * (-(-L // bs))

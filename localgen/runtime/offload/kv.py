@@ -192,6 +192,13 @@ class TierKV:
         on_cpu = (self.cpu_compute and not meta.is_prefill and self.tier != "gpu"
                   and self.device.type != "cpu")
         where = torch.device("cpu") if on_cpu else self.device
+        if self._fresh_prefill(meta):
+            # no cached prefix and no 4-bit rounding: the cache would return exactly the k/v just
+            # computed, so attend over those where they are instead of reading them back
+            # (FlexGen's prefill attends on the GPU before storing the cache off it)
+            with self.timers.section("compute"):
+                out = _causal_packed(q, k.to(q.dtype), v.to(q.dtype), meta.query_lens, scale)
+                return out if self.rot is None else _rotate(out, self.rot_t).to(out.dtype)
         plan = self.plans.get(meta, self.block_size)
         kc, vc = self._blocks("k", plan.ids, where), self._blocks("v", plan.ids, where)
         if on_cpu:
@@ -215,6 +222,12 @@ class TierKV:
             with self.timers.section("compute"):
                 out = _rotate(out, self.rot_t).to(out.dtype)  # P(VR) R^T = PV
         return out
+
+    def _fresh_prefill(self, meta: AttentionMetadata) -> bool:
+        """A prefill of whole prompts (context = query for every sequence) on an uncompressed
+        tier off the compute device."""
+        return (meta.is_prefill and not self.compress and self.store_device != self.device
+                and meta.context_lens_list == list(meta.query_lens))
 
     # -- the recent-block pool ---------------------------------------------------------------------
     def _attend_recent(self, q, k, v, kc, vc, plan: "_StepPlan", meta, scale, where):
@@ -382,6 +395,22 @@ class TierKV:
             new[0][:old], new[1][:old] = self.pool_k, self.pool_v
         self.pool_k, self.pool_v = new
         self._free += range(old, n)
+
+
+def _causal_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_lens: list[int],
+                   scale: float) -> torch.Tensor:
+    """Causal attention of packed whole sequences (``[num_tokens, heads, head_dim]`` each; k/v
+    with the KV heads) -> ``[num_tokens, num_heads, head_dim]``."""
+    outs, start = [], 0
+    gqa = k.shape[1] != q.shape[1]
+    for n in query_lens:
+        sl = slice(start, start + n)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1), is_causal=True,
+            scale=scale, enable_gqa=gqa)
+        outs.append(o.transpose(0, 1))
+        start += n
+    return torch.cat(outs)
 
 
 def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from localgen.models.model import family_of, read_weights
 from localgen.models.rope import inv_frequencies, rope_cos_sin
 from localgen.policy.policy import Policy
 from localgen.quant.int4 import Int4Tensor
-from localgen.runtime.executor import ModelRunner
+from localgen.runtime.executor import ModelRunner, keep_freed_host_memory
 from localgen.runtime.offload.kv import TieredKVCache, kv_layer_bytes
 from localgen.runtime.offload.memory import assign_tiers
 from localgen.runtime.offload.timers import Timers
@@ -121,6 +121,9 @@ class OffloadRunner(ModelRunner):
         self.policy = model.policy
         self.timers = model.timers
         self.cuda = self.device.type == "cuda"
+        # host-side work each step (CPU attention, gathers, pageable copies) allocates tensors of
+        # 100s of MB per layer; fresh mmaps first-touch at a fraction of reused memory's speed
+        keep_freed_host_memory()
 
     # -- activations (hg/hc) --------------------------------------------------------------
     def _store_act(self, h: torch.Tensor):
