@@ -2,11 +2,11 @@
 # Issue 6 on a lent H200: the offloading runtime beside accelerate and FlexGen's figures.
 # Run from the repo root on the GPU machine: scripts/offload_gpu_runs.sh STAGE   (writes to $OUT)
 #   selftest : scripts/offload_selftest.py (every placement on CUDA vs the resident path)
-#   llama7b  : Llama-2-7B shape, 6 GiB cap: a searched uncompressed policy and the searched 4-bit one,
-#              accelerate at batch 1, 8, 32 (same max_memory)
-#   opt67b   : OPT-6.7B with FlexGen's measured policy (45/55, 32x4, CPU attention)
-#   opt30b   : OPT-30B, 16 GiB cap: FlexGen's policy (20/80, 32x2, CPU attention), the searched 4-bit one
-#   opt30b_peer : accelerate on OPT-30B, 16 GiB cap, batch 1 and 8
+#   llama7b  : Llama-2-7B shape, 6 GiB cap: weights 26/74 with the cache on the CPU (attended in
+#              place by the GPU), the searched 4-bit policy; accelerate at batch 1, 8, 32 (same max_memory)
+#   opt67b   : OPT-6.7B with FlexGen's measured placement (45/55, 32x4, cache on the CPU)
+#   opt30b   : OPT-30B, 16 GiB cap: FlexGen's placement (20/80, 32x2, cache on the CPU)
+#   opt30b_peer : OPT-30B, 16 GiB cap: the searched 4-bit policy; accelerate at batch 1
 #   cpuattn  : scripts/cpu_attention_bench.py on the host CPU; llama7b_short: the first llama7b policy, 3 tokens
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -16,18 +16,18 @@ for stage in "$@"; do
   case $stage in
     selftest) timeout 150 python3 scripts/offload_selftest.py 2>&1 | tee "$OUT/offload_selftest_h200.txt" ;;
     llama7b) timeout 400 $B --preset llama-2-7b --gpu-memory 6GiB \
-        --policy 16,8,26,74,0,100,100,0,cpuattn --policy 4,4,100,0,100,0,100,0,w4,kv4 \
+        --policy 16,8,26,74,0,100,100,0 --policy 4,4,100,0,100,0,100,0,w4,kv4 \
         --peer-batches 1,8,32 --out "$OUT/offload_llama7b_h200.json" 2>&1 | tee "$OUT/offload_llama7b_h200.txt" ;;
     opt67b) timeout 200 $B --preset opt-6.7b --gpu-memory none \
-        --policy 32,4,45,55,0,100,100,0,cpuattn --peer-batches '' \
+        --policy 32,4,45,55,0,100,100,0 --peer-batches '' \
         --out "$OUT/offload_opt67b_h200.json" 2>&1 | tee "$OUT/offload_opt67b_h200.txt" ;;
     opt30b) timeout 560 $B --preset opt-30b --gpu-memory 16GiB \
-        --policy 32,2,20,80,0,100,100,0,cpuattn --policy 4,14,9,91,100,0,0,100,w4,kv4 --peer-batches '' \
+        --policy 32,2,20,80,0,100,100,0 --peer-batches '' \
         --out "$OUT/offload_opt30b_h200.json" 2>&1 | tee "$OUT/offload_opt30b_h200.txt" ;;
     cpuattn) timeout 200 python3 scripts/cpu_attention_bench.py 2>&1 | tee "$OUT/cpu_attention_h200_host.txt" ;;
     llama7b_short) timeout 300 $B --preset llama-2-7b --gpu-memory 6GiB --gen-len 3 \
         --policy 16,8,26,74,0,100,100,0,cpuattn --peer-batches '' 2>&1 | tee "$OUT/offload_llama7b_short_h200.txt" ;;
-    opt30b_peer) timeout 560 $B --preset opt-30b --gpu-memory 16GiB --peer-batches 1,8 \
+    opt30b_peer) timeout 560 $B --preset opt-30b --gpu-memory 16GiB --policy 4,14,9,91,100,0,0,100,w4,kv4 --peer-batches 1 \
         --out "$OUT/offload_opt30b_peer_h200.json" 2>&1 | tee "$OUT/offload_opt30b_peer_h200.txt" ;;
   esac
   free -g | head -2

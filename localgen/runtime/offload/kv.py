@@ -129,6 +129,7 @@ class TierKV:
         self.pool_k = self.pool_v = None
         self._free: list[int] = []
         self.plans = plans if plans is not None else _PlanCache()
+        self.mapped: bool | None = None  # decided on first use (``_zero_copy``)
 
     def set_rotation(self, rotation: torch.Tensor | None) -> None:
         """Use ``rotation`` (``[head_dim, head_dim]`` orthogonal, or None) from now on; only
@@ -188,6 +189,10 @@ class TierKV:
         if self.rot is not None:
             k, v = _rotate(k, self.rot), _rotate(v, self.rot)
             q = _rotate(q, self.rot).to(q.dtype)  # (qR)(kR)^T = qk^T
+        if self._zero_copy():
+            out = self._attend_mapped(q, k, v, meta, scale)
+            if out is not None:
+                return out if self.rot is None else _rotate(out, self.rot_t).to(out.dtype)
         self._store(k, v, meta.slot_mapping)
         on_cpu = (self.cpu_compute and not meta.is_prefill and self.tier != "gpu"
                   and self.device.type != "cpu")
@@ -222,6 +227,40 @@ class TierKV:
             with self.timers.section("compute"):
                 out = _rotate(out, self.rot_t).to(out.dtype)  # P(VR) R^T = PV
         return out
+
+    def _zero_copy(self) -> bool:
+        """An uncompressed, pinned host-memory tier that the GPU attends to in place (mapped
+        pinned memory is addressable from kernels under unified addressing), unless the policy
+        delegates attention to the CPU."""
+        if self.mapped is None:
+            k = self.t.get("k")
+            self.mapped = bool(self.tier == "cpu" and not self.compress and not self.cpu_compute
+                               and self.device.type == "cuda" and k is not None and k.is_pinned()
+                               and _triton_kernels() is not None)
+        return self.mapped
+
+    def _attend_mapped(self, q, k, v, meta: AttentionMetadata, scale: float):
+        """GPU kernels over the pinned host cache: the new K/V written and every block read
+        across PCIe by the kernels themselves (no gather on the CPU, no staging copy). Returns
+        None (and turns the path off for this layer) if the kernels refuse host memory."""
+        decode, prefill, kv_write = _triton_kernels()
+        kc, vc = self.t["k"], self.t["v"]
+        try:
+            with self.timers.section("compute"):
+                kv_write.write_kv(kc, vc, k, v, meta.slot_mapping)
+                if self._fresh_prefill(meta):
+                    return _causal_packed(q, k.to(q.dtype), v.to(q.dtype), meta.query_lens, scale)
+                if meta.is_prefill:
+                    return prefill.paged_prefill_attention(q, kc, vc, meta.block_tables,
+                                                           meta.context_lens_list, meta.query_lens, scale)
+                return decode.paged_decode_attention(q, kc, vc, meta.block_tables, meta.context_lens,
+                                                     scale, max_context_len=max(meta.context_lens_list))
+        except Exception as e:  # noqa: BLE001  (a Triton build that rejects host pointers)
+            import warnings
+            warnings.warn(f"GPU kernels cannot read the pinned KV cache in place ({e!r}); "
+                          "copying blocks to the GPU instead", RuntimeWarning, stacklevel=2)
+            self.mapped = False
+            return None
 
     def _fresh_prefill(self, meta: AttentionMetadata) -> bool:
         """A prefill of whole prompts (context = query for every sequence) on an uncompressed
@@ -395,6 +434,14 @@ class TierKV:
             new[0][:old], new[1][:old] = self.pool_k, self.pool_v
         self.pool_k, self.pool_v = new
         self._free += range(old, n)
+
+
+def _triton_kernels():
+    """(paged_decode, paged_prefill, kv_write) when the Triton kernels import, else None."""
+    from localgen.kv import attention
+
+    mods = attention._triton()
+    return mods if mods else None
 
 
 def _causal_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_lens: list[int],
