@@ -4,6 +4,7 @@
 #   selftest : scripts/offload_selftest.py (every placement on CUDA vs the resident path)
 #   llama7b  : Llama-2-7B shape, 6 GiB cap: weights 26/74 with the cache on the CPU (attended in
 #              place by the GPU), the searched 4-bit policy; accelerate at batch 1, 8, 32 (same max_memory)
+#   llama7b_w4, llama7b_peer: the two halves of llama7b in their own processes
 #   opt67b   : OPT-6.7B with FlexGen's measured placement (45/55, 32x4, cache on the CPU)
 #   opt30b   : OPT-30B, 16 GiB cap: FlexGen's placement (20/80, 32x2, cache on the CPU)
 #   opt30b_peer : OPT-30B, 16 GiB cap: the searched 4-bit policy; accelerate at batch 1
@@ -11,10 +12,15 @@
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 ln -sfn ../kernels localgen/kernels; ln -sfn ../profiles localgen/profiles; export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # a capped GPU: no fragmentation slack
 B="python3 -m localgen.bench.offload_bench --profile h200 --timed-steps 1 --offload-dir /tmp/lg_off"
 for stage in "$@"; do
   case $stage in
     selftest) timeout 150 python3 scripts/offload_selftest.py 2>&1 | tee "$OUT/offload_selftest_h200.txt" ;;
+    llama7b_w4) timeout 200 $B --preset llama-2-7b --gpu-memory 6GiB --policy 4,4,100,0,100,0,100,0,w4,kv4 \
+        --peer-batches '' --out "$OUT/offload_llama7b_w4_h200.json" 2>&1 | tee "$OUT/offload_llama7b_w4_h200.txt" ;;
+    llama7b_peer) timeout 330 $B --preset llama-2-7b --gpu-memory 6GiB --peer-batches 1,8,32 \
+        --out "$OUT/offload_llama7b_peer_h200.json" 2>&1 | tee "$OUT/offload_llama7b_peer_h200.txt" ;;
     llama7b) timeout 400 $B --preset llama-2-7b --gpu-memory 6GiB \
         --policy 16,8,26,74,0,100,100,0 --policy 4,4,100,0,100,0,100,0,w4,kv4 \
         --peer-batches 1,8,32 --out "$OUT/offload_llama7b_h200.json" 2>&1 | tee "$OUT/offload_llama7b_h200.txt" ;;

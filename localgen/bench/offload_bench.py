@@ -154,6 +154,11 @@ def run_accelerate(hf_config: dict, batch: int, prompt_len: int, gen_len: int, g
     from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    # no allocator cap (a localgen run in this process may have set one): like the anchor, the
+    # peer is limited only by max_memory, which places weights; its KV cache and activations may
+    # exceed it (cuda_max_allocated in the result says by how much)
+    torch.cuda.set_per_process_memory_fraction(1.0)
+
     cfg = AutoConfig.for_model(**{k: v for k, v in hf_config.items() if k != "architectures"})
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
