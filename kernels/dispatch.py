@@ -8,7 +8,16 @@ number of tokens in the step). Profiled offline, each ``[N, K]`` gets two inflec
     M  > M2        -> "torch": torch.matmul (cuBLAS) on the dequantized weight
 
 ``GemmDispatchTable`` holds the table (JSON in ``profiles/``), ``profile_inflection_points``
-measures it, ``Int4Linear`` dispatches by M. Run offline on the GPU:
+measures it, ``route`` is the whole routing decision (a pure function of device type, M, [N, K],
+weight layout and table) and ``Int4Linear`` calls what it picks. Shapes the table lacks use
+``DEFAULT_POINTS`` (M1=16: one 16-row tile of the flat kernel; M2=128: the 64-row tiled kernel up
+to two tiles; above, dequantize + cuBLAS). Off CUDA every M takes the reference twin
+(dequantize + ``torch.matmul``).
+
+Both int4 weight layouts run in the Triton kernel: FlexGen's g=64 along the output channels
+(``group_dim`` 0) and GGUF Q4_1's g=32 along the input channels (``group_dim`` 1, see
+``flat_gemm``); a table may hold points per layout (JSON ``"group_dim": 1``), else the layout-0
+points of the shape serve both. Run offline on the GPU:
 
     python -m localgen.kernels.dispatch --shapes 2048x2048,8192x2048,2048x8192 --out gemm.json
 """
@@ -16,6 +25,7 @@ measures it, ``Int4Linear`` dispatches by M. Run offline on the GPU:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -24,10 +34,12 @@ from typing import Callable
 
 import torch
 
-from .quant_ref import QuantizedWeight, dequantize_weight, quantize_weight
+from .quant_ref import QuantizedWeight, dequantize_int4, quantize_int4
 
 IMPLS = ("flat", "tiled", "torch")
+REFERENCE = "reference"  # off CUDA: dequantize + torch.matmul, the pure-torch twin
 DEFAULT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+DEFAULT_POINTS = (16, 128)
 NO_LIMIT = 1 << 30
 
 
@@ -62,28 +74,34 @@ def inflection_points(timings: dict[int, dict[str, float]]) -> tuple[int, int]:
 
 @dataclass
 class GemmDispatchTable:
-    """``{(N, K): (M1, M2)}`` for one GPU and dtype; unknown shapes use ``default``."""
+    """``{(N, K): (M1, M2)}`` for one GPU and dtype (FlexGen layout); ``(N, K, 1)`` keys hold
+    points measured on the GGUF layout (grouped along K). Unknown shapes use ``default``."""
 
-    entries: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
-    default: tuple[int, int] = (16, 128)
+    entries: dict[tuple[int, ...], tuple[int, int]] = field(default_factory=dict)
+    default: tuple[int, int] = DEFAULT_POINTS
     device_name: str = ""
     dtype: str = "bfloat16"
 
-    def points(self, n: int, k: int) -> tuple[int, int]:
+    def points(self, n: int, k: int, group_dim: int = 0) -> tuple[int, int]:
+        if group_dim and (n, k, group_dim) in self.entries:
+            return self.entries[(n, k, group_dim)]
         return self.entries.get((n, k), self.default)
 
-    def impl(self, m: int, n: int, k: int) -> str:
-        return choose_impl(m, *self.points(n, k))
+    def impl(self, m: int, n: int, k: int, group_dim: int = 0) -> str:
+        return choose_impl(m, *self.points(n, k, group_dim))
 
     def to_json(self) -> dict:
         return {"device_name": self.device_name, "dtype": self.dtype, "default": list(self.default),
-                "entries": [{"N": n, "K": k, "M1": a, "M2": b}
-                            for (n, k), (a, b) in sorted(self.entries.items())]}
+                "entries": [{"N": key[0], "K": key[1], "M1": a, "M2": b,
+                             **({"group_dim": key[2]} if len(key) > 2 else {})}
+                            for key, (a, b) in sorted(self.entries.items())]}
 
     @classmethod
     def from_json(cls, d: dict) -> "GemmDispatchTable":
-        return cls({(e["N"], e["K"]): (e["M1"], e["M2"]) for e in d.get("entries", [])},
-                   tuple(d.get("default", (16, 128))), d.get("device_name", ""),
+        def key(e):
+            return (e["N"], e["K"], e["group_dim"]) if e.get("group_dim") else (e["N"], e["K"])
+        return cls({key(e): (e["M1"], e["M2"]) for e in d.get("entries", [])},
+                   tuple(d.get("default", DEFAULT_POINTS)), d.get("device_name", ""),
                    d.get("dtype", "bfloat16"))
 
     def save(self, path: str) -> None:
@@ -96,31 +114,73 @@ class GemmDispatchTable:
             return cls.from_json(json.load(f))
 
 
+def route(device_type: str, m: int, n: int, k: int, table: GemmDispatchTable,
+          group_dim: int = 0) -> str:
+    """The implementation for ``x [M, K] @ W.T`` with an int4 ``W [N, K]``: on CUDA one of
+    ``IMPLS`` by M from ``table`` (FlashDecoding++ §5), elsewhere ``REFERENCE``."""
+    if device_type != "cuda":
+        return REFERENCE
+    return table.impl(m, n, k, group_dim)
+
+
 class Int4Linear:
-    """``y = x @ W.T`` with W int4 (FlexGen §5), dispatched by M over ``IMPLS`` (FlashDecoding++
-    §5). The dense weight for the "torch" path is dequantized once, on first use."""
+    """``y = x @ W.T (+ bias)`` with W int4, dispatched by M over ``IMPLS`` (FlashDecoding++ §5)
+    through ``route``. ``qw``: a ``QuantizedWeight`` (FlexGen §5, grouped along N) or an object with
+    ``packed``/``scale``/``min``/``group_size``/``shape``/``dim`` (``localgen.quant.Int4Tensor``;
+    ``dim`` 1 is the GGUF Q4_1 layout). With ``cache_dense`` the dense weight for the "torch" and
+    reference paths is dequantized once, on first use, and kept; without it (a streamed layer,
+    where keeping it would undo the compression) it is dequantized on each such call."""
 
     def __init__(self, qw: QuantizedWeight, table: GemmDispatchTable | None = None,
-                 dtype: torch.dtype = torch.bfloat16):
+                 dtype: torch.dtype = torch.bfloat16, cache_dense: bool = True):
         self.qw, self.table, self.dtype = qw, table or GemmDispatchTable(), dtype
+        self.group_dim = getattr(qw, "dim", 0)
+        self.cache_dense = cache_dense
         self._dense: torch.Tensor | None = None
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.qw.shape)
+
     def dense(self) -> torch.Tensor:
-        if self._dense is None:
-            self._dense = dequantize_weight(self.qw, self.dtype)
-        return self._dense
+        if self._dense is not None:
+            return self._dense
+        w = dequantize_int4(self.qw.packed, self.qw.scale, self.qw.min, self.qw.group_size,
+                            dim=self.group_dim, dtype=self.dtype)
+        if self.cache_dense:
+            self._dense = w
+        return w
 
-    def run(self, impl: str, x: torch.Tensor) -> torch.Tensor:
-        if impl == "torch" or (not x.is_cuda and not _interpreting()):
-            return torch.matmul(x, self.dense().t())
-        from .flat_gemm import flat_gemm_int4
-        return flat_gemm_int4(x, self.qw, block_m=16 if impl == "flat" else 64)
+    def route(self, x2: torch.Tensor) -> str:
+        """``route`` for this weight and a ``[M, K]`` input (under TRITON_INTERPRET=1 a CPU tensor
+        counts as CUDA, so the CPU tests run the Triton kernels)."""
+        n, k = self.shape
+        dev = "cuda" if (x2.is_cuda or _interpreting()) else x2.device.type
+        return route(dev, x2.shape[0], n, k, self.table, self.group_dim)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        n, k = self.qw.shape
+    def run(self, impl: str, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [M, K] @ W.T`` by ``impl`` (``out``: an ``[M, N]`` tensor to write into)."""
+        if impl in ("torch", REFERENCE) or (not x.is_cuda and not _interpreting()):
+            return torch.matmul(x, self.dense().to(x.dtype).t(), out=out)
+        from .flat_gemm import choose_split_k, flat_gemm_int4
+        block_m = 16 if impl == "flat" else 64
+        n, k = self.shape
+        split_k = choose_split_k(x.shape[0], n, k, _num_sms(x.device), block_m) if x.is_cuda else 1
+        return flat_gemm_int4(x, self.qw, block_m=block_m, split_k=split_k, out=out)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        n, k = self.shape
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k)
-        return self.run(self.table.impl(x2.shape[0], n, k), x2).reshape(*lead, n)
+        y = self.run(self.route(x2), x2)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*lead, n)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _interpreting() -> bool:
@@ -143,14 +203,42 @@ def cuda_timer(fn: Callable[[], object], warmup: int = 5, repeat: int = 20) -> f
     return statistics.median(times)
 
 
+@dataclass
+class PackedWeight:
+    """An int4 ``[N, K]`` weight in either layout (the fields of ``localgen.quant.Int4Tensor``):
+    ``dim`` 0 grouped/packed along N (FlexGen), ``dim`` 1 along K (GGUF Q4_1)."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor
+    group_size: int
+    dim: int
+    shape: tuple[int, int]
+
+
+def pack_weight(w: torch.Tensor, group_dim: int = 0, group_size: int | None = None) -> PackedWeight:
+    """Quantize ``w`` ``[N, K]`` in layout ``group_dim`` (default g: 64 along N, 32 along K)."""
+    g = group_size or (32 if group_dim == 1 else 64)
+    p, sc, mn = quantize_int4(w, g, dim=group_dim)
+    return PackedWeight(p, sc, mn, g, group_dim, tuple(w.shape))
+
+
+LAYOUTS = {"n64": 0, "k32": 1}  # FlexGen §5 (along output channels, g=64); GGUF Q4_1 (input, g=32)
+
+
 def profile_inflection_points(n: int, k: int, ms=DEFAULT_MS, device="cuda",
                               dtype: torch.dtype = torch.bfloat16,
-                              timer: Callable[[Callable[[], object]], float] | None = None
+                              timer: Callable[[Callable[[], object]], float] | None = None,
+                              group_dim: int = 0, dense_cached: bool = False
                               ) -> tuple[tuple[int, int], dict[int, dict[str, float]]]:
-    """Time every impl at each M for a random ``[N, K]`` int4 weight -> ((M1, M2), timings)."""
+    """Time every impl at each M for a random ``[N, K]`` int4 weight -> ((M1, M2), timings).
+
+    "torch" is timed as the runtime runs it: dequantize + ``torch.matmul`` on every call (the
+    runtime keeps only the 4-bit weight); ``dense_cached`` times cuBLAS on a kept dense weight
+    instead (FlashDecoding++'s comparison, for a runtime that can afford the dense copy)."""
     timer = timer or cuda_timer
     w = torch.randn(n, k, device=device, dtype=torch.float32) * 0.02
-    lin = Int4Linear(quantize_weight(w), dtype=dtype)
+    lin = Int4Linear(pack_weight(w, group_dim), dtype=dtype, cache_dense=dense_cached)
     lin.dense()
     timings: dict[int, dict[str, float]] = {}
     for m in ms:
@@ -164,19 +252,32 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", required=True, help="comma list of NxK, e.g. 4096x4096,11008x4096")
     ap.add_argument("--out", required=True)
     ap.add_argument("--ms", default=",".join(map(str, DEFAULT_MS)))
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--layouts", default="n64",
+                    help="comma list of weight layouts: n64 (FlexGen, g=64 along N), k32 (GGUF Q4_1)")
+    ap.add_argument("--dense-cached", action="store_true",
+                    help="time 'torch' on a kept dense weight (default: dequantize every call, "
+                         "as the runtime does)")
     args = ap.parse_args(argv)
     ms = [int(m) for m in args.ms.split(",")]
-    table = GemmDispatchTable(device_name=torch.cuda.get_device_name())
+    dtype = getattr(torch, args.dtype)
+    table = GemmDispatchTable(device_name=torch.cuda.get_device_name(), dtype=args.dtype)
     raw = []
-    for s in args.shapes.split(","):
-        n, k = (int(v) for v in s.lower().split("x"))
-        (m1, m2), t = profile_inflection_points(n, k, ms)
-        table.entries[(n, k)] = (m1, m2)
-        raw.append({"N": n, "K": k, "M1": m1, "M2": m2,
-                    "us": {str(m): {i: round(v * 1e6, 2) for i, v in d.items()} for m, d in t.items()}})
-        print(f"[{n}, {k}]: M1={m1} M2={m2}  " + "  ".join(
-            f"M={m}:{min(d, key=d.get)}" for m, d in t.items()), flush=True)
+    for layout in args.layouts.split(","):
+        gd = LAYOUTS[layout]
+        for s in args.shapes.split(","):
+            n, k = (int(v) for v in s.lower().split("x"))
+            (m1, m2), t = profile_inflection_points(n, k, ms, dtype=dtype, group_dim=gd,
+                                                    dense_cached=args.dense_cached)
+            table.entries[(n, k, gd) if gd else (n, k)] = (m1, m2)
+            raw.append({"N": n, "K": k, "layout": layout, "M1": m1, "M2": m2,
+                        "us": {str(m): {i: round(v * 1e6, 2) for i, v in d.items()}
+                               for m, d in t.items()}})
+            print(f"{layout} [{n}, {k}]: M1={m1} M2={m2}  " + "  ".join(
+                f"M={m}:{min(d, key=d.get)}({min(d.values()) * 1e6:.1f}us)" for m, d in t.items()),
+                flush=True)
     d = table.to_json()
+    d["dense_cached"] = args.dense_cached
     d["timings"] = raw
     with open(args.out, "w") as f:
         json.dump(d, f, indent=2)

@@ -1,6 +1,12 @@
 """Flat GEMM for decode (FlashDecoding++ §4): ``y = x @ W.T`` for small ``M`` (a decode batch)
-with the weight in the int4 group format of ``quant_ref.QuantizedWeight`` (FlexGen §5: grouped
-along the output channels N, packed two codes a byte along N), dequantized in registers.
+with the weight in an int4 group format, dequantized in registers. Two layouts:
+
+* FlexGen §5 (``quant_ref.QuantizedWeight``, or an ``Int4Tensor`` with ``dim == 0``): grouped
+  along the output channels N (g = 64), packed two codes a byte along N: packed ``[N/2, K]``,
+  scale/min ``[ceil(N/g), K]``;
+* GGUF Q4_1 as imported by ``localgen.quant.gguf_import`` (an ``Int4Tensor`` with ``dim == 1``):
+  grouped along the input channels K (g = 32), packed two codes a byte along K: packed
+  ``[N, K/2]``, scale/min ``[N, ceil(K/g)]``.
 
 Decode GEMMs are flat: ``M`` is a few tokens while ``N``/``K`` are thousands, so the work is bound
 by reading W. The M tile is padded only to the smallest tensor-core tile (16, as ``tl.dot``
@@ -26,7 +32,7 @@ def _flat_gemm_int4(x_ptr, wp_ptr, ws_ptr, wz_ptr, y_ptr, M, N, K,
                     stride_ym, stride_yn, k_per_split,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                    IEEE: tl.constexpr):
+                    IEEE: tl.constexpr, GROUP_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -36,9 +42,13 @@ def _flat_gemm_int4(x_ptr, wp_ptr, ws_ptr, wz_ptr, y_ptr, M, N, K,
     n_mask = offs_n < N
     offs_m64 = offs_m.to(tl.int64)
     offs_n64 = offs_n.to(tl.int64)
-    p_rows = (offs_n64 // 2) * stride_pn  # byte row of each output channel
-    s_rows = (offs_n64 // GROUP) * stride_sn
-    shift = ((offs_n % 2) * 4)[:, None]
+    if GROUP_K:  # GGUF: codes paired and grouped along K, one row per output channel
+        p_rows = offs_n64 * stride_pn
+        s_rows = offs_n64 * stride_sn
+    else:  # FlexGen: codes paired and grouped along N
+        p_rows = (offs_n64 // 2) * stride_pn  # byte row of each output channel
+        s_rows = (offs_n64 // GROUP) * stride_sn
+        shift_n = ((offs_n % 2) * 4)[:, None]
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -49,13 +59,18 @@ def _flat_gemm_int4(x_ptr, wp_ptr, ws_ptr, wz_ptr, y_ptr, M, N, K,
         x = tl.load(x_ptr + offs_m64[:, None] * stride_xm + offs_k64[None, :] * stride_xk,
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         nk_mask = n_mask[:, None] & k_mask[None, :]
-        byte = tl.load(wp_ptr + p_rows[:, None] + offs_k64[None, :] * stride_pk,
-                       mask=nk_mask, other=0).to(tl.int32)
-        code = (byte >> shift) & 15
-        sc = tl.load(ws_ptr + s_rows[:, None] + offs_k64[None, :] * stride_sk,
-                     mask=nk_mask, other=0.0).to(tl.float32)
-        mn = tl.load(wz_ptr + s_rows[:, None] + offs_k64[None, :] * stride_sk,
-                     mask=nk_mask, other=0.0).to(tl.float32)
+        if GROUP_K:
+            byte = tl.load(wp_ptr + p_rows[:, None] + (offs_k64 // 2)[None, :] * stride_pk,
+                           mask=nk_mask, other=0).to(tl.int32)
+            code = (byte >> ((offs_k % 2) * 4)[None, :]) & 15
+            s_off = s_rows[:, None] + (offs_k64 // GROUP)[None, :] * stride_sk
+        else:
+            byte = tl.load(wp_ptr + p_rows[:, None] + offs_k64[None, :] * stride_pk,
+                           mask=nk_mask, other=0).to(tl.int32)
+            code = (byte >> shift_n) & 15
+            s_off = s_rows[:, None] + offs_k64[None, :] * stride_sk
+        sc = tl.load(ws_ptr + s_off, mask=nk_mask, other=0.0).to(tl.float32)
+        mn = tl.load(wz_ptr + s_off, mask=nk_mask, other=0.0).to(tl.float32)
         w = code.to(tl.float32) * sc + mn  # [BLOCK_N, BLOCK_K]
         acc += _dot(x, tl.trans(w), DOT_DTYPE, IEEE)
     y_ptrs = y_ptr + offs_m64[:, None] * stride_ym + offs_n64[None, :] * stride_yn
@@ -68,23 +83,31 @@ def _flat_gemm_int4(x_ptr, wp_ptr, ws_ptr, wz_ptr, y_ptr, M, N, K,
 
 def flat_gemm_int4(x: torch.Tensor, w: QuantizedWeight, *, block_m: int = 16, block_n: int = 64,
                    block_k: int = 64, split_k: int = 1, num_warps: int = 4,
-                   num_stages: int = 3) -> torch.Tensor:
-    """``x @ W.T`` for ``x`` ``[M, K]`` (bf16/fp16/fp32) and ``W`` ``[N, K]`` int4 (grouped along
-    N). Returns ``[M, N]`` in x's dtype. ``split_k > 1`` accumulates K slices with float32 atomics
-    (for small N). ``block_m`` 16 is the flat configuration; 64+ the tiled one."""
+                   num_stages: int = 3, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T`` for ``x`` ``[M, K]`` (bf16/fp16/fp32) and ``W`` ``[N, K]`` int4: a
+    ``QuantizedWeight`` or anything with ``packed``/``scale``/``min``/``group_size``/``shape`` and
+    ``dim`` (0: grouped along N, FlexGen; 1: grouped along K, GGUF Q4_1; absent means 0).
+    Returns ``[M, N]`` in x's dtype. ``split_k > 1`` accumulates K slices with float32 atomics
+    (for small N). ``block_m`` 16 is the flat configuration; 64+ the tiled one. ``out``: an
+    ``[M, N]`` tensor of x's dtype to write into (returned)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got {tuple(x.shape)}")
     M, K = x.shape
     N, Kw = w.shape
     if K != Kw:
         raise ValueError(f"K mismatch: x has {K}, W has {Kw}")
+    group_k = getattr(w, "dim", 0) == 1
+    if group_k and K % 2:
+        raise ValueError(f"K-packed weights need an even K, got {K}")
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
     block_m = max(16, min(block_m, _pow2(M)))
     split_k = max(1, int(split_k))
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     split_k = triton.cdiv(K, k_per_split)
+    if out is not None and (tuple(out.shape) != (M, N) or out.dtype != x.dtype):
+        raise ValueError(f"out must be [{M}, {N}] {x.dtype}, got {tuple(out.shape)} {out.dtype}")
     if split_k == 1:
-        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+        y = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
     else:
         y = torch.zeros(M, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m), split_k)
@@ -94,9 +117,23 @@ def flat_gemm_int4(x: torch.Tensor, w: QuantizedWeight, *, block_m: int = 16, bl
         w.scale.stride(0), w.scale.stride(1), y.stride(0), y.stride(1), k_per_split,
         GROUP=w.group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         DOT_DTYPE=_dot_dtype(x.dtype),
-        IEEE=x.dtype == torch.float32 or (interp and x.dtype == torch.bfloat16),
+        IEEE=x.dtype == torch.float32 or (interp and x.dtype == torch.bfloat16), GROUP_K=group_k,
         num_warps=num_warps, num_stages=num_stages)
-    return y if split_k == 1 else y.to(x.dtype)
+    if split_k == 1:
+        return y
+    return out.copy_(y) if out is not None else y.to(x.dtype)
 
 
-__all__ = ["flat_gemm_int4"]
+def choose_split_k(m: int, n: int, k: int, num_sms: int, block_m: int = 16, block_n: int = 64,
+                   block_k: int = 64, min_k_per_split: int = 512) -> int:
+    """K slices so a flat GEMM fills the GPU: the ``[N/block_n, M/block_m]`` tiles alone leave SMs
+    idle when N is small (Llama-2-7B's q/o at M=1: 64 tiles on 132 SMs), so K is cut until there
+    are about two programs per SM, keeping at least ``min_k_per_split`` of K per slice (each slice
+    adds an fp32 atomic pass over ``[M, N]``)."""
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    want = triton.cdiv(2 * num_sms, tiles)
+    most = max(1, k // max(min_k_per_split, block_k))
+    return max(1, min(want, most))
+
+
+__all__ = ["flat_gemm_int4", "choose_split_k"]

@@ -147,6 +147,57 @@ def check_fused(dev, dtype) -> list[tuple[str, float]]:
     return res
 
 
+INT4_SHAPES = ((4096, 4096), (12288, 4096), (4096, 11008), (1000, 600))  # [N, K]: q/o, qkv, down, odd
+
+
+def check_int4_linear(dev, shapes=INT4_SHAPES) -> list[tuple[str, float, float]]:
+    """Int4 linears through the FlashDecoding++ §5 dispatcher on CUDA: both weight layouts
+    (FlexGen g=64 along N, GGUF Q4_1 g=32 along K), Llama-2-7B shapes and an odd one, every
+    implementation at every M into NaN-poisoned outputs, and the routed call, vs float64
+    ``x @ dequant(W).T``; plus the offloaded layer's call site (``unpack_layer`` keeps the matrices
+    packed behind the dispatcher). -> ``[(name, rel err, tol)]``."""
+    from localgen.kernels import dispatch
+    from localgen.quant import int4
+    from localgen.runtime.offload.timers import Timers
+    from localgen.runtime.offload.weights import LayerWeights
+
+    res = []
+    tols = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+    for layout, gdim, g in (("n64", 0, 64), ("k32", 1, 32)):
+        for n, k in shapes:
+            t = int4.quantize(torch.randn(n, k, device=dev) * 0.02, g, dim=gdim)
+            w64 = int4.dequantize(t, torch.float64)
+            for dtype, tol in tols.items():
+                lin = int4.as_linear(t, dtype)
+                for m in (1, 7, 16, 33, 64, 128, 300)[:NS + 3]:
+                    x = torch.randn(m, k, device=dev, dtype=dtype)
+                    want = x.double() @ w64.t()
+                    for impl in dispatch.IMPLS:
+                        out = torch.full((m, n), float("nan"), device=dev, dtype=dtype)
+                        lin.run(impl, x, out=out)
+                        torch.cuda.synchronize()
+                        res.append((f"{layout} [{n},{k}] {dtype} M={m} {impl}", rel_err(out, want), tol))
+                    route = lin.route(x)
+                    y = lin(x)
+                    torch.cuda.synchronize()
+                    ok_route = route in dispatch.IMPLS
+                    res.append((f"{layout} [{n},{k}] {dtype} M={m} routed->{route}",
+                                rel_err(y, want) if ok_route else float("inf"), tol))
+    # the call site: a layer on the "gpu" tier keeps its 4-bit matrices behind the dispatcher
+    layer = {"q": int4.quantize(torch.randn(512, 256) * 0.02, 64, dim=0),
+             "down": int4.quantize(torch.randn(256, 512) * 0.02, 32, dim=1), "norm": torch.ones(256)}
+    lw = LayerWeights([layer], ["gpu"], torch.bfloat16, dev, None, Timers(dev))
+    w = lw.get(0)
+    for key in ("q", "down"):
+        x = torch.randn(3, layer[key].shape[1], device=dev, dtype=torch.bfloat16)
+        want = x.double() @ int4.dequantize(layer[key], torch.float64).to(dev).t()
+        packed = isinstance(w[key], dispatch.Int4Linear)
+        e = rel_err(w[key](x), want) if packed else float("inf")
+        res.append((f"offload call site {key} packed={packed}", e, 2e-2))
+    lw.close()
+    return res
+
+
 def check_engine(dev) -> str:
     """Tiny random Llama (GQA) on CUDA in fp32 vs transformers on CPU: first-step logits and
     greedy tokens."""
@@ -228,6 +279,16 @@ def main() -> int:
             print(f"fused {str(dtype):15s} {name}: rel err {e:.2e} FAIL")
         fails += len(bad)
         print(f"fused elementwise {str(dtype):15s}: {'ok' if not bad else f'{len(bad)} FAIL'}")
+    try:
+        bad = [(name, e) for name, e, tol in check_int4_linear(dev) if not e < tol]
+        for name, e in bad:
+            print(f"int4 linear {name}: rel err {e:.2e} FAIL")
+        fails += len(bad)
+        print("int4 linear (flat/tiled/torch, both layouts, call site):",
+              "ok" if not bad else f"{len(bad)} FAIL")
+    except Exception as e:  # report and go on
+        fails += 1
+        print("int4 linear FAILED:", repr(e))
     t = time.time()
     try:
         print("engine on CUDA:", check_engine(dev), f"({time.time() - t:.1f} s)")

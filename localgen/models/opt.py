@@ -59,20 +59,25 @@ def _ln(cfg: ModelConfig, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.
     return F.layer_norm(x, (x.shape[-1],), weight, bias, cfg.norm_eps)
 
 
+def _linear(x: torch.Tensor, w, bias=None) -> torch.Tensor:
+    """``F.linear``, or a packed weight's own call (4-bit on CUDA: ``localgen.quant.int4.as_linear``)."""
+    return F.linear(x, w, bias) if isinstance(w, torch.Tensor) else w(x, bias)
+
+
 def layer(cfg: ModelConfig, w: dict, h: torch.Tensor, rope, kv: LayerKV,
           meta: AttentionMetadata) -> torch.Tensor:
     """One decoder layer; norms before (pre-LN) or after (post-LN) each residual block."""
     n, pre = h.shape[0], cfg.do_layer_norm_before
     x = _ln(cfg, h, w["attn_norm"], w.get("attn_norm_bias")) if pre else h
-    q = F.linear(x, w["q"], w.get("q_bias")).view(n, cfg.num_heads, cfg.head_dim)
-    k = F.linear(x, w["k"], w.get("k_bias")).view(n, cfg.num_kv_heads, cfg.head_dim)
-    v = F.linear(x, w["v"], w.get("v_bias")).view(n, cfg.num_kv_heads, cfg.head_dim)
+    q = _linear(x, w["q"], w.get("q_bias")).view(n, cfg.num_heads, cfg.head_dim)
+    k = _linear(x, w["k"], w.get("k_bias")).view(n, cfg.num_kv_heads, cfg.head_dim)
+    v = _linear(x, w["v"], w.get("v_bias")).view(n, cfg.num_kv_heads, cfg.head_dim)
     attn = paged_attention(q, k, v, kv, meta, cfg.head_dim ** -0.5)
-    h = h + F.linear(attn.reshape(n, cfg.q_size), w["o"], w.get("o_bias"))
+    h = h + _linear(attn.reshape(n, cfg.q_size), w["o"], w.get("o_bias"))
     if not pre:
         h = _ln(cfg, h, w["attn_norm"], w.get("attn_norm_bias"))
     x = _ln(cfg, h, w["ffn_norm"], w.get("ffn_norm_bias")) if pre else h
-    x = F.linear(_act(cfg)(F.linear(x, w["fc1"], w.get("fc1_bias"))), w["fc2"], w.get("fc2_bias"))
+    x = _linear(_act(cfg)(_linear(x, w["fc1"], w.get("fc1_bias"))), w["fc2"], w.get("fc2_bias"))
     h = h + x
     return h if pre else _ln(cfg, h, w["ffn_norm"], w.get("ffn_norm_bias"))
 

@@ -10,17 +10,31 @@ Error bound: each element of a group is coded as ``q*scale + min`` with ``q = ro
 in [0, 15], ``scale = (max-min)/15`` stored in fp16, so ``|x - deq(x)| <= scale/2`` plus the fp16
 rounding of ``min`` and ``scale`` (relative 2^-11 of |min| and of 15*|scale|):
 ``max_abs_error`` returns that bound per element.
+
+Linear layers on CUDA (``as_linear``): a weight ``Int4Tensor`` (either layout) becomes a
+``localgen.kernels.dispatch.Int4Linear``, which picks by M the Triton flat GEMM (``flat``/``tiled``)
+or dequantize + cuBLAS (FlashDecoding++ §5), with the inflection points of the GPU's
+``profiles/gemm_*.json`` (``gemm_table``). Elsewhere weights are dequantized before use, as before
+(``keeps_packed``).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import json
+import os
 from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
 
 import torch
 
+from localgen.kernels.dispatch import GemmDispatchTable, Int4Linear
 from localgen.kernels.quant_ref import GROUP_SIZE, dequantize_int4, quantize_int4
 
-__all__ = ["GROUP_SIZE", "Int4Tensor", "quantize", "dequantize", "max_abs_error"]
+__all__ = ["GROUP_SIZE", "Int4Tensor", "quantize", "dequantize", "max_abs_error", "keeps_packed",
+           "gemm_table", "as_linear"]
 
 
 @dataclass
@@ -69,3 +83,68 @@ def max_abs_error(t: Int4Tensor) -> torch.Tensor:
     eps = 2.0 ** -11
     bound = s / 2 + eps * (z.abs() + 15 * s) + 1e-7
     return bound.movedim(-1, t.dim)
+
+
+# -- linears on CUDA (FlashDecoding++ §5 heuristic dataflow) ------------------------------------
+
+GEMM_TABLE_ENV = "LOCALGEN_GEMM_TABLE"  # a table file to use instead of the shipped profiles
+
+
+def keeps_packed(device_type: str, triton_ok: bool | None = None) -> bool:
+    """Whether a linear weight stays 4-bit up to its GEMM on ``device_type`` (CUDA with triton: the
+    call goes through ``as_linear``'s dispatcher) instead of being dequantized before use."""
+    if triton_ok is None:
+        triton_ok = importlib.util.find_spec("triton") is not None
+    return device_type == "cuda" and triton_ok
+
+
+def _profiles_dir():
+    """``localgen.profiles`` when installed; the repo's ``profiles/`` folder in a source checkout."""
+    try:
+        return resources.files("localgen.profiles")
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[2] / "profiles"
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_table(device_name: str, dtype: str = "bfloat16") -> GemmDispatchTable:
+    """The M1/M2 table for one GPU and compute dtype: the file ``$LOCALGEN_GEMM_TABLE`` if set,
+    else every ``profiles/gemm_*.json`` whose ``device_name`` and ``dtype`` match (entries
+    merged); shapes no file holds use ``dispatch.DEFAULT_POINTS`` (M1=16, M2=128)."""
+    table = GemmDispatchTable(device_name=device_name, dtype=dtype)
+    env = os.environ.get(GEMM_TABLE_ENV)
+    if env:
+        with open(env) as f:
+            paths = [json.load(f)]
+    else:
+        paths = []
+        for p in sorted(_profiles_dir().iterdir(), key=lambda p: p.name):
+            if p.name.startswith("gemm_") and p.name.endswith(".json"):
+                d = json.loads(p.read_text())
+                if d.get("device_name") == device_name and d.get("dtype", "bfloat16") == dtype:
+                    paths.append(d)
+    for d in paths:
+        t = GemmDispatchTable.from_json(d)
+        table.entries.update(t.entries)
+        table.default = t.default
+    return table
+
+
+def as_linear(t: Int4Tensor, dtype: torch.dtype, table: GemmDispatchTable | None = None
+              ) -> Int4Linear:
+    """A callable ``(x, bias=None) -> x @ W.T + bias`` for a 2-D weight ``t`` on CUDA, dispatched
+    by M (``dispatch.route``); both layouts (``dim`` 0: FlexGen g=64 along N; ``dim`` 1: GGUF Q4_1
+    g=32 along K) run in the Triton kernel. The dense weight is never kept (the "torch" path
+    dequantizes per call), so the layer stays 4-bit in memory."""
+    if len(t.shape) != 2:
+        raise ValueError(f"a linear weight is 2-D, got shape {t.shape}")
+    if table is None:
+        dev = t.packed.device
+        name = _cuda_device_name(dev.index) if dev.type == "cuda" else ""
+        table = gemm_table(name, str(dtype).removeprefix("torch."))
+    return Int4Linear(t, table, dtype=dtype, cache_dense=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)

@@ -7,7 +7,9 @@ pinned host buffer ("cpu"), or a file ``<offload_dir>/layer_<layer:03d>.bin`` re
 memory map ("disk"). On CUDA, ``prefetch(j)`` starts layer j's load while the caller computes
 layer j-1: disk reads run on a CPU thread into one of two pinned staging buffers, then an async
 host->device copy on a side stream lands in one of two device staging buffers (double buffering);
-``get(j)`` makes the compute stream wait for it and dequantizes packed weights there. On the CPU
+``get(j)`` makes the compute stream wait for it and hands packed weights to the int4 GEMM
+dispatcher (``localgen.quant.int4.as_linear``: flat Triton GEMM at small M, dequantize + cuBLAS at
+large M); on the CPU they are dequantized before use. On the CPU
 the same calls run synchronously (a "cpu" layer is used in place; a "disk" layer is read from its
 file into a staging buffer every time it is used).
 """
@@ -23,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from localgen.quant.int4 import GROUP_SIZE, Int4Tensor, dequantize, quantize
+from localgen.quant.int4 import GROUP_SIZE, Int4Tensor, as_linear, dequantize, keeps_packed, quantize
 from localgen.runtime.offload.memory import Layout, host_empty
 from localgen.runtime.offload.timers import Timers
 
@@ -51,11 +53,14 @@ def pack_layer(w: dict[str, torch.Tensor | Int4Tensor], dtype: torch.dtype
 
 def unpack_layer(views: dict[str, torch.Tensor], qmeta: dict[str, tuple], dtype: torch.dtype
                  ) -> dict[str, torch.Tensor]:
-    """Views of a layer's buffer -> the weights dict the layer function reads (dequantized)."""
+    """Views of a layer's buffer -> the weights dict the layer function reads: on CUDA (with
+    triton) each 4-bit matrix becomes a callable dispatching by M to the int4 flat GEMM or
+    dequantize + cuBLAS (``int4.as_linear``, FlashDecoding++ §5); elsewhere it is dequantized."""
     out = {k: v for k, v in views.items() if "#" not in k}
+    packed = bool(qmeta) and keeps_packed(views[next(iter(qmeta)) + QSUFFIX[0]].device.type)
     for k, (g, dim, shape) in qmeta.items():
         q = Int4Tensor(views[k + QSUFFIX[0]], views[k + QSUFFIX[1]], views[k + QSUFFIX[2]], g, dim, shape)
-        out[k] = dequantize(q, dtype)
+        out[k] = as_linear(q, dtype) if packed and len(shape) == 2 else dequantize(q, dtype)
     return out
 
 
