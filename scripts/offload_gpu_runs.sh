@@ -17,7 +17,7 @@ B="python3 -m localgen.bench.offload_bench --profile h200 --timed-steps 1 --offl
 for stage in "$@"; do
   case $stage in
     selftest) timeout 150 python3 scripts/offload_selftest.py 2>&1 | tee "$OUT/offload_selftest_h200.txt" ;;
-    llama7b_w4) timeout 200 $B --preset llama-2-7b --gpu-memory 6GiB --policy 4,3,100,0,100,0,100,0,w4,kv4 \
+    llama7b_w4) timeout 200 $B --preset llama-2-7b --gpu-memory 6GiB --policy 4,4,100,0,100,0,100,0,w4,kv4 \
         --peer-batches '' --out "$OUT/offload_llama7b_w4_h200.json" 2>&1 | tee "$OUT/offload_llama7b_w4_h200.txt" ;;
     llama7b_peer) timeout 330 $B --preset llama-2-7b --gpu-memory 6GiB --peer-batches 1,8,32 \
         --out "$OUT/offload_llama7b_peer_h200.json" 2>&1 | tee "$OUT/offload_llama7b_peer_h200.txt" ;;
@@ -30,11 +30,13 @@ for stage in "$@"; do
     opt30b) timeout 560 $B --preset opt-30b --gpu-memory 16GiB \
         --policy 32,2,20,80,0,100,100,0 --peer-batches '' \
         --out "$OUT/offload_opt30b_h200.json" 2>&1 | tee "$OUT/offload_opt30b_h200.txt" ;;
+    int4check) timeout 240 python3 -c "import sys, torch; sys.path.insert(0, 'scripts'); import gpu_selftest as g; g._alias_kernels(); print(g.check_int4_linear(torch.device('cuda')))" 2>&1 | tee "$OUT/int4_linear_check_h200.txt" ;;
+    limits) cat /sys/fs/cgroup/memory.max /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null; ulimit -a | grep -i -E "mem|lock" ;;
     cpuattn) timeout 200 python3 scripts/cpu_attention_bench.py 2>&1 | tee "$OUT/cpu_attention_h200_host.txt" ;;
     llama7b_short) timeout 300 $B --preset llama-2-7b --gpu-memory 6GiB --gen-len 3 \
         --policy 16,8,26,74,0,100,100,0,cpuattn --peer-batches '' 2>&1 | tee "$OUT/offload_llama7b_short_h200.txt" ;;
     opt30b_peer) timeout 560 $B --preset opt-30b --gpu-memory 16GiB --policy 4,14,9,91,100,0,0,100,w4,kv4 --peer-batches 1 \
         --out "$OUT/offload_opt30b_peer_h200.json" 2>&1 | tee "$OUT/offload_opt30b_peer_h200.txt" ;;
   esac
-  free -g | head -2
+  free -g | head -2; dmesg 2>/dev/null | tail -3
 done
