@@ -17,7 +17,8 @@ B="python3 -m localgen.bench.offload_bench --profile h200 --timed-steps 1 --offl
 for stage in "$@"; do
   case $stage in
     selftest) timeout 150 python3 scripts/offload_selftest.py 2>&1 | tee "$OUT/offload_selftest_h200.txt" ;;
-    llama7b_w4) timeout 200 $B --preset llama-2-7b --gpu-memory 6GiB --policy 4,4,100,0,100,0,100,0,w4,kv4 \
+    selftest_exact) LOCALGEN_EXACT_PIN_MIN=0 timeout 150 python3 scripts/offload_selftest.py 2>&1 | tee "$OUT/offload_selftest_exactpin_h200.txt" ;;
+    llama7b_w4) timeout 200 $B --preset llama-2-7b --gpu-memory 6GiB --policy 4,3,100,0,100,0,100,0,w4,kv4 --policy 2,4,100,0,100,0,100,0,w4,kv4 \
         --peer-batches '' --out "$OUT/offload_llama7b_w4_h200.json" 2>&1 | tee "$OUT/offload_llama7b_w4_h200.txt" ;;
     llama7b_peer) timeout 330 $B --preset llama-2-7b --gpu-memory 6GiB --peer-batches 1,8,32 \
         --out "$OUT/offload_llama7b_peer_h200.json" 2>&1 | tee "$OUT/offload_llama7b_peer_h200.txt" ;;

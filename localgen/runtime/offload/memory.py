@@ -7,6 +7,7 @@ once and returns pageable memory, so a policy still runs (copies become synchron
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -18,12 +19,44 @@ ALIGN = 64  # byte alignment of every tensor inside a flat buffer
 _pin_failed = False
 
 
+# buffers from this size are pinned at their exact size (_pinned_exact); the variable lets a
+# self-test send small buffers that way too
+EXACT_PIN_MIN = int(os.environ.get("LOCALGEN_EXACT_PIN_MIN", 64 << 20))
+_CUDA_HOST_REGISTER_PORTABLE_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+
+
+def _pinned_exact(nbytes: int) -> torch.Tensor | None:
+    """``nbytes`` of page-locked memory at exactly that size: an anonymous mapping registered
+    with ``cudaHostRegister`` (mapped, so kernels can address it), unregistered when the last
+    tensor viewing it is gone. torch's pinned allocator rounds every request up to a power of
+    two (a 1.2 GB layer takes 2 GiB, a 48 GB KV pool 64 GiB), which does not fit a host whose
+    RAM the policy already fills. None when registration is refused."""
+    import mmap
+    import weakref
+
+    cudart = torch.cuda.cudart()
+    mm = mmap.mmap(-1, nbytes)
+    buf = torch.frombuffer(mm, dtype=torch.uint8)
+    ptr = buf.data_ptr()
+    if int(cudart.cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE_MAPPED)) != 0:
+        return None
+    weakref.finalize(mm, cudart.cudaHostUnregister, ptr)  # mm lives as long as any view of buf
+    return buf
+
+
 def host_empty(nbytes: int, pin: bool) -> torch.Tensor:
     """``nbytes`` of uint8 host memory; pinned if ``pin`` and the OS allows it, else pageable
-    (with one warning per process)."""
+    (with one warning per process). Large buffers are pinned at their exact size."""
     global _pin_failed
     if pin and not _pin_failed:
         try:
+            if nbytes >= EXACT_PIN_MIN:
+                try:
+                    buf = _pinned_exact(nbytes)
+                except Exception:  # noqa: BLE001  (no cudart binding: torch's allocator below)
+                    buf = None
+                if buf is not None:
+                    return buf
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         except (RuntimeError, MemoryError) as e:  # cudaHostAlloc refused (locked-memory limit, WSL)
             _pin_failed = True
