@@ -5,8 +5,11 @@
 #   llama7b  : Llama-2-7B shape, 6 GiB cap: weights 26/74 with the cache on the CPU (attended in
 #              place by the GPU), the searched 4-bit policy; accelerate at batch 1, 8, 32 (same max_memory)
 #   llama7b_w4, llama7b_peer: the two halves of llama7b in their own processes
+#   llama7b_w4cpu: 4-bit weights all on the GPU, fp16 cache on the CPU, with and without the int4 GEMM
+#   opt30b_acc: accelerate alone on OPT-30B at batch 1
 #   opt67b   : OPT-6.7B with FlexGen's measured placement (45/55, 32x4, cache on the CPU)
-#   opt30b   : OPT-30B, 16 GiB cap: FlexGen's placement (20/80, 32x2, cache on the CPU)
+#   opt30b   : OPT-30B, 16 GiB cap: FlexGen's placement (its "20/80" keeps 8% of the weight bytes on the
+#              GPU by its per-tensor rule; whole layers here: 10/90), 32x2, cache on the CPU
 #   opt30b_peer : OPT-30B, 16 GiB cap: the searched 4-bit policy; accelerate at batch 1
 #   cpuattn  : scripts/cpu_attention_bench.py on the host CPU; llama7b_short: the first llama7b policy, 3 tokens
 set -u
@@ -20,6 +23,11 @@ for stage in "$@"; do
     selftest_exact) LOCALGEN_EXACT_PIN_MIN=0 timeout 150 python3 scripts/offload_selftest.py 2>&1 | tee "$OUT/offload_selftest_exactpin_h200.txt" ;;
     llama7b_w4) timeout 200 $B --preset llama-2-7b --gpu-memory 6GiB --policy 4,3,100,0,100,0,100,0,w4,kv4 --policy 2,4,100,0,100,0,100,0,w4,kv4 \
         --peer-batches '' --out "$OUT/offload_llama7b_w4_h200.json" 2>&1 | tee "$OUT/offload_llama7b_w4_h200.txt" ;;
+    llama7b_w4cpu) for g in 1 0; do LOCALGEN_INT4_GEMM=$g timeout 150 $B --preset llama-2-7b --gpu-memory 6GiB \
+        --policy 16,8,100,0,0,100,100,0,w4 --peer-batches '' --out "$OUT/offload_llama7b_w4cpu_gemm$g.json" \
+        2>&1 | tee "$OUT/offload_llama7b_w4cpu_gemm$g.txt"; done ;;
+    opt30b_acc) timeout 300 $B --preset opt-30b --gpu-memory 16GiB --peer-batches 1 \
+        --out "$OUT/offload_opt30b_acc_h200.json" 2>&1 | tee "$OUT/offload_opt30b_acc_h200.txt" ;;
     llama7b_peer) timeout 330 $B --preset llama-2-7b --gpu-memory 6GiB --peer-batches 1,8,32 \
         --out "$OUT/offload_llama7b_peer_h200.json" 2>&1 | tee "$OUT/offload_llama7b_peer_h200.txt" ;;
     llama7b) timeout 400 $B --preset llama-2-7b --gpu-memory 6GiB \
@@ -29,7 +37,7 @@ for stage in "$@"; do
         --policy 32,4,45,55,0,100,100,0 --peer-batches '' \
         --out "$OUT/offload_opt67b_h200.json" 2>&1 | tee "$OUT/offload_opt67b_h200.txt" ;;
     opt30b) timeout 560 $B --preset opt-30b --gpu-memory 16GiB \
-        --policy 32,2,20,80,0,100,100,0 --peer-batches '' \
+        --policy 32,2,10,90,0,100,100,0 --peer-batches '' \
         --out "$OUT/offload_opt30b_h200.json" 2>&1 | tee "$OUT/offload_opt30b_h200.txt" ;;
     int4check) timeout 240 python3 -c "import sys, torch; sys.path.insert(0, 'scripts'); import gpu_selftest as g; g._alias_kernels(); print(g.check_int4_linear(torch.device('cuda')))" 2>&1 | tee "$OUT/int4_linear_check_h200.txt" ;;
     limits) cat /sys/fs/cgroup/memory.max /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null; ulimit -a | grep -i -E "mem|lock" ;;

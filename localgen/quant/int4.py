@@ -92,7 +92,10 @@ GEMM_TABLE_ENV = "LOCALGEN_GEMM_TABLE"  # a table file to use instead of the shi
 
 def keeps_packed(device_type: str, triton_ok: bool | None = None) -> bool:
     """Whether a linear weight stays 4-bit up to its GEMM on ``device_type`` (CUDA with triton: the
-    call goes through ``as_linear``'s dispatcher) instead of being dequantized before use."""
+    call goes through ``as_linear``'s dispatcher) instead of being dequantized before use.
+    ``LOCALGEN_INT4_GEMM=0`` turns it off (dequantize first everywhere: the ablation baseline)."""
+    if os.environ.get("LOCALGEN_INT4_GEMM", "1") == "0":
+        return False
     if triton_ok is None:
         triton_ok = importlib.util.find_spec("triton") is not None
     return device_type == "cuda" and triton_ok
