@@ -71,7 +71,82 @@ def test_cpu_decode_attention_matches_reference(dtype, case):
     want = ref.paged_decode_attention(q.double(), kv.k_cache.double(), kv.v_cache.double(),
                                       meta.block_tables, meta.context_lens, d ** -0.5)
     assert out.dtype == dtype and rel_err(out, want) < (1e-5 if dtype == torch.float32 else 1e-2)
-    assert (meta.cpu_decode.first_block is not None) == (case == "one_consecutive")
+    assert meta.cpu_decode.n_blocks == -(-max(lens) // BS)
+    assert (meta.cpu_decode.mask is None) == (len(set(lens)) == 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[48], [17, 80, 33, 1], [64, 64]])
+def test_cpu_decode_attention_strided_query_and_reversed_tables(dtype, lens):
+    """Queries as a strided view (the q part of a fused q/k/v output, as the CPU decode layer
+    passes them), block tables running backwards or shuffled, lengths on and off block
+    boundaries, against a float64 reference."""
+    torch.manual_seed(4)
+    heads, kv_heads, d = 9, 3, 64
+    kv = paged_cache(60, kv_heads, d, dtype)
+    need = [-(-n // BS) for n in lens]
+    perm = torch.randperm(60).tolist()
+    tables, at = [], 0
+    for i, k in enumerate(need):  # the first sequence's blocks consecutive but backwards
+        tables.append(list(range(at + k - 1, at - 1, -1)) if i == 0 else perm[at:at + k])
+        at += k
+    meta = decode_meta(lens, tables)
+    y = torch.randn(len(lens), (heads + 2 * kv_heads) * d).to(dtype)
+    q = y[:, :heads * d].view(len(lens), heads, d)
+    out = cpu_decode_attention(q, kv, meta, d ** -0.5)
+    want = ref.paged_decode_attention(q.double(), kv.k_cache.double(), kv.v_cache.double(),
+                                      meta.block_tables, meta.context_lens, d ** -0.5)
+    assert out.shape == (len(lens), heads, d)
+    assert rel_err(out, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.skipif(not cpu_int4.available(), reason="torch has no CPU int4 kernel")
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_cpu_decode_layer_is_bit_identical_to_layer(num_seqs):
+    """The CPU decode fast path of a bf16 int4 llama layer gives exactly the generic layer's
+    output and cache writes (same kernels on the same values), and steps aside when a score
+    observer is installed."""
+    from localgen.kv import attention
+    from localgen.models import llama
+    from localgen.models.config import ModelConfig
+    from localgen.models.rope import inv_frequencies, rope_cos_sin
+
+    torch.manual_seed(5)
+    hidden, heads, kv_heads, d, inter = 128, 4, 2, 32, 192
+    cfg = ModelConfig("LlamaForCausalLM", "llama", 100, hidden, inter, 1, heads, kv_heads, d, 512)
+
+    def int4(n, k):
+        g = 32
+        return cpu_int4.Int4Linear(torch.randint(0, 16, (n, k), dtype=torch.int32),
+                                   torch.rand(n, k // g) * 0.02, torch.randn(n, k // g) * 0.05, g)
+
+    w = {"input_norm": (torch.rand(hidden) + 0.5).bfloat16(),
+         "post_norm": (torch.rand(hidden) + 0.5).bfloat16(),
+         "qkv": int4((heads + 2 * kv_heads) * d, hidden), "o": int4(hidden, heads * d),
+         "gate_up": int4(2 * inter, hidden), "down": int4(hidden, inter)}
+    lens = [37, 16, 70][:num_seqs]
+    perm = torch.randperm(30).tolist()
+    tables = [perm[0:3], perm[3:4], perm[4:9]][:num_seqs]
+    h = torch.randn(num_seqs, hidden).bfloat16()
+    pos = torch.tensor([n - 1 for n in lens])
+    rope = rope_cos_sin(inv_frequencies(cfg), pos, torch.bfloat16)
+    kv_fast = paged_cache(30, kv_heads, d, torch.bfloat16)
+    ref_pair = kv_fast.pair.clone()
+    kv_ref = LayerKV(ref_pair[0], ref_pair[1], ref_pair)
+    assert llama._cpu_decode_mats(cfg, w, h, kv_fast) is not None
+    fast = llama.layer(cfg, w, h, rope, kv_fast, decode_meta(lens, tables))
+    mats = llama._cpu_decode_mats
+    try:
+        llama._cpu_decode_mats = lambda *a: None  # the generic path
+        want = llama.layer(cfg, w, h, rope, kv_ref, decode_meta(lens, tables))
+    finally:
+        llama._cpu_decode_mats = mats
+    assert torch.equal(fast, want) and torch.equal(kv_fast.pair, kv_ref.pair)
+    prev = attention.set_score_observer(lambda *a: None)
+    try:
+        assert llama._cpu_decode_mats(cfg, w, h, kv_fast) is None
+    finally:
+        attention.set_score_observer(prev)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -163,3 +163,24 @@ def test_weight_share_granularity_opt():
     cm = CostModel(preset_config("opt-30b"), load_profile("flexgen_t4"), Workload(512, 32))
     assert cm.min_gpu_weight_share() == pytest.approx(1 / 12)
     assert cm.min_offload_weight_share() == pytest.approx(1 / 12)
+
+
+def test_localgen_runtime_reads_a_cpu_cache_at_the_pinned_bandwidth():
+    """runtime="localgen": an uncompressed CPU-held cache crosses PCIe at ctog/gtoc_bdw (read and
+    written in place by the kernels); FlexGen's runtime copies it at the pageable bandwidth. Weights
+    and activations on the GPU, so the decode ctog/gtoc terms are the cache alone."""
+    cfg, wl = tiny_opt(), Workload(4, 4)
+    hw = round_hw(ctog_bdw_pageable=250.0, gtoc_bdw_pageable=400.0)
+    pol = Policy(gbs=2, num_gpu_batches=1, wg=1, wc=0, cg=0, cc=1, hg=1, hc=0)
+    flex = CostModel(cfg, hw, wl).predict(pol)
+    ours = CostModel(cfg, hw, wl, runtime="localgen").predict(pol)
+    kv_read = 2 * 8 * 2 * (4 + 4 / 2) * 2  # K and V, fp16, average decode context, 2 sequences
+    assert flex.decode_terms["ctog"] == pytest.approx(kv_read / 250.0)
+    assert ours.decode_terms["ctog"] == pytest.approx(kv_read / 1e3)
+    assert ours.decode_terms["gtoc"] == pytest.approx(flex.decode_terms["gtoc"] * 400.0 / 2e3)
+    # a compressed cache still goes through the gather path: no difference
+    pol4 = Policy(gbs=2, num_gpu_batches=1, wg=1, wc=0, cg=0, cc=1, hg=1, hc=0, compress_cache=True)
+    assert (CostModel(cfg, hw, wl, runtime="localgen").predict(pol4).decode_terms
+            == CostModel(cfg, hw, wl).predict(pol4).decode_terms)
+    with pytest.raises(ValueError, match="runtime"):
+        CostModel(cfg, hw, wl, runtime="vllm")

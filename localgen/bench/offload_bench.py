@@ -132,7 +132,7 @@ def run_localgen(cfg, store, policy, batch: int, prompt_len: int, gen_len: int, 
     if hw is not None:
         from localgen.policy.cost_model import CostModel, Workload
 
-        pred = CostModel(cfg, hw, Workload(prompt_len, gen_len)).predict(policy)
+        pred = CostModel(cfg, hw, Workload(prompt_len, gen_len), runtime="localgen").predict(policy)
         res.predicted = {"prefill_s": pred.prefill_time, "decode_s": pred.decode_time,
                          "tokens_per_s": pred.throughput, "prefill_terms": pred.prefill_terms,
                          "decode_terms": pred.decode_terms,

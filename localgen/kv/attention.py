@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from localgen.kernels import paged_attention_ref as ref
+from localgen.kv.cpu_decode import CpuDecodePlan, cpu_decode_attention  # noqa: F401 (re-exported)
 
 ScoreObserver = Callable[[torch.Tensor, "LayerKV", "AttentionMetadata", float], None]
 _score_observer: ScoreObserver | None = None
@@ -83,68 +84,6 @@ class LayerKV:
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     pair: torch.Tensor | None = None
-
-
-@dataclass
-class CpuDecodePlan:
-    """What every layer of one CPU decode step reads, built once per step: the longest context
-    ``max_len``; either ``first_block`` (one sequence whose blocks are consecutive: K/V are a view
-    of the cache, no gather) or ``blocks`` (``[num_seqs * n_blocks]`` block ids to gather); and
-    ``mask`` (``[num_seqs, 1, 1, max_len]`` bool, None when every sequence has ``max_len``
-    tokens)."""
-
-    max_len: int
-    n_blocks: int
-    first_block: int | None
-    blocks: torch.Tensor | None
-    mask: torch.Tensor | None
-
-    @classmethod
-    def build(cls, meta: "AttentionMetadata", block_size: int) -> "CpuDecodePlan":
-        lens = meta.context_lens_list
-        max_len = max(lens)
-        n = -(-max_len // block_size)
-        tables = meta.block_tables[:, :n]
-        if len(lens) == 1:
-            ids = tables[0].tolist()
-            if ids == list(range(ids[0], ids[0] + n)):
-                return cls(max_len, n, ids[0], None, None)
-        mask = None
-        if min(lens) != max_len:
-            pos = torch.arange(max_len, device=meta.context_lens.device)
-            mask = (pos[None, :] < meta.context_lens[:, None])[:, None, None, :]
-        return cls(max_len, n, None, tables.reshape(-1), mask)
-
-
-def cpu_decode_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
-                         scale: float) -> torch.Tensor:
-    """One query token per sequence over its paged context, on the CPU: the block gather plan is
-    built once per step (``meta.cpu_decode``), K and V are gathered together when the cache holds
-    them as one tensor (or viewed in place when one sequence's blocks are consecutive), and one
-    SDPA call attends with the query heads of each KV head as that head's queries (GQA without
-    repeating K/V); no mask when all contexts have the same length. Same math as
-    ``paged_attention_ref.paged_decode_attention``."""
-    num_seqs, num_heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = kv.k_cache.shape
-    plan = meta.cpu_decode
-    if plan is None:
-        plan = meta.cpu_decode = CpuDecodePlan.build(meta, block_size)
-    L, n = plan.max_len, plan.n_blocks
-    if plan.first_block is not None:
-        b0 = plan.first_block
-        k = kv.k_cache[b0:b0 + n].view(1, n * block_size, kv_heads, head_dim)[:, :L]
-        v = kv.v_cache[b0:b0 + n].view(1, n * block_size, kv_heads, head_dim)[:, :L]
-    elif kv.pair is not None:
-        both = kv.pair.index_select(1, plan.blocks).view(2, num_seqs, n * block_size, kv_heads,
-                                                         head_dim)[:, :, :L]
-        k, v = both[0], both[1]
-    else:
-        k = kv.k_cache.index_select(0, plan.blocks).view(num_seqs, -1, kv_heads, head_dim)[:, :L]
-        v = kv.v_cache.index_select(0, plan.blocks).view(num_seqs, -1, kv_heads, head_dim)[:, :L]
-    qg = q.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.mask, scale=scale)
-    return out.view(num_seqs, num_heads, head_dim)
 
 
 # Queries per SDPA call in CPU prefill: torch's CPU flash kernel computes every query block

@@ -152,11 +152,18 @@ class CostModel:
     Table 2 within 0.84-1.3x and the paper's placements for OPT-175B (no weights on the GPU, ~half in
     RAM, cache on disk) and roughly for OPT-30B and OPT-6.7B; docs/results/policy_table2.md
     (``python -m localgen.policy.table2``) has the table and the remaining differences.
-    Raises ValueError for an unknown model family or form.
+    ``runtime`` picks how an uncompressed CPU-held KV cache crosses PCIe: "flexgen" (default; the
+    paper's runtime, Table 2) copies it from pageable memory; "localgen" keeps it pinned and the
+    GPU kernels read and write it in place (``runtime/offload/kv.py``), at the pinned bandwidth.
+    Raises ValueError for an unknown model family, form or runtime.
     """
 
     def __init__(self, cfg: ModelConfig, hw: HardwareProfile, wl: Workload,
-                 mem_fraction: float | dict[str, float] | None = None, form: Form = "released"):
+                 mem_fraction: float | dict[str, float] | None = None, form: Form = "released",
+                 runtime: str = "flexgen"):
+        if runtime not in ("flexgen", "localgen"):
+            raise ValueError(f"runtime must be 'flexgen' or 'localgen', got {runtime!r}")
+        self.runtime = runtime
         if cfg.family not in ("opt", "llama"):
             raise ValueError(f"cost model has no shapes for family {cfg.family!r}")
         if form not in ("released", "paper"):
@@ -282,6 +289,9 @@ class CostModel:
         gtoc_cache = (hw.gtoc_bdw_cache or hw.gtoc_bdw_pageable or hw.gtoc_bdw) if gpu else inf
         ctog_cache = (hw.ctog_bdw_pageable or hw.gtoc_bdw_cache or hw.ctog_bdw) if gpu else inf
         dtoc, ctod = hw.dtoc_bdw, hw.ctod_bdw
+        # a CPU-held cache (cc; not disk) under localgen's runtime: pinned, read/written in place
+        in_place = self.runtime == "localgen" and not compress_cache
+        ctog_cc, gtoc_cc = (ctog, gtoc) if in_place else (ctog_cache, gtoc_cache)
 
         deq_w = self._elementwise_time(wi16 * (1 + r), gpu) if compress_weight else 0.0
         comp_p = (self._matmul_time(2 * W * s * bls, num_gpu_batches * wi16, hw.mm_flops)
@@ -289,7 +299,7 @@ class CostModel:
                   + (self._elementwise_time(kv_p / ck * (1 + r), gpu) if compress_cache else 0.0))
         prefill = {
             "ctog": _affine(wc=wi / ctog, wd=wi / ctog, hc=hid_p / ctog, hd=hid_p / ctog),
-            "gtoc": _affine(cc=kv_p / gtoc_cache, cd=kv_p / gtoc_cache, hc=hid_p / gtoc, hd=hid_p / gtoc),
+            "gtoc": _affine(cc=kv_p / gtoc_cc, cd=kv_p / gtoc_cache, hc=hid_p / gtoc, hd=hid_p / gtoc),
             "dtoc": _affine(wd=wi / dtoc, hd=hid_p / dtoc),
             "ctod": _affine(cd=kv_p / ctod, hd=hid_p / ctod),
             "comp": _affine(comp_p),
@@ -308,8 +318,8 @@ class CostModel:
         else:
             attn = (kv16 / hw.bmm_flops_gen if gpu else kv16 / hw.cpu_flops) + self._elementwise_time(deq_kv, gpu)
             ctog_g = _affine(wc=wi / ctog, wd=wi / ctog, hc=hid_g / ctog, hd=hid_g / ctog,
-                             cc=kv_read / ctog_cache, cd=kv_read / ctog_cache)
-            gtoc_g = _affine(hc=hid_g / gtoc, hd=hid_g / gtoc, cc=kv_new / gtoc_cache, cd=kv_new / gtoc_cache)
+                             cc=kv_read / ctog_cc, cd=kv_read / ctog_cache)
+            gtoc_g = _affine(hc=hid_g / gtoc, hd=hid_g / gtoc, cc=kv_new / gtoc_cc, cd=kv_new / gtoc_cache)
             comp_g = _affine(mm_g + attn)
         decode = {
             "ctog": ctog_g,

@@ -20,6 +20,10 @@ from localgen.quant.int4 import Int4Tensor
 # a 960x576 matrix).
 INT4_MAX_M = 8
 
+# the kernel's one overload, bound once: ``torch.ops.aten.X`` resolves an attribute and an
+# overload on every call (~1 µs; a CPU decode step makes 121 of these calls)
+_int4_mm = getattr(getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None), "default", None)
+
 
 def available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
@@ -93,15 +97,19 @@ class Int4Linear:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_and_zeros))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        flat = x.reshape(-1, self.shape[1])
+        flat = x if x.dim() == 2 else x.reshape(-1, self.shape[1])
         if flat.shape[0] <= self.max_m and flat.dtype == torch.bfloat16:
             flat = flat.repeat(1, self.repeat_input) if self.repeat_input > 1 else flat.contiguous()
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size,
-                                                           self.scales_and_zeros)
+            y = _int4_mm(flat, self.packed, self.group_size, self.scales_and_zeros)
             y = y if bias is None else y + bias
         else:
             y = F.linear(flat.to(self.dense.dtype), self.dense, bias)
-        return y.reshape(*x.shape[:-1], self.shape[0])
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.shape[0])
+
+    def small(self, x: torch.Tensor) -> torch.Tensor:
+        """``__call__`` for what a CPU decode step passes: ``x`` ``[M, K]`` contiguous bf16 with
+        ``M <= max_m`` and ``repeat_input == 1`` (the caller checks), no bias; the kernel alone."""
+        return _int4_mm(x, self.packed, self.group_size, self.scales_and_zeros)
 
 
 # Largest M for which the output matrix (vocab x hidden, twice the K of a 4-bit matrix when it is
