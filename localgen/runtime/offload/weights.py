@@ -9,9 +9,9 @@ layer j-1: disk reads run on a CPU thread into one of two pinned staging buffers
 host->device copy on a side stream lands in one of two device staging buffers (double buffering);
 ``get(j)`` makes the compute stream wait for it and hands packed weights to the int4 GEMM
 dispatcher (``localgen.quant.int4.as_linear``: flat Triton GEMM at small M, dequantize + cuBLAS at
-large M); on the CPU they are dequantized before use. On the CPU
-the same calls run synchronously (a "cpu" layer is used in place; a "disk" layer is read from its
-file into a staging buffer every time it is used).
+large M). On the CPU the same calls run synchronously and packed weights are dequantized before
+use (a "cpu" layer is used in place; a "disk" layer is read from its file into a staging buffer
+every time it is used).
 """
 
 from __future__ import annotations
