@@ -4,7 +4,7 @@
 #   selftest : scripts/offload_selftest.py (every placement on CUDA vs the resident path)
 #   llama7b  : Llama-2-7B shape, 6 GiB cap: weights 26/74 with the cache on the CPU (attended in
 #              place by the GPU), the searched 4-bit policy; accelerate at batch 1, 8, 32 (same max_memory)
-#   llama7b_w4, llama7b_peer: the two halves of llama7b in their own processes
+#   llama7b_fp, llama7b_w4, llama7b_peer: the parts of llama7b in their own processes
 #   llama7b_w4cpu: 4-bit weights all on the GPU, fp16 cache on the CPU, with and without the int4 GEMM
 #   opt30b_acc: accelerate alone on OPT-30B at batch 1
 #   opt67b   : OPT-6.7B with FlexGen's measured placement (45/55, 32x4, cache on the CPU)
@@ -21,6 +21,8 @@ for stage in "$@"; do
   case $stage in
     selftest) timeout 150 python3 scripts/offload_selftest.py 2>&1 | tee "$OUT/offload_selftest_h200.txt" ;;
     selftest_exact) LOCALGEN_EXACT_PIN_MIN=0 timeout 150 python3 scripts/offload_selftest.py 2>&1 | tee "$OUT/offload_selftest_exactpin_h200.txt" ;;
+    llama7b_fp) timeout 200 $B --preset llama-2-7b --gpu-memory 6GiB --policy 16,8,26,74,0,100,100,0 \
+        --peer-batches '' --out "$OUT/offload_llama7b_fp_h200.json" 2>&1 | tee "$OUT/offload_llama7b_fp_h200.txt" ;;
     llama7b_w4) timeout 200 $B --preset llama-2-7b --gpu-memory 6GiB --policy 4,3,100,0,100,0,100,0,w4,kv4 --policy 2,4,100,0,100,0,100,0,w4,kv4 \
         --peer-batches '' --out "$OUT/offload_llama7b_w4_h200.json" 2>&1 | tee "$OUT/offload_llama7b_w4_h200.txt" ;;
     llama7b_w4cpu) for g in 1 0; do LOCALGEN_INT4_GEMM=$g timeout 150 $B --preset llama-2-7b --gpu-memory 6GiB \

@@ -264,3 +264,23 @@ def test_assign_tiers_layer_granularity():
 def test_disk_policy_needs_offload_dir(dirs):
     with pytest.raises(ValueError, match="offload dir"):
         LLM.load(str(dirs["llama3"]), device="cpu", kv_cache_memory=KV, policy=P(w=(0, 0, 1)))
+
+
+@pytest.mark.parametrize("lens", [[5, 5, 5], [3, 7, 2, 1]])
+def test_causal_packed_prefill_attention(lens):
+    """The fresh-prompt prefill attention of an off-GPU cache tier (one call for equal prompts,
+    one per prompt otherwise) against causal attention written out in float64, with GQA."""
+    from localgen.runtime.offload.kv import _causal_packed
+
+    g = torch.Generator().manual_seed(len(lens))
+    T, H, KVH, D = sum(lens), 8, 2, 16
+    q, k, v = (torch.randn(T, h, D, generator=g, dtype=torch.float64) for h in (H, KVH, KVH))
+    got = _causal_packed(q.float(), k.float(), v.float(), lens, 0.25)
+    want, s = [], 0
+    for n in lens:
+        kk, vv = (x[s:s + n].repeat_interleave(H // KVH, 1) for x in (k, v))
+        sc = torch.einsum("thd,shd->hts", q[s:s + n], kk) * 0.25
+        sc = sc.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        want.append(torch.einsum("hts,shd->thd", sc.softmax(-1), vv))
+        s += n
+    torch.testing.assert_close(got.double(), torch.cat(want), atol=1e-5, rtol=1e-5)

@@ -266,6 +266,13 @@ def run_llama_cpp_batch(gguf_path: str, batch: int, prompt_len: int, gen_len: in
 def load_models(spec: str, device: torch.device, dtype: torch.dtype, max_num_seqs: int,
                 max_model_len: int, with_hf: bool):
     """(localgen LLM, transformers model or None) on the same (dummy or real) weights."""
+    llm, make_hf = load_localgen(spec, device, dtype, max_num_seqs, max_model_len)
+    return llm, (make_hf() if with_hf else None)
+
+
+def load_localgen(spec: str, device: torch.device, dtype: torch.dtype, max_num_seqs: int,
+                  max_model_len: int):
+    """(localgen LLM, a function that builds the transformers peer on the same weights)."""
     from localgen.api import LLM
     from localgen.runtime.engine import EngineConfig
 
@@ -276,8 +283,7 @@ def load_models(spec: str, device: torch.device, dtype: torch.dtype, max_num_seq
         llm = LLM.load(None if spec.lower() in {"embedded", "default"} else spec, device=str(device),
                        dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                        kv_cache_memory=_kv_budget(None, max_num_seqs, max_model_len, dtype, spec))
-        hf = _hf_from_source(llm, device, dtype) if with_hf else None
-        return llm, hf
+        return llm, lambda: _hf_from_source(llm, device, dtype)
     from localgen.models.dummy import DummyStore
     from localgen.models.model import family_of
     from localgen.policy.presets import preset_config
@@ -286,8 +292,7 @@ def load_models(spec: str, device: torch.device, dtype: torch.dtype, max_num_seq
     ecfg.kv_cache_memory = _kv_budget(cfg, max_num_seqs, max_model_len, dtype, spec)
     store = DummyStore(cfg, family_of(cfg), dtype=dtype)
     llm = LLM.from_parts(cfg, store, None, ecfg, device=str(device), dtype=dtype, name=spec)
-    hf = _hf_dummy(cfg, device, dtype) if with_hf else None
-    return llm, hf
+    return llm, lambda: _hf_dummy(cfg, device, dtype)
 
 
 def _kv_budget(cfg, max_num_seqs: int, max_model_len: int, dtype, spec: str) -> int:
@@ -331,42 +336,50 @@ def bench(spec: str, batches: list[int], prompt_len: int, gen_len: int, *, devic
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}[dtype]
-    llm, hf = load_models(spec, dev, dt, max(batches), prompt_len + gen_len + 16, with_hf)
+    llm, make_hf = load_localgen(spec, dev, dt, max(batches), prompt_len + gen_len + 16)
     bw = copy_bandwidth(dev)
     wbytes = llm.engine.model.weight_bytes()
     kv_tok = llm.config.kv_bytes_per_token(torch.tensor([], dtype=dt).element_size())
     log(f"{spec} on {dev} ({dt}): weights {wbytes / 1e9:.2f} GB, copy bandwidth {bw / 1e9:.0f} GB/s")
+    roofs = {b: roofline(wbytes, kv_tok, b, prompt_len, gen_len, bw) for b in batches}
     runs: list[DecodeRun] = []
+    # one engine at a time, each measured before the next is loaded (a second model resident in
+    # the process competes for caches and memory: once seen as 25-40% slower CPU decode steps)
     for b in batches:
         # warm-up with the measured shapes: compiles kernels, captures this run's graph buckets
         # (other prompts than the measured ones: no prefix-cache hits in the measurement)
         run_localgen(llm, b, prompt_len, gen_len, seed=1)
-        roof = roofline(wbytes, kv_tok, b, prompt_len, gen_len, bw)
         meas = []
         for i in range(repeat):
             wall, dec = run_localgen(llm, b, prompt_len, gen_len, seed=0 if i == 0 else 100 + i)
             meas.append((wall, dec, run_localgen.last_prefill_s))
         wall, dec, pre = (_median([m[j] for m in meas]) for j in range(3))
         runs.append(DecodeRun("localgen", b, prompt_len, gen_len, wall, b * gen_len / wall, dec,
-                              roof, dec / roof, pre, graph_replay_ms(llm),
+                              roofs[b], dec / roofs[b], pre, graph_replay_ms(llm),
                               b * prompt_len / pre if pre else None))
-        if hf is not None:
+    if with_hf:
+        hf = make_hf()
+        for b in batches:
             wall_hf, pre_hf, dec_hf = run_hf_split(hf, b, prompt_len, gen_len,
                                                    llm.config.vocab_size, dev, repeat)
             tps = b * gen_len / wall_hf
             runs.append(DecodeRun("transformers", b, prompt_len, gen_len, wall_hf, tps, dec_hf,
-                                  roof, (dec_hf or tps) / roof, pre_hf, None,
+                                  roofs[b], (dec_hf or tps) / roofs[b], pre_hf, None,
                                   b * prompt_len / pre_hf))
-        gguf = getattr(getattr(llm, "source", None), "path", None)
-        if with_hf and dev.type == "cpu" and gguf is not None and str(gguf).endswith(".gguf"):
+        del hf
+        gc.collect()
+    gguf = getattr(getattr(llm, "source", None), "path", None)
+    if with_hf and dev.type == "cpu" and gguf is not None and str(gguf).endswith(".gguf"):
+        for b in batches:
             lc = run_llama_cpp(str(gguf), b, prompt_len, gen_len, llm.config.vocab_size,
                                torch.get_num_threads(), repeat)
             if lc is not None:
                 wall_lc, dec_lc, pre_lc = lc
                 runs.append(DecodeRun("llama.cpp", b, prompt_len, gen_len, wall_lc,
-                                      b * gen_len / wall_lc, dec_lc, roof, dec_lc / roof, pre_lc,
-                                      None, b * prompt_len / pre_lc))
-        gc.collect()
+                                      b * gen_len / wall_lc, dec_lc, roofs[b], dec_lc / roofs[b],
+                                      pre_lc, None, b * prompt_len / pre_lc))
+    order = {"localgen": 0, "transformers": 1, "llama.cpp": 2}
+    runs.sort(key=lambda r: (r.batch, order[r.engine]))
     ratios = peer_ratios(runs)
     table = format_table(runs) + "".join("\n" + line for line in format_ratios(ratios))
     log(table)

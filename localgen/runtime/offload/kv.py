@@ -130,6 +130,7 @@ class TierKV:
         self._free: list[int] = []
         self.plans = plans if plans is not None else _PlanCache()
         self.mapped: bool | None = None  # decided on first use (``_zero_copy``)
+        self.stored: "torch.cuda.Event | None" = None  # a side-stream store still in flight
 
     def set_rotation(self, rotation: torch.Tensor | None) -> None:
         """Use ``rotation`` (``[head_dim, head_dim]`` orthogonal, or None) from now on; only
@@ -190,6 +191,7 @@ class TierKV:
             k, v = _rotate(k, self.rot), _rotate(v, self.rot)
             q = _rotate(q, self.rot).to(q.dtype)  # (qR)(kR)^T = qk^T
         if self._zero_copy():
+            self._await_store()
             out = self._attend_mapped(q, k, v, meta, scale)
             if out is not None:
                 return out if self.rot is None else _rotate(out, self.rot_t).to(out.dtype)
@@ -247,6 +249,9 @@ class TierKV:
         kc, vc = self.t["k"], self.t["v"]
         try:
             with self.timers.section("compute"):
+                if self._fresh_prefill(meta) and not self.timers.enabled:
+                    self._store_behind(kv_write, k, v, meta.slot_mapping)
+                    return _causal_packed(q, k.to(q.dtype), v.to(q.dtype), meta.query_lens, scale)
                 kv_write.write_kv(kc, vc, k, v, meta.slot_mapping)
                 if self._fresh_prefill(meta):
                     return _causal_packed(q, k.to(q.dtype), v.to(q.dtype), meta.query_lens, scale)
@@ -261,6 +266,26 @@ class TierKV:
                           "copying blocks to the GPU instead", RuntimeWarning, stacklevel=2)
             self.mapped = False
             return None
+
+    def _store_behind(self, kv_write, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write a prefill's K/V into the pinned host cache on a side stream, overlapping the rest
+        of the layer (FlexGen §4.2: batch k-1's store runs while batch k computes); a prompt's
+        cache crossing PCIe takes ~10 ms per layer for 16k OPT-30B tokens. The next use of this
+        layer's cache waits for it (``_await_store``)."""
+        compute = torch.cuda.current_stream(self.device)
+        side = _store_stream(self.device)
+        side.wait_stream(compute)  # k and v are computed
+        with torch.cuda.stream(side):
+            kv_write.write_kv(self.t["k"], self.t["v"], k, v, slots)
+        for x in (k, v, slots):  # keep their memory from being reused before the write is done
+            x.record_stream(side)
+        self.stored = torch.cuda.Event()
+        self.stored.record(side)
+
+    def _await_store(self) -> None:
+        if self.stored is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.stored)
+            self.stored = None
 
     def _fresh_prefill(self, meta: AttentionMetadata) -> bool:
         """A prefill of whole prompts (context = query for every sequence) on an uncompressed
@@ -436,6 +461,16 @@ class TierKV:
         self._free += range(old, n)
 
 
+_STORE_STREAMS: dict = {}
+
+
+def _store_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One side stream per device for cache stores that overlap compute."""
+    if device not in _STORE_STREAMS:
+        _STORE_STREAMS[device] = torch.cuda.Stream(device)
+    return _STORE_STREAMS[device]
+
+
 def _triton_kernels():
     """(paged_decode, paged_prefill, kv_write) when the Triton kernels import, else None."""
     from localgen.kv import attention
@@ -448,8 +483,15 @@ def _causal_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_lens
                    scale: float) -> torch.Tensor:
     """Causal attention of packed whole sequences (``[num_tokens, heads, head_dim]`` each; k/v
     with the KV heads) -> ``[num_tokens, num_heads, head_dim]``."""
-    outs, start = [], 0
     gqa = k.shape[1] != q.shape[1]
+    n0 = query_lens[0]
+    if all(n == n0 for n in query_lens):  # equal prompts (batch jobs, benchmarks): one call
+        b = len(query_lens)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            *(x.view(b, n0, *x.shape[1:]).transpose(1, 2) for x in (q, k, v)), is_causal=True,
+            scale=scale, enable_gqa=gqa)
+        return o.transpose(1, 2).reshape(q.shape)
+    outs, start = [], 0
     for n in query_lens:
         sl = slice(start, start + n)
         o = torch.nn.functional.scaled_dot_product_attention(
