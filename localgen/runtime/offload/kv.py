@@ -274,12 +274,15 @@ class TierKV:
         layer's cache waits for it (``_await_store``)."""
         compute = torch.cuda.current_stream(self.device)
         side = _store_stream(self.device)
+        prev = _LAST_STORE.get(self.device)
+        if prev is not None:  # one store in flight at most: its k/v are the only extra memory
+            compute.wait_event(prev)
         side.wait_stream(compute)  # k and v are computed
         with torch.cuda.stream(side):
             kv_write.write_kv(self.t["k"], self.t["v"], k, v, slots)
         for x in (k, v, slots):  # keep their memory from being reused before the write is done
             x.record_stream(side)
-        self.stored = torch.cuda.Event()
+        self.stored = _LAST_STORE[self.device] = torch.cuda.Event()
         self.stored.record(side)
 
     def _await_store(self) -> None:
@@ -462,6 +465,7 @@ class TierKV:
 
 
 _STORE_STREAMS: dict = {}
+_LAST_STORE: dict = {}  # device -> event of the latest side-stream store
 
 
 def _store_stream(device: torch.device) -> "torch.cuda.Stream":
