@@ -249,7 +249,7 @@ class TierKV:
         kc, vc = self.t["k"], self.t["v"]
         try:
             with self.timers.section("compute"):
-                if self._fresh_prefill(meta) and not self.timers.enabled:
+                if self._fresh_prefill(meta) and not self.timers.enabled and _room_for(k, v, self.device):
                     self._store_behind(kv_write, k, v, meta.slot_mapping)
                     return _causal_packed(q, k.to(q.dtype), v.to(q.dtype), meta.query_lens, scale)
                 kv_write.write_kv(kc, vc, k, v, meta.slot_mapping)
@@ -466,6 +466,18 @@ class TierKV:
 
 _STORE_STREAMS: dict = {}
 _LAST_STORE: dict = {}  # device -> event of the latest side-stream store
+
+
+GPU_CAP: dict = {}  # device -> bytes this process may allocate there (``build_offload``'s cap)
+
+
+def _room_for(k: torch.Tensor, v: torch.Tensor, device: torch.device) -> bool:
+    """Whether a side-stream store fits: it keeps k's and v's storage (views of the fused qkv
+    output) alive until it ends, on top of what the layer allocates next."""
+    cap = GPU_CAP.get(device) or torch.cuda.get_device_properties(device).total_memory
+    held = k.untyped_storage().nbytes() + (0 if v.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+                                          else v.untyped_storage().nbytes())
+    return torch.cuda.memory_allocated(device) + 2 * held < 0.9 * cap
 
 
 def _store_stream(device: torch.device) -> "torch.cuda.Stream":
