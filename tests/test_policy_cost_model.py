@@ -184,3 +184,27 @@ def test_localgen_runtime_reads_a_cpu_cache_at_the_pinned_bandwidth():
             == CostModel(cfg, hw, wl).predict(pol4).decode_terms)
     with pytest.raises(ValueError, match="runtime"):
         CostModel(cfg, hw, wl, runtime="vllm")
+
+
+@pytest.mark.parametrize("cache", [(1, 0, 0), (0, 1, 0), (0, 0, 1)])
+def test_peak_memory_counts_the_recent_block_pool(monkeypatch, cache):
+    """4-bit KV keeps each sequence's last block in fp16 too (bls blocks of 16 tokens per layer),
+    on the GPU for a GPU cache and in RAM for a CPU or disk one; an fp16 cache has no pool."""
+    from localgen.policy import cost_model
+
+    cfg, hw, wl = tiny_opt(), round_hw(), Workload(4, 4)
+    pol = Policy(gbs=2, num_gpu_batches=3, wg=1, wc=0, cg=cache[0], cc=cache[1], cd=cache[2],
+                 hg=1, hc=0, compress_cache=True)
+    with_pool = CostModel(cfg, hw, wl).predict(pol).peak_mem
+    monkeypatch.setattr(cost_model, "POOL_BLOCK_TOKENS", 0)
+    without = CostModel(cfg, hw, wl).predict(pol).peak_mem
+    pool = 2 * 8 * 2 * 16 * 6 * 2  # K and V, kv size 8, fp16, 16 tokens, bls 6, 2 layers
+    tier = "gpu" if cache[0] else "cpu"
+    assert with_pool[tier] - without[tier] == pytest.approx(pool)
+    assert all(with_pool[t] == without[t] for t in with_pool if t != tier)
+    monkeypatch.undo()
+    fp16 = Policy(gbs=2, num_gpu_batches=3, wg=1, wc=0, cg=cache[0], cc=cache[1], cd=cache[2], hg=1, hc=0)
+    monkeypatch.setattr(cost_model, "POOL_BLOCK_TOKENS", 0)
+    no_pool = CostModel(cfg, hw, wl).predict(fp16).peak_mem
+    monkeypatch.undo()
+    assert CostModel(cfg, hw, wl).predict(fp16).peak_mem == no_pool

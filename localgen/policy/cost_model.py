@@ -139,6 +139,9 @@ class Prediction:
         return all(self.peak_mem[t] <= self.capacity[t] * (1 + rel_tol) + 1 for t in self.capacity)
 
 
+POOL_BLOCK_TOKENS = 16  # the engine's default block size (EngineConfig.block_size)
+
+
 class CostModel:
     """FlexGen App. A.3 cost model for ``cfg`` on ``hw`` running ``wl``.
 
@@ -352,6 +355,9 @@ class CostModel:
         cache_full = 2 * kv * B * ck * (s + n) * bls * c.num_layers  # all layers, final length
         kv_gbs = 2 * kv * B * ck * (s + n) * gbs  # one layer, one GPU batch, final length
         deq_buf = wi16 if compress_weight else 0.0
+        # 4-bit KV keeps each running sequence's last block also in fp16 (the recent-block pool of
+        # runtime/offload/kv.py: bls rows of POOL_BLOCK_TOKENS per layer, on the cache's tier)
+        pool = 2 * kv * B * POOL_BLOCK_TOKENS * bls * c.num_layers if compress_cache else 0.0
         # largest live intermediates of one GPU batch (fp16): qkv projection, attention, MLP
         ops_p = [gbs * s * B * (h1 + q + 2 * kv), gbs * B * (s * (2 * q + 2 * kv) + nh * s * s),
                  gbs * s * B * (h1 + n_mlp * h2)]
@@ -359,8 +365,8 @@ class CostModel:
         ops_g = [gbs * B * (h1 + q + 2 * kv), att_g, gbs * B * (h1 + n_mlp * h2)]
         rows = []
         if gpu:
-            home_p = dict(wg=wtot, hg=s * h1 * B * bls, cg=cache_full)
-            home_g = dict(wg=wtot, hg=h1 * B * bls, cg=cache_full)
+            home_p = dict(wg=wtot, hg=s * h1 * B * bls, cg=cache_full + pool)
+            home_g = dict(wg=wtot, hg=h1 * B * bls, cg=cache_full + pool)
             for op in ops_p:  # double-buffered streamed layer + one GPU batch's activations
                 rows.append(("gpu", _affine(2 * wi + deq_buf + s * h1 * B * gbs + op,
                                             **_add(home_p, wg=-2 * wi, hg=-s * h1 * B * gbs))))
@@ -386,11 +392,11 @@ class CostModel:
         # pre-allocates continuous buffers for all KV cache"), and App. A.3's cpu_home^p has the same
         # 4(s+n)h1*cc*bls*l as gpu_home^p. Counting only the prompt's s here let the LP trade cache for
         # weights in RAM at a ~6% discount (OPT-175B then kept 8% of its cache in RAM and 22% of its weights).
-        rows.append(("cpu", _affine(work_p + s * h1 * B * gbs, wc=wtot, hc=s * h1 * B * bls, cc=cache_full,
-                                    wd=2 * wi, cd=2 * kv * B * ck * s * gbs)))
+        rows.append(("cpu", _affine(work_p + s * h1 * B * gbs, wc=wtot, hc=s * h1 * B * bls, cc=cache_full + pool,
+                                    wd=2 * wi, cd=2 * kv * B * ck * s * gbs + pool)))
         for w in work_g:
             rows.append(("cpu", _affine(w + deleg + 2 * h1 * B * gbs, wc=wtot, hc=h1 * B * bls,
-                                        cc=cache_full, wd=2 * wi, cd=2 * kv_gbs)))
+                                        cc=cache_full + pool, wd=2 * wi, cd=2 * kv_gbs + pool)))
         rows.append(("disk", _affine(wd=wtot, hd=s * h1 * B * bls, cd=cache_full)))
         return rows
 
