@@ -155,7 +155,8 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
            objective: Objective = "throughput", latency_bound: float | None = None,
            mem_fraction: float | dict[str, float] | None = None, form: str = "released",
            gbs_choices: Iterable[int] | None = None, nb_choices: Iterable[int] | None = None,
-           weight_granularity: WeightGranularity = "tensor", num_alternatives: int = 4) -> SearchResult:
+           weight_granularity: WeightGranularity = "tensor", num_alternatives: int = 4,
+           runtime: str = "flexgen") -> SearchResult:
     """Find the policy with the highest predicted throughput (FlexGen §4.3).
 
     Enumeration as FlexGen experimental/cost_model.py ``solve``: GPU batch sizes 1, 2, 3, 4, 8, 16, ...
@@ -170,9 +171,11 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
     ``weight_granularity="tensor"``: the GPU weight share is 0, 1, or leaves at least one whole weight
     matrix of a layer on each side (``CostModel.min_gpu_weight_share``, ``min_offload_weight_share``:
     1/12 of the bytes for OPT), as FlexGen's runtime places weights; "none": any fraction.
+    ``runtime``: whose runtime the policy is for (``CostModel``): "flexgen" reproduces the paper,
+    "localgen" (what ``localgen tune`` plans for) reads a pinned CPU-held cache in place.
     Raises NoFeasiblePolicyError when nothing fits.
     """
-    cm = CostModel(cfg, hw, wl, form=form, mem_fraction=mem_fraction)
+    cm = CostModel(cfg, hw, wl, form=form, mem_fraction=mem_fraction, runtime=runtime)
     early_stop = nb_choices is None
     if objective == "latency":
         gbs_choices, nb_choices, early_stop = (1,), (1,), False

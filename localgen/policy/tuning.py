@@ -47,7 +47,7 @@ def run_search(req: TuneRequest, hw: HardwareProfile) -> SearchResult:
     _, cfg = resolve_config(req.model)
     objective = "latency" if req.workload == "chat" else "throughput"
     return search(cfg, hw, req.to_workload(), compression=req.compression, objective=objective,
-                  latency_bound=req.latency_bound)
+                  latency_bound=req.latency_bound, runtime="localgen")
 
 
 def save_result(req: TuneRequest, hw: HardwareProfile, res: SearchResult):
