@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from .quant_ref import QuantizedWeight, dequantize_int4, quantize_int4
+from .quant_ref import QuantizedWeight, dequantize_weight, quantize_weight
 
 IMPLS = ("flat", "tiled", "torch")
 REFERENCE = "reference"  # off CUDA: dequantize + torch.matmul, the pure-torch twin
@@ -125,16 +125,15 @@ def route(device_type: str, m: int, n: int, k: int, table: GemmDispatchTable,
 
 class Int4Linear:
     """``y = x @ W.T (+ bias)`` with W int4, dispatched by M over ``IMPLS`` (FlashDecoding++ §5)
-    through ``route``. ``qw``: a ``QuantizedWeight`` (FlexGen §5, grouped along N) or an object with
-    ``packed``/``scale``/``min``/``group_size``/``shape``/``dim`` (``localgen.quant.Int4Tensor``;
-    ``dim`` 1 is the GGUF Q4_1 layout). With ``cache_dense`` the dense weight for the "torch" and
+    through ``route``. ``qw``: a ``QuantizedWeight`` in either layout, or a
+    ``localgen.quant.Int4Tensor`` (the same fields). With ``cache_dense`` the dense weight for the "torch" and
     reference paths is dequantized once, on first use, and kept; without it (a streamed layer,
     where keeping it would undo the compression) it is dequantized on each such call."""
 
     def __init__(self, qw: QuantizedWeight, table: GemmDispatchTable | None = None,
                  dtype: torch.dtype = torch.bfloat16, cache_dense: bool = True):
         self.qw, self.table, self.dtype = qw, table or GemmDispatchTable(), dtype
-        self.group_dim = getattr(qw, "dim", 0)
+        self.group_dim = qw.dim
         self.cache_dense = cache_dense
         self._dense: torch.Tensor | None = None
 
@@ -145,8 +144,7 @@ class Int4Linear:
     def dense(self) -> torch.Tensor:
         if self._dense is not None:
             return self._dense
-        w = dequantize_int4(self.qw.packed, self.qw.scale, self.qw.min, self.qw.group_size,
-                            dim=self.group_dim, dtype=self.dtype)
+        w = dequantize_weight(self.qw, self.dtype)
         if self.cache_dense:
             self._dense = w
         return w
@@ -203,26 +201,6 @@ def cuda_timer(fn: Callable[[], object], warmup: int = 5, repeat: int = 20) -> f
     return statistics.median(times)
 
 
-@dataclass
-class PackedWeight:
-    """An int4 ``[N, K]`` weight in either layout (the fields of ``localgen.quant.Int4Tensor``):
-    ``dim`` 0 grouped/packed along N (FlexGen), ``dim`` 1 along K (GGUF Q4_1)."""
-
-    packed: torch.Tensor
-    scale: torch.Tensor
-    min: torch.Tensor
-    group_size: int
-    dim: int
-    shape: tuple[int, int]
-
-
-def pack_weight(w: torch.Tensor, group_dim: int = 0, group_size: int | None = None) -> PackedWeight:
-    """Quantize ``w`` ``[N, K]`` in layout ``group_dim`` (default g: 64 along N, 32 along K)."""
-    g = group_size or (32 if group_dim == 1 else 64)
-    p, sc, mn = quantize_int4(w, g, dim=group_dim)
-    return PackedWeight(p, sc, mn, g, group_dim, tuple(w.shape))
-
-
 LAYOUTS = {"n64": 0, "k32": 1}  # FlexGen §5 (along output channels, g=64); GGUF Q4_1 (input, g=32)
 
 
@@ -238,7 +216,8 @@ def profile_inflection_points(n: int, k: int, ms=DEFAULT_MS, device="cuda",
     instead (FlashDecoding++'s comparison, for a runtime that can afford the dense copy)."""
     timer = timer or cuda_timer
     w = torch.randn(n, k, device=device, dtype=torch.float32) * 0.02
-    lin = Int4Linear(pack_weight(w, group_dim), dtype=dtype, cache_dense=dense_cached)
+    lin = Int4Linear(quantize_weight(w, 32 if group_dim else 64, group_dim), dtype=dtype,
+                     cache_dense=dense_cached)
     lin.dense()
     timings: dict[int, dict[str, float]] = {}
     for m in ms:

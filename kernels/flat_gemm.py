@@ -86,7 +86,7 @@ def flat_gemm_int4(x: torch.Tensor, w: QuantizedWeight, *, block_m: int = 16, bl
                    num_stages: int = 3, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T`` for ``x`` ``[M, K]`` (bf16/fp16/fp32) and ``W`` ``[N, K]`` int4: a
     ``QuantizedWeight`` or anything with ``packed``/``scale``/``min``/``group_size``/``shape`` and
-    ``dim`` (0: grouped along N, FlexGen; 1: grouped along K, GGUF Q4_1; absent means 0).
+    ``dim`` (0: grouped along N, FlexGen; 1: grouped along K, GGUF Q4_1).
     Returns ``[M, N]`` in x's dtype. ``split_k > 1`` accumulates K slices with float32 atomics
     (for small N). ``block_m`` 16 is the flat configuration; 64+ the tiled one. ``out``: an
     ``[M, N]`` tensor of x's dtype to write into (returned)."""
@@ -96,7 +96,7 @@ def flat_gemm_int4(x: torch.Tensor, w: QuantizedWeight, *, block_m: int = 16, bl
     N, Kw = w.shape
     if K != Kw:
         raise ValueError(f"K mismatch: x has {K}, W has {Kw}")
-    group_k = getattr(w, "dim", 0) == 1
+    group_k = w.dim == 1
     if group_k and K % 2:
         raise ValueError(f"K-packed weights need an even K, got {K}")
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -101,24 +101,27 @@ def write_kv_int4(k_cache: QuantizedKV, v_cache: QuantizedKV, k: torch.Tensor, v
 
 @dataclass
 class QuantizedWeight:
-    """A linear weight ``[N, K]`` (``y = x @ W.T``) in the int4 group format, grouped and packed
-    along the output channels N: ``packed`` ``[N // 2, K]`` uint8, ``scale``/``min``
-    ``[ceil(N / g), K]`` fp16."""
+    """A linear weight ``[N, K]`` (``y = x @ W.T``) in the int4 group format. ``dim`` 0 (FlexGen
+    §5): grouped and packed along the output channels N, ``packed`` ``[N // 2, K]`` uint8,
+    ``scale``/``min`` ``[ceil(N / g), K]`` fp16; ``dim`` 1 (GGUF Q4_1 as imported): along the input
+    channels K, ``packed`` ``[N, K // 2]``, ``scale``/``min`` ``[N, ceil(K / g)]``."""
 
     packed: torch.Tensor
     scale: torch.Tensor
     min: torch.Tensor
     group_size: int = GROUP_SIZE
+    dim: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.packed.shape[0] * 2, self.packed.shape[1]
+        n, k = self.packed.shape
+        return (n * 2, k) if self.dim == 0 else (n, k * 2)
 
 
-def quantize_weight(w: torch.Tensor, group_size: int = GROUP_SIZE) -> QuantizedWeight:
-    packed, scale, mn = quantize_int4(w, group_size, dim=0)
-    return QuantizedWeight(packed, scale, mn, group_size)
+def quantize_weight(w: torch.Tensor, group_size: int = GROUP_SIZE, dim: int = 0) -> QuantizedWeight:
+    packed, scale, mn = quantize_int4(w, group_size, dim=dim)
+    return QuantizedWeight(packed, scale, mn, group_size, dim)
 
 
 def dequantize_weight(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return dequantize_int4(qw.packed, qw.scale, qw.min, qw.group_size, dim=0, dtype=dtype)
+    return dequantize_int4(qw.packed, qw.scale, qw.min, qw.group_size, dim=qw.dim, dtype=dtype)

@@ -198,31 +198,38 @@ def check_int4_linear(dev, shapes=INT4_SHAPES) -> list[tuple[str, float, float]]
     return res
 
 
-def check_engine(dev) -> str:
-    """Tiny random Llama (GQA) on CUDA in fp32 vs transformers on CPU: first-step logits and
-    greedy tokens."""
+def tiny_llama(num_layers: int = 2):
+    """A random Llama (GQA, 256 hidden, vocab 500) -> (transformers model on the CPU, its
+    ModelConfig, a weight store over its state dict)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from localgen.api import LLM, Request, SamplingParams
     from localgen.models.config import ModelConfig
 
     torch.manual_seed(0)
-    hc = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+    hc = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=num_layers,
                      num_attention_heads=8, num_key_value_heads=2, vocab_size=500,
                      max_position_embeddings=1024)
     m = LlamaForCausalLM(hc).eval()
     with torch.no_grad():
         for p in m.parameters():
             p.normal_(0, 0.15)
-    d = {**hc.to_dict(), "architectures": ["LlamaForCausalLM"]}
+    sd = m.state_dict()
 
     class Store:
-        sd = m.state_dict()
-        names = lambda self: list(self.sd)  # noqa: E731
-        get = lambda self, n: self.sd[n]  # noqa: E731
+        names = lambda self: list(sd)  # noqa: E731
+        get = lambda self, n: sd[n]  # noqa: E731
 
+    return m, ModelConfig.from_hf_dict({**hc.to_dict(), "architectures": ["LlamaForCausalLM"]}), Store()
+
+
+def check_engine(dev) -> str:
+    """Tiny random Llama (GQA) on CUDA in fp32 vs transformers on CPU: first-step logits and
+    greedy tokens."""
+    from localgen.api import LLM, Request, SamplingParams
+
+    m, cfg, store = tiny_llama()
     torch.backends.cuda.matmul.allow_tf32 = False
-    llm = LLM.from_parts(ModelConfig.from_hf_dict(d), Store(), None, device=str(dev), dtype="float32")
+    llm = LLM.from_parts(cfg, store, None, device=str(dev), dtype="float32")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 70, 300)]
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -18,30 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_selftest import _alias_kernels  # noqa: E402  (localgen.kernels -> kernels/)
-
-
-def tiny_llama():
-    """A 4-layer random Llama (GQA) as (ModelConfig, store)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from localgen.models.config import ModelConfig
-
-    torch.manual_seed(0)
-    hc = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                     num_attention_heads=8, num_key_value_heads=2, vocab_size=500,
-                     max_position_embeddings=1024)
-    m = LlamaForCausalLM(hc).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.15)
-    sd = m.state_dict()
-
-    class Store:
-        names = lambda self: list(sd)  # noqa: E731
-        get = lambda self, n: sd[n]  # noqa: E731
-
-    return ModelConfig.from_hf_dict({**hc.to_dict(), "architectures": ["LlamaForCausalLM"]}), Store()
+from gpu_selftest import _alias_kernels, tiny_llama  # noqa: E402  (localgen.kernels -> kernels/)
 
 
 def generate(cfg, store, policy=None, offload_dir=None, device="cuda") -> list[list[int]]:
@@ -86,7 +63,7 @@ def main(argv=None) -> int:
     _alias_kernels()
     torch.backends.cuda.matmul.allow_tf32 = False
     print(torch.cuda.get_device_name() if dev == "cuda" else dev, "torch", torch.__version__)
-    cfg, store = tiny_llama()
+    _, cfg, store = tiny_llama(num_layers=4)
     want = generate(cfg, store, device=dev)
     fails = 0
     with tempfile.TemporaryDirectory() as tmp:

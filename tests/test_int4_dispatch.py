@@ -36,13 +36,6 @@ from localgen.quant.gguf_import import q4_1_blocks_to_int4  # noqa: E402
 TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
 
 
-@pytest.fixture
-def seed():
-    s = random.randrange(1 << 31)
-    torch.manual_seed(s)
-    return s
-
-
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(out).all():
         return float("inf")

@@ -31,13 +31,6 @@ TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-5}
 BS = 16  # tokens per KV block
 
 
-@pytest.fixture
-def seed():
-    s = random.randrange(1 << 31)
-    torch.manual_seed(s)
-    return s
-
-
 def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
     return float((out.double() - want).abs().max() / want.abs().max().clamp_min(1e-12))
 

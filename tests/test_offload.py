@@ -267,15 +267,15 @@ def test_disk_policy_needs_offload_dir(dirs):
 
 
 @pytest.mark.parametrize("lens", [[5, 5, 5], [3, 7, 2, 1]])
-def test_causal_packed_prefill_attention(lens):
+def test_fresh_prefill_attention(lens):
     """The fresh-prompt prefill attention of an off-GPU cache tier (one call for equal prompts,
     one per prompt otherwise) against causal attention written out in float64, with GQA."""
-    from localgen.runtime.offload.kv import _causal_packed
+    from localgen.kv.attention import fresh_prefill_attention
 
     g = torch.Generator().manual_seed(len(lens))
     T, H, KVH, D = sum(lens), 8, 2, 16
     q, k, v = (torch.randn(T, h, D, generator=g, dtype=torch.float64) for h in (H, KVH, KVH))
-    got = _causal_packed(q.float(), k.float(), v.float(), lens, 0.25)
+    got = fresh_prefill_attention(q.float(), k.float(), v.float(), lens, 0.25)
     want, s = [], 0
     for n in lens:
         kk, vv = (x[s:s + n].repeat_interleave(H // KVH, 1) for x in (k, v))

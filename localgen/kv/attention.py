@@ -99,14 +99,56 @@ def _causal_chunk_mask(a: int, e: int, device: torch.device) -> torch.Tensor:
     return torch.ones(e - a, e, dtype=torch.bool, device=device).tril_(a)
 
 
+def _attend_fresh_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      n: int, ql: int, scale: float, query_chunk: int | None) -> None:
+    """``n`` whole prompts of ``ql`` tokens (packed rows of q/k/v, written into ``out``) attend
+    causally over their own k/v in batched 4-D SDPA calls (4-D inputs take torch's flash kernel,
+    where 3-D GQA inputs fall back to the unfused math path); ``query_chunk`` queries a call over
+    the keys they can see, or all at once with ``is_causal`` (None)."""
+    num_heads, head_dim = q.shape[1:]
+    kv_heads = k.shape[1]
+    qb = q.view(n, ql, num_heads, head_dim).transpose(1, 2)
+    kb = k.view(n, ql, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+    vb = v.view(n, ql, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+    ob = out.view(n, ql, num_heads, head_dim)
+    gqa = kv_heads != num_heads
+    if query_chunk is None:
+        ob.copy_(torch.nn.functional.scaled_dot_product_attention(
+            qb, kb, vb, scale=scale, enable_gqa=gqa, is_causal=True).transpose(1, 2))
+        return
+    for a in range(0, ql, query_chunk):
+        e = min(ql, a + query_chunk)
+        ob[:, a:e] = torch.nn.functional.scaled_dot_product_attention(
+            qb[:, :, a:e], kb[:, :, :e], vb[:, :, :e], scale=scale, enable_gqa=gqa,
+            attn_mask=_causal_chunk_mask(a, e, q.device)).transpose(1, 2)
+
+
+def fresh_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            query_lens: list[int], scale: float,
+                            query_chunk: int | None = None) -> torch.Tensor:
+    """Causal attention of packed whole prompts (nothing cached before them) over their own k/v,
+    not read back from any cache: q ``[num_tokens, num_heads, head_dim]``, k/v with the KV heads;
+    runs of equal-length prompts attend together. Returns ``[num_tokens, num_heads, head_dim]``."""
+    out = torch.empty_like(q)
+    i = start = 0
+    while i < len(query_lens):
+        ql, j = query_lens[i], i
+        while j < len(query_lens) and query_lens[j] == ql:
+            j += 1
+        end = start + (j - i) * ql
+        _attend_fresh_run(q[start:end], k[start:end], v[start:end], out[start:end], j - i, ql,
+                          scale, query_chunk)
+        i, start = j, end
+    return out
+
+
 def cpu_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV,
                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of packed variable-length prompts on the CPU. Runs of consecutive
-    sequences with nothing cached before their queries and the same length attend together in
-    4-D SDPA calls over this step's own k/v (no gather from the cache; 4-D batched inputs take
-    torch's flash kernel, where 3-D GQA inputs fall back to the unfused math path, ~1.7x slower),
-    ``PREFILL_QUERY_CHUNK`` queries a call over the keys they can see; a sequence with a cached
-    prefix attends over its gathered context with a causal offset mask.
+    sequences with nothing cached before their queries and the same length attend together over
+    this step's own k/v (no gather from the cache; ``_attend_fresh_run``), ``PREFILL_QUERY_CHUNK``
+    queries a call over the keys they can see; a sequence with a cached prefix attends over its
+    gathered context with a causal offset mask.
     Same math as ``paged_attention_ref.paged_prefill_attention``."""
     num_heads, head_dim = q.shape[1:]
     kv_heads = kv.k_cache.shape[2]
@@ -121,15 +163,8 @@ def cpu_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv:
             while j < len(lens) and lens[j] == (ql, ql):
                 j += 1
             n, end = j - i, start + (j - i) * ql
-            qb = q[start:end].view(n, ql, num_heads, head_dim).transpose(1, 2)
-            kb = k[start:end].view(n, ql, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-            vb = v[start:end].view(n, ql, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-            ob = out[start:end].view(n, ql, num_heads, head_dim)
-            for a in range(0, ql, PREFILL_QUERY_CHUNK):
-                e = min(ql, a + PREFILL_QUERY_CHUNK)
-                ob[:, a:e] = torch.nn.functional.scaled_dot_product_attention(
-                    qb[:, :, a:e], kb[:, :, :e], vb[:, :, :e], scale=scale, enable_gqa=gqa,
-                    attn_mask=_causal_chunk_mask(a, e, q.device)).transpose(1, 2)
+            _attend_fresh_run(q[start:end], k[start:end], v[start:end], out[start:end], n, ql,
+                              scale, PREFILL_QUERY_CHUNK)
             i, start = j, end
             continue
         kc = ref.gather_kv(kv.k_cache, meta.block_tables[i], ctx).transpose(0, 1)[None]

@@ -23,6 +23,7 @@ from localgen.kv.attention import AttentionMetadata, LayerKV, paged_attention
 from localgen.kv.cpu_decode import cpu_decode_attention
 from localgen.models.config import ModelConfig
 from localgen.models.rope import RotaryPositions, _signed_sin, apply_rope
+from localgen.quant import linear
 from localgen.quant.cpu_int4 import Int4Linear
 
 _fused_mods = None  # (fused_norm, fused_rope, fused_act) once imported; False when unavailable
@@ -94,13 +95,6 @@ def fuse_weights(cfg: ModelConfig, w: dict) -> dict:
     if "gate" in w and "up" in w and "gate_bias" not in w:
         w["gate_up"] = torch.cat([w.pop("gate"), w.pop("up")])
     return w
-
-
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, or a packed weight's own kernel (``localgen.quant.cpu_int4.Int4Linear``)."""
-    if isinstance(w, torch.Tensor):
-        return F.linear(x, w, bias)
-    return w(x, bias)
 
 
 def _qkv(cfg: ModelConfig, w: dict, x: torch.Tensor):

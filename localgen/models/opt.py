@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from localgen.kv.attention import AttentionMetadata, LayerKV, paged_attention
 from localgen.models.config import ModelConfig
+from localgen.quant import linear
 
 POSITION_OFFSET = 2  # OPTLearnedPositionalEmbedding reserves the first two rows
 
@@ -59,25 +60,20 @@ def _ln(cfg: ModelConfig, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.
     return F.layer_norm(x, (x.shape[-1],), weight, bias, cfg.norm_eps)
 
 
-def _linear(x: torch.Tensor, w, bias=None) -> torch.Tensor:
-    """``F.linear``, or a packed weight's own call (4-bit on CUDA: ``localgen.quant.int4.as_linear``)."""
-    return F.linear(x, w, bias) if isinstance(w, torch.Tensor) else w(x, bias)
-
-
 def layer(cfg: ModelConfig, w: dict, h: torch.Tensor, rope, kv: LayerKV,
           meta: AttentionMetadata) -> torch.Tensor:
     """One decoder layer; norms before (pre-LN) or after (post-LN) each residual block."""
     n, pre = h.shape[0], cfg.do_layer_norm_before
     x = _ln(cfg, h, w["attn_norm"], w.get("attn_norm_bias")) if pre else h
-    q = _linear(x, w["q"], w.get("q_bias")).view(n, cfg.num_heads, cfg.head_dim)
-    k = _linear(x, w["k"], w.get("k_bias")).view(n, cfg.num_kv_heads, cfg.head_dim)
-    v = _linear(x, w["v"], w.get("v_bias")).view(n, cfg.num_kv_heads, cfg.head_dim)
+    q = linear(x, w["q"], w.get("q_bias")).view(n, cfg.num_heads, cfg.head_dim)
+    k = linear(x, w["k"], w.get("k_bias")).view(n, cfg.num_kv_heads, cfg.head_dim)
+    v = linear(x, w["v"], w.get("v_bias")).view(n, cfg.num_kv_heads, cfg.head_dim)
     attn = paged_attention(q, k, v, kv, meta, cfg.head_dim ** -0.5)
-    h = h + _linear(attn.reshape(n, cfg.q_size), w["o"], w.get("o_bias"))
+    h = h + linear(attn.reshape(n, cfg.q_size), w["o"], w.get("o_bias"))
     if not pre:
         h = _ln(cfg, h, w["attn_norm"], w.get("attn_norm_bias"))
     x = _ln(cfg, h, w["ffn_norm"], w.get("ffn_norm_bias")) if pre else h
-    x = _linear(_act(cfg)(_linear(x, w["fc1"], w.get("fc1_bias"))), w["fc2"], w.get("fc2_bias"))
+    x = linear(_act(cfg)(linear(x, w["fc1"], w.get("fc1_bias"))), w["fc2"], w.get("fc2_bias"))
     h = h + x
     return h if pre else _ln(cfg, h, w["ffn_norm"], w.get("ffn_norm_bias"))
 

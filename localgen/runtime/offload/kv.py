@@ -49,7 +49,7 @@ import torch
 
 from localgen.kernels import paged_attention_ref as ref
 from localgen.kernels.quant_ref import GROUP_SIZE, dequantize_int4, quantize_int4
-from localgen.kv.attention import AttentionMetadata, LayerKV
+from localgen.kv.attention import AttentionMetadata, LayerKV, fresh_prefill_attention
 from localgen.models.config import ModelConfig
 from localgen.runtime.offload.memory import Layout, host_empty
 from localgen.runtime.offload.timers import Timers
@@ -204,7 +204,7 @@ class TierKV:
             # computed, so attend over those where they are instead of reading them back
             # (FlexGen's prefill attends on the GPU before storing the cache off it)
             with self.timers.section("compute"):
-                out = _causal_packed(q, k.to(q.dtype), v.to(q.dtype), meta.query_lens, scale)
+                out = fresh_prefill_attention(q, k, v, meta.query_lens, scale)
                 return out if self.rot is None else _rotate(out, self.rot_t).to(out.dtype)
         plan = self.plans.get(meta, self.block_size)
         kc, vc = self._blocks("k", plan.ids, where), self._blocks("v", plan.ids, where)
@@ -249,12 +249,13 @@ class TierKV:
         kc, vc = self.t["k"], self.t["v"]
         try:
             with self.timers.section("compute"):
-                if self._fresh_prefill(meta) and not self.timers.enabled and _room_for(k, v, self.device):
+                fresh = self._fresh_prefill(meta)
+                if fresh and not self.timers.enabled and _room_for(k, v, self.device):
                     self._store_behind(kv_write, k, v, meta.slot_mapping)
-                    return _causal_packed(q, k.to(q.dtype), v.to(q.dtype), meta.query_lens, scale)
-                kv_write.write_kv(kc, vc, k, v, meta.slot_mapping)
-                if self._fresh_prefill(meta):
-                    return _causal_packed(q, k.to(q.dtype), v.to(q.dtype), meta.query_lens, scale)
+                else:
+                    kv_write.write_kv(kc, vc, k, v, meta.slot_mapping)
+                if fresh:
+                    return fresh_prefill_attention(q, k, v, meta.query_lens, scale)
                 if meta.is_prefill:
                     return prefill.paged_prefill_attention(q, kc, vc, meta.block_tables,
                                                            meta.context_lens_list, meta.query_lens, scale)
@@ -468,16 +469,14 @@ _STORE_STREAMS: dict = {}
 _LAST_STORE: dict = {}  # device -> event of the latest side-stream store
 
 
-GPU_CAP: dict = {}  # device -> bytes this process may allocate there (``build_offload``'s cap)
-
-
 def _room_for(k: torch.Tensor, v: torch.Tensor, device: torch.device) -> bool:
     """Whether a side-stream store fits: it keeps k's and v's storage (views of the fused qkv
-    output) alive until it ends, on top of what the layer allocates next."""
-    cap = GPU_CAP.get(device) or torch.cuda.get_device_properties(device).total_memory
-    held = k.untyped_storage().nbytes() + (0 if v.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
-                                          else v.untyped_storage().nbytes())
-    return torch.cuda.memory_allocated(device) + 2 * held < 0.9 * cap
+    output) alive until it ends, on top of what the layer allocates next; the limit is the GPU's
+    memory times this process's allocator fraction (``build_offload``'s ``gpu_memory`` cap)."""
+    frac = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _d: 1.0)(device)
+    cap = torch.cuda.get_device_properties(device).total_memory * frac
+    held = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes() for x in (k, v)}
+    return torch.cuda.memory_allocated(device) + 2 * sum(held.values()) < 0.9 * cap
 
 
 def _store_stream(device: torch.device) -> "torch.cuda.Stream":
@@ -493,29 +492,6 @@ def _triton_kernels():
 
     mods = attention._triton()
     return mods if mods else None
-
-
-def _causal_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_lens: list[int],
-                   scale: float) -> torch.Tensor:
-    """Causal attention of packed whole sequences (``[num_tokens, heads, head_dim]`` each; k/v
-    with the KV heads) -> ``[num_tokens, num_heads, head_dim]``."""
-    gqa = k.shape[1] != q.shape[1]
-    n0 = query_lens[0]
-    if all(n == n0 for n in query_lens):  # equal prompts (batch jobs, benchmarks): one call
-        b = len(query_lens)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            *(x.view(b, n0, *x.shape[1:]).transpose(1, 2) for x in (q, k, v)), is_causal=True,
-            scale=scale, enable_gqa=gqa)
-        return o.transpose(1, 2).reshape(q.shape)
-    outs, start = [], 0
-    for n in query_lens:
-        sl = slice(start, start + n)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1), is_causal=True,
-            scale=scale, enable_gqa=gqa)
-        outs.append(o.transpose(0, 1))
-        start += n
-    return torch.cat(outs)
 
 
 def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:

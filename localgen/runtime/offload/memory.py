@@ -30,15 +30,19 @@ def _pinned_exact(nbytes: int) -> torch.Tensor | None:
     with ``cudaHostRegister`` (mapped, so kernels can address it), unregistered when the last
     tensor viewing it is gone. torch's pinned allocator rounds every request up to a power of
     two (a 1.2 GB layer takes 2 GiB, a 48 GB KV pool 64 GiB), which does not fit a host whose
-    RAM the policy already fills. None when registration is refused."""
+    RAM the policy already fills. None when registration is refused or torch has no cudart."""
     import mmap
     import weakref
 
-    cudart = torch.cuda.cudart()
-    mm = mmap.mmap(-1, nbytes)
-    buf = torch.frombuffer(mm, dtype=torch.uint8)
-    ptr = buf.data_ptr()
-    if int(cudart.cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE_MAPPED)) != 0:
+    try:
+        cudart = torch.cuda.cudart()
+        mm = mmap.mmap(-1, nbytes)
+        buf = torch.frombuffer(mm, dtype=torch.uint8)
+        ptr = buf.data_ptr()
+        rc = int(cudart.cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE_MAPPED))
+    except Exception:  # noqa: BLE001  (no cudart binding, no memory: torch's allocator next)
+        return None
+    if rc != 0:
         return None
     weakref.finalize(mm, cudart.cudaHostUnregister, ptr)  # mm lives as long as any view of buf
     return buf
@@ -49,14 +53,10 @@ def host_empty(nbytes: int, pin: bool) -> torch.Tensor:
     (with one warning per process). Large buffers are pinned at their exact size."""
     global _pin_failed
     if pin and not _pin_failed:
+        buf = _pinned_exact(nbytes) if nbytes >= EXACT_PIN_MIN else None
+        if buf is not None:
+            return buf
         try:
-            if nbytes >= EXACT_PIN_MIN:
-                try:
-                    buf = _pinned_exact(nbytes)
-                except Exception:  # noqa: BLE001  (no cudart binding: torch's allocator below)
-                    buf = None
-                if buf is not None:
-                    return buf
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         except (RuntimeError, MemoryError) as e:  # cudaHostAlloc refused (locked-memory limit, WSL)
             _pin_failed = True
