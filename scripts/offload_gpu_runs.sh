@@ -12,6 +12,8 @@
 #              GPU by its per-tensor rule; whole layers here: 10/90), 32x2, cache on the CPU
 #   opt30b_peer : OPT-30B, 16 GiB cap: the searched 4-bit policy; accelerate at batch 1
 #   cpuattn  : scripts/cpu_attention_bench.py on the host CPU; llama7b_short: the first llama7b policy, 3 tokens
+#   profile_w4 : scripts/offload_profile.py on Llama-2-7B, 6 GiB: where a 4-bit decode step spends its time
+#   gemm_table : M1/M2 inflection points (FlashDecoding++ §5) of Llama-2-7B's and SmolLM2's [N, K], fp16 and bf16
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 ln -sfn ../kernels localgen/kernels; ln -sfn ../profiles localgen/profiles; export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -48,6 +50,11 @@ for stage in "$@"; do
         --policy 16,8,26,74,0,100,100,0,cpuattn --peer-batches '' 2>&1 | tee "$OUT/offload_llama7b_short_h200.txt" ;;
     opt30b_peer) timeout 560 $B --preset opt-30b --gpu-memory 16GiB --policy 4,14,9,91,100,0,0,100,w4,kv4 --peer-batches 1 \
         --out "$OUT/offload_opt30b_peer_h200.json" 2>&1 | tee "$OUT/offload_opt30b_peer_h200.txt" ;;
+    profile_w4) timeout 300 python3 scripts/offload_profile.py --preset llama-2-7b --gpu-memory 6GiB \
+        --policy 2,4,100,0,100,0,100,0,w4,kv4 --policy 2,4,100,0,100,0,100,0,w4 2>&1 | tee "$OUT/offload_profile_w4.txt" ;;
+    gemm_table) for dt in float16 bfloat16; do timeout 200 python3 -m localgen.kernels.dispatch --dtype $dt \
+        --shapes 4096x4096,11008x4096,4096x11008,12288x4096,22016x4096,960x576,576x576,3072x576,576x1536 \
+        --out "$OUT/gemm_$dt.json" 2>&1 | tee "$OUT/gemm_$dt.txt"; done ;;
   esac
   free -g | head -2; dmesg 2>/dev/null | tail -3
 done

@@ -89,22 +89,31 @@ def _generate(llm, batch: int, prompt_len: int, gen_len: int, seed: int = 0):
     return m.prefill_seconds - p0, m.decode_seconds - d0
 
 
-def run_localgen(cfg, store, policy, batch: int, prompt_len: int, gen_len: int, *, device="cuda",
-                 dtype=torch.float16, gpu_memory=None, offload_dir=None, timed_steps: int = 3,
-                 hw=None, block_size: int = 16) -> RunResult:
-    """Generate ``gen_len`` tokens for ``batch`` random prompts under ``policy``; then a short timed
-    run (``timed_steps`` tokens) for the per-term breakdown; plus the cost model's prediction."""
-    from localgen.api import LLM
+def engine_config(cfg, policy, batch: int, prompt_len: int, gen_len: int, dtype=torch.float16,
+                  block_size: int = 16):
+    """An EngineConfig whose KV cache holds ``batch`` sequences of ``prompt_len + gen_len``
+    tokens (4-bit sized when the policy compresses the cache) and no more: under a GPU cap the
+    cache must not take the memory the policy's weights and activations were planned with."""
     from localgen.runtime.engine import EngineConfig
 
     tokens = batch * (prompt_len + gen_len)
     per_tok = cfg.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
     if policy.compress_cache:
         per_tok = int(per_tok * 0.3)
-    ecfg = EngineConfig(block_size=block_size, max_num_seqs=max(batch, policy.bls),
+    return EngineConfig(block_size=block_size, max_num_seqs=max(batch, policy.bls),
                         max_num_batched_tokens=max(8192, batch * prompt_len),
                         kv_cache_memory=int(per_tok * (tokens + batch * block_size) * 1.05),
                         enable_prefix_caching=False)
+
+
+def run_localgen(cfg, store, policy, batch: int, prompt_len: int, gen_len: int, *, device="cuda",
+                 dtype=torch.float16, gpu_memory=None, offload_dir=None, timed_steps: int = 3,
+                 hw=None, block_size: int = 16) -> RunResult:
+    """Generate ``gen_len`` tokens for ``batch`` random prompts under ``policy``; then a short timed
+    run (``timed_steps`` tokens) for the per-term breakdown; plus the cost model's prediction."""
+    from localgen.api import LLM
+
+    ecfg = engine_config(cfg, policy, batch, prompt_len, gen_len, dtype, block_size)
     t0 = time.perf_counter()
     llm = LLM.from_parts(cfg, store, None, ecfg, device=device, dtype=dtype, name="bench",
                          policy=policy, offload_dir=offload_dir, gpu_memory=gpu_memory)

@@ -473,8 +473,9 @@ def _room_for(k: torch.Tensor, v: torch.Tensor, device: torch.device) -> bool:
     """Whether a side-stream store fits: it keeps k's and v's storage (views of the fused qkv
     output) alive until it ends, on top of what the layer allocates next; the limit is the GPU's
     memory times this process's allocator fraction (``build_offload``'s ``gpu_memory`` cap)."""
-    frac = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _d: 1.0)(device)
-    cap = torch.cuda.get_device_properties(device).total_memory * frac
+    idx = device.index if device.index is not None else torch.cuda.current_device()  # "cuda" alone
+    frac = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _d: 1.0)(idx)  # is refused
+    cap = torch.cuda.get_device_properties(idx).total_memory * frac
     held = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes() for x in (k, v)}
     return torch.cuda.memory_allocated(device) + 2 * sum(held.values()) < 0.9 * cap
 

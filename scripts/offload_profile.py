@@ -1,0 +1,95 @@
+"""Where a decode step of the offloading runtime spends its time: torch.profiler over a few decode
+steps of one policy (dummy weights of a preset's shapes), top ops by self device time and by self
+host time, plus the wall time of a step.
+
+    python scripts/offload_profile.py --preset llama-2-7b --gpu-memory 6GiB \
+        --policy 2,4,100,0,100,0,100,0,w4,kv4 [--policy ...] [--device cuda] [--steps 3]
+
+Issue 6's 4-bit runs measured 20.8 ms of compute per layer per decode step against 0.56 predicted;
+this script is how that gap is found (kept so the measurement can be repeated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_selftest import _alias_kernels  # noqa: E402  (localgen.kernels -> kernels/ in a checkout)
+
+
+def profile_policy(preset: str, spec: str, device: str, gpu_memory, prompt_len: int, steps: int,
+                   rows: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from localgen.api import LLM
+    from localgen.bench.offload_bench import _generate, engine_config, policy_from_args
+    from localgen.models.dummy import DummyStore
+    from localgen.models.model import family_of
+    from localgen.policy.presets import preset_config
+
+    cfg = preset_config(preset)
+    pol = policy_from_args(spec)
+    store = DummyStore(cfg, family_of(cfg))
+    ecfg = engine_config(cfg, pol, pol.bls, prompt_len, steps + 1)
+    llm = LLM.from_parts(cfg, store, None, ecfg, device=device, dtype=torch.float16, name="profile",
+                         policy=pol, offload_dir="/tmp/lg_prof_off", gpu_memory=gpu_memory)
+    _generate(llm, pol.bls, 8, 2, seed=1)  # warm-up: kernels compiled, allocator primed
+    pre, dec = _generate(llm, pol.bls, prompt_len, steps + 1, seed=2)
+    print(f"\n== {preset} [{pol.describe()}]\n   unprofiled: prefill {pre * 1e3:.1f} ms, "
+          f"decode {dec / steps * 1e3:.1f} ms/step ({pol.bls * steps / dec:.1f} tok/s)", flush=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    from localgen.runtime.request import Request, SamplingParams
+
+    g = torch.Generator().manual_seed(3)
+    sp = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    for _ in range(pol.bls):
+        llm.add_request(Request(prompt_token_ids=torch.randint(10, 1000, (prompt_len,), generator=g).tolist(),
+                                sampling=sp))
+    llm.step()  # prefill outside the profile
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        while llm.has_unfinished():
+            llm.step()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    print(f"   profiled decode: {wall / steps * 1e3:.1f} ms/step", flush=True)
+    dev_key = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=dev_key, row_limit=rows), flush=True)
+    if device.startswith("cuda"):
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows), flush=True)
+    llm.engine.model.layers.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="llama-2-7b")
+    ap.add_argument("--policy", action="append", required=True,
+                    help="gbs,ngb,wg,wc,cg,cc,hg,hc[,w4][,kv4][,cpuattn] (percent), repeatable")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--gpu-memory", default=None, help="GPU cap, e.g. 6GiB (default: none)")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rows", type=int, default=25)
+    a = ap.parse_args(argv)
+    _alias_kernels()
+    from localgen.bench.offload_bench import parse_size
+
+    cap = parse_size(a.gpu_memory) if a.gpu_memory else None
+    for spec in a.policy:
+        try:
+            profile_policy(a.preset, spec, a.device, cap, a.prompt_len, a.steps, a.rows)
+        except Exception as e:  # noqa: BLE001  (report and go on with the next policy)
+            print(f"   {spec}: {e!r}"[:400], flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
