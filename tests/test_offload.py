@@ -284,3 +284,46 @@ def test_fresh_prefill_attention(lens):
         want.append(torch.einsum("hts,shd->thd", sc.softmax(-1), vv))
         s += n
     torch.testing.assert_close(got.double(), torch.cat(want), atol=1e-5, rtol=1e-5)
+
+
+def test_side_store_room_check(monkeypatch):
+    """The side-stream prefill store's memory check on a (faked) CUDA device: a bare "cuda"
+    device is resolved to an index before torch's per-device queries (torch refuses it; an
+    earlier version passed it and silently lost the in-place cache path), and the store is
+    declined when the K/V it keeps alive plus the layer's later temporaries would pass 90% of
+    the capped GPU (Llama-2-7B, a 16 x 512 GPU batch under a 6 GiB cap: the case that ran out)."""
+    from types import SimpleNamespace
+
+    from localgen.policy.presets import preset_config
+    from localgen.runtime.offload import kv as kv_mod
+
+    gib = 1 << 30
+    seen = []
+
+    def props(i):
+        seen.append(i)
+        return SimpleNamespace(total_memory=80 * gib)
+
+    def fraction(i):
+        seen.append(i)
+        return 6 / 80
+
+    allocated = [0]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: allocated[0])
+    cfg = preset_config("llama-2-7b")
+    tokens = 16 * 512
+    qkv = torch.empty(tokens, 3, 8, dtype=torch.float16)  # stands for the fused qkv output
+    k, v = qkv[:, 1], qkv[:, 2]
+    held = qkv.untyped_storage().nbytes()
+    later = tokens * kv_mod.prefill_temp_bytes_per_token(cfg, torch.float16)
+    assert later == tokens * (4096 + 3 * 11008 + 2 * 4096) * 2
+    allocated[0] = 5 * gib
+    assert not kv_mod._room_for(k, v, torch.device("cuda"), later)
+    assert seen and all(isinstance(i, int) for i in seen)
+    allocated[0] = int(0.9 * 6 * gib) - held - later - 1
+    assert kv_mod._room_for(k, v, torch.device("cuda"), later)
+    allocated[0] += 2
+    assert not kv_mod._room_for(k, v, torch.device("cuda", 0), later)

@@ -94,3 +94,34 @@ def test_mm_probe_counts_flops(monkeypatch):
     monkeypatch.setattr(probes, "best_time", lambda fn, repeats=5, sync=None: 2.0)
     assert probes.probe_mm_flops("cpu", (4, 8, 16)) == 2 * 4 * 8 * 16 / 2.0
     assert probes.probe_bmm_flops("cpu", (3, 1, 8, 16)) == 2 * 3 * 8 * 16 / 2.0
+
+
+def test_cpu_attention_probe_counts_kv_bytes_and_runs_the_runtime_path(monkeypatch):
+    """``cpu_flops`` comes from the delegated decode attention itself: the probe's timed function
+    gathers blocks through a shuffled block table and returns what ``paged_decode_attention``
+    computes (checked here against float64 attention over the unshuffled sequences); the rate is
+    K/V bytes at 2 bytes an element (= MHA FLOPs, App. A.3) over the best time."""
+    import torch
+
+    timed = []
+
+    def fake_best_time(fn, repeats=5, sync=None):
+        timed.append(fn)
+        return 0.5
+
+    monkeypatch.setattr(probes, "best_time", fake_best_time)
+    seqs, kvh, d, ctx = 3, 2, 16, 37
+    rate = probes.probe_cpu_attention((seqs, kvh, d, ctx), dtype=torch.float32)
+    assert rate == 2 * 2 * seqs * kvh * d * ctx / 0.5
+    out, (q, k, v, tables) = timed[0](), timed[0].inputs
+    for i in range(seqs):
+        kk = k[tables[i]].flatten(0, 1)[:ctx].double()  # [ctx, kvh, d]
+        vv = v[tables[i]].flatten(0, 1)[:ctx].double()
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[i].double(), kk) * d ** -0.5, dim=-1)
+        assert torch.allclose(out[i].double(), torch.einsum("ht,thd->hd", p, vv), atol=1e-5)
+
+
+def test_cpu_only_profile_takes_cpu_flops_from_the_attention_probe(tmp_path, monkeypatch):
+    monkeypatch.setattr(probes, "probe_cpu_attention", lambda shape, repeats=5: 1234.0)
+    hw = probes.run_profile(tmp_path / "off", sizes=probes.QUICK, use_gpu=False)
+    assert hw.cpu_flops == 1234.0 and "delegated CPU decode attention" in hw.source["cpu_flops"]

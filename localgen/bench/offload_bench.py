@@ -287,7 +287,12 @@ def main(argv=None) -> int:
             r = run_localgen(cfg, store, pol, pol.bls, a.prompt_len, a.gen_len, device=a.device,
                              gpu_memory=gpu_mem, offload_dir=a.offload_dir, timed_steps=a.timed_steps, hw=hw)
         except Exception as e:  # report and go on: the peer still runs
-            r = RunResult("localgen", pol.bls, 0, 0, 0, 0, pol.describe(), error=repr(e)[:300])
+            peak = (f"; peak allocated {torch.cuda.max_memory_allocated() / GiB:.3f} GiB"
+                    if torch.cuda.is_available() else "")
+            r = RunResult("localgen", pol.bls, 0, 0, 0, 0, pol.describe(), error=repr(e)[:300] + peak)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
         print_result(r)
         sys.stdout.flush()
         results.append(r)

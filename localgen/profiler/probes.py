@@ -36,15 +36,18 @@ class ProbeSizes:
     mm_decode: tuple[int, int, int] = (16, 4096, 4096)
     bmm_prefill: tuple[int, int, int, int] = (32, 512, 128, 512)  # (batch*heads, m, k, n)
     bmm_decode: tuple[int, int, int, int] = (256, 1, 128, 1024)
+    attn_decode: tuple[int, int, int, int] = (16, 32, 128, 544)  # (seqs, kv heads, head_dim, context)
     repeats: int = 5
 
 
 QUICK = ProbeSizes(link_bytes=(1 * MiB, 8 * MiB), disk_bytes=16 * MiB, mem_bytes=32 * MiB,
                    mm_prefill=(256, 512, 512), mm_decode=(8, 512, 512),
-                   bmm_prefill=(8, 128, 64, 128), bmm_decode=(32, 1, 64, 256), repeats=3)
+                   bmm_prefill=(8, 128, 64, 128), bmm_decode=(32, 1, 64, 256),
+                   attn_decode=(2, 2, 64, 64), repeats=3)
 CPU_DEFAULT = ProbeSizes(link_bytes=(), disk_bytes=128 * MiB, mem_bytes=128 * MiB,
                          mm_prefill=(512, 1024, 1024), mm_decode=(8, 2048, 2048),
-                         bmm_prefill=(16, 256, 64, 256), bmm_decode=(64, 1, 64, 1024), repeats=3)
+                         bmm_prefill=(16, 256, 64, 256), bmm_decode=(64, 1, 64, 1024),
+                         attn_decode=(8, 8, 64, 544), repeats=3)
 
 
 def best_time(fn: Callable[[], object], repeats: int = 5, sync: Callable[[], None] | None = None) -> float:
@@ -120,6 +123,38 @@ def probe_bmm_flops(device: str, shape: tuple[int, int, int, int], dtype=None, r
     b = torch.randn(bh, k, n, device=device, dtype=dtype)
     sync = _cuda_sync() if device.startswith("cuda") else None
     return 2 * bh * m * k * n / best_time(lambda: torch.bmm(a, b), repeats, sync)
+
+
+def probe_cpu_attention(shape: tuple[int, int, int, int] = ProbeSizes.attn_decode, dtype=None,
+                        repeats: int = 5, block_size: int = 16) -> float:
+    """Rate of decode attention on the CPU as the offloading runtime runs it when it delegates
+    attention to the CPU (FlexGen §4.2; ``runtime/offload/kv.py``): gather a batch's K/V blocks
+    from a paged cache (shuffled block ids), then ``paged_attention_ref.paged_decode_attention``.
+    ``shape``: (sequences, KV heads, head_dim, context); one query head per KV head. Returns K/V
+    bytes read per second at 2 bytes an element, which equals the MHA FLOPs the cost model
+    divides by ``cpu_flops`` (App. A.3 counts 4 * context * hidden for both). fp16 when a GPU is
+    present (the cache's dtype there), else float32. A plain bmm at these shapes over-predicted
+    this path 16x on the H200 host (99.7 vs 4.86 GFLOP/s): it is bound by memory, not FLOPs."""
+    import torch
+
+    from localgen.kernels import paged_attention_ref as ref
+
+    seqs, kvh, d, ctx = shape
+    dtype = dtype or (torch.float16 if torch.cuda.is_available() else torch.float32)
+    nb = -(-ctx // block_size)
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(seqs * nb, block_size, kvh, d, generator=g).to(dtype) for _ in range(2))
+    tables = torch.randperm(seqs * nb, generator=g).view(seqs, nb)
+    local = torch.arange(seqs * nb).view(seqs, nb)  # the gathered copy's own block table
+    q = torch.randn(seqs, kvh, d, generator=g).to(dtype)
+    lens = torch.full((seqs,), ctx)
+
+    def run():
+        ids = tables.flatten()
+        return ref.paged_decode_attention(q, k[ids], v[ids], local, lens, d ** -0.5)
+
+    run.inputs = (q, k, v, tables)  # for the probe's test
+    return 2 * seqs * ctx * kvh * d * 2 / best_time(run, repeats)
 
 
 def probe_disk_bdw(offload_dir: str | os.PathLike, nbytes: int = ProbeSizes.disk_bytes,
@@ -260,7 +295,7 @@ def run_profile(offload_dir: str | os.PathLike, name: str = "local", sizes: Prob
         ("matmul decode", lambda: {"mm_flops_gen": probe_mm_flops(dev, sizes.mm_decode, repeats=sizes.repeats)}),
         ("bmm prefill", lambda: {"bmm_flops": probe_bmm_flops(dev, sizes.bmm_prefill, repeats=sizes.repeats)}),
         ("bmm decode", lambda: {"bmm_flops_gen": probe_bmm_flops(dev, sizes.bmm_decode, repeats=sizes.repeats)}),
-        ("CPU attention", lambda: {"cpu_flops": probe_bmm_flops("cpu", sizes.bmm_decode, repeats=sizes.repeats)}),
+        ("CPU attention", lambda: {"cpu_flops": probe_cpu_attention(sizes.attn_decode, repeats=sizes.repeats)}),
     ]
     vals: dict = {}
     for i, (step, fn) in enumerate(steps):
@@ -284,7 +319,9 @@ def _assemble(vals: dict, name: str, offload_dir, sizes: ProbeSizes, gpu: bool) 
                mm_flops_gen=f"measured {today} on {where}, [m,k,n]={list(sizes.mm_decode)}",
                bmm_flops=f"measured {today} on {where}, [bh,m,k,n]={list(sizes.bmm_prefill)}",
                bmm_flops_gen=f"measured {today} on {where}, [bh,m,k,n]={list(sizes.bmm_decode)}",
-               cpu_flops=f"measured {today}, CPU bmm at decode attention shape {list(sizes.bmm_decode)}",
+               cpu_flops=f"measured {today}, the runtime's delegated CPU decode attention (block "
+                         f"gather + paged reference), [seqs, kv heads, head_dim, context]="
+                         f"{list(sizes.attn_decode)}, K/V bytes/s (= MHA FLOP/s)",
                cpu_mem="psutil available RAM", disk_mem="free space in the offload dir",
                gpu_mem="torch.cuda.mem_get_info free bytes (or NVML)" if gpu else "no GPU")
     if not gpu:
