@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import paged_attention_ref as ref  # noqa: E402
-from localgen.runtime.executor import keep_freed_host_memory  # noqa: E402
+from localgen.hostmem import keep_freed_host_memory  # noqa: E402
 
 
 def gather_bhld(cache, bt, n, dtype=None):

@@ -33,7 +33,7 @@ from localgen.kernels.flat_gemm import flat_gemm_int4  # noqa: E402
 from localgen.quant import int4  # noqa: E402
 from localgen.quant.gguf_import import q4_1_blocks_to_int4  # noqa: E402
 
-TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
+TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -77,6 +77,29 @@ def test_flat_gemm_both_layouts(seed, layout, dtype, m, block_m, split_k):
     assert got.data_ptr() == out.data_ptr() and got.dtype == dtype
     assert rel_err(got, want(x, t)) < 2 * TOL[dtype], f"seed={seed}"
 
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k,m,block_m,block_n,block_k,split_k", [
+    (200, 192, 3, 16, 64, 128, 1),  # N tail: 8 rows past the last full tile; a short last group
+    (96, 256, 17, 16, 32, 256, 1),  # two M tiles; a tile of 32 rows inside a group of 64
+    (64, 64, 1, 16, 32, 64, 1),
+    (200, 256, 16, 16, 32, 64, 3),  # K slices summed by fp32 atomics
+    (96, 192, 33, 64, 64, 256, 2),  # the tiled configuration; K tail inside a slice
+    (96, 64, 2, 16, 16, 64, 1),  # a tile under the 16x16 dot: the general kernel
+])
+def test_flat_gemm_flexgen_row_pairs(seed, dtype, n, k, m, block_m, block_n, block_k, split_k):
+    """FlexGen layout: each packed byte row feeds two output rows (low nibble 2i, high 2i + 1)
+    with one scale/min row per tile, at tails in N, K and M, with K slices, into a poisoned
+    ``out``; strided activations."""
+    t = weight("n64", n, k)
+    x = torch.randn(m, 2 * k, dtype=dtype)[:, ::2]
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    got = flat_gemm_int4(x, t, block_m=block_m, block_n=block_n, block_k=block_k,
+                         split_k=split_k, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert rel_err(got, want(x, t)) < TOL[dtype], f"seed={seed}"
+    assert rel_err(flat_gemm_int4(x.contiguous(), t, block_n=block_n, block_k=block_k,
+                                  split_k=split_k), want(x, t)) < TOL[dtype], f"seed={seed}"
 
 def test_choose_split_k_fills_the_gpu():
     from localgen.kernels.flat_gemm import choose_split_k

@@ -137,8 +137,10 @@ def probe_cpu_attention(shape: tuple[int, int, int, int] = ProbeSizes.attn_decod
     this path 16x on the H200 host (99.7 vs 4.86 GFLOP/s): it is bound by memory, not FLOPs."""
     import torch
 
+    from localgen.hostmem import keep_freed_host_memory
     from localgen.kernels import paged_attention_ref as ref
 
+    keep_freed_host_memory()  # as the runtime runs: gathered blocks land in reused heap memory
     seqs, kvh, d, ctx = shape
     dtype = dtype or (torch.float16 if torch.cuda.is_available() else torch.float32)
     nb = -(-ctx // block_size)

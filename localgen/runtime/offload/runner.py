@@ -18,6 +18,7 @@ import warnings
 
 import torch
 
+from localgen.hostmem import keep_freed_host_memory
 from localgen.kv.attention import LayerKV
 from localgen.kv.cache import free_memory_bytes
 from localgen.models.config import ModelConfig
@@ -25,7 +26,7 @@ from localgen.models.model import family_of, read_weights
 from localgen.models.rope import inv_frequencies, rope_cos_sin
 from localgen.policy.policy import Policy
 from localgen.quant.int4 import Int4Tensor
-from localgen.runtime.executor import ModelRunner, keep_freed_host_memory
+from localgen.runtime.executor import ModelRunner
 from localgen.runtime.offload.kv import TieredKVCache, kv_layer_bytes
 from localgen.runtime.offload.memory import assign_tiers
 from localgen.runtime.offload.timers import Timers
