@@ -10,8 +10,9 @@ number of tokens in the step). Profiled offline, each ``[N, K]`` gets two inflec
 ``GemmDispatchTable`` holds the table (JSON in ``profiles/``), ``profile_inflection_points``
 measures it, ``route`` is the whole routing decision (a pure function of device type, M, [N, K],
 weight layout and table) and ``Int4Linear`` calls what it picks. Shapes the table lacks use
-``DEFAULT_POINTS`` (M1=16: one 16-row tile of the flat kernel; M2=128: the 64-row tiled kernel up
-to two tiles; above, dequantize + cuBLAS). Off CUDA every M takes the reference twin
+``DEFAULT_POINTS`` (M1=16: one 16-row tile of the flat kernel; M2=2048: the 64-row tiled kernel
+below that, dequantize + cuBLAS above; on the H100 the kernels beat dequantize + cuBLAS up to
+M ~1000-7000 for every measured shape, ``profiles/gemm_h100_*.json``). Off CUDA every M takes the reference twin
 (dequantize + ``torch.matmul``).
 
 Both int4 weight layouts run in the Triton kernel: FlexGen's g=64 along the output channels
@@ -39,7 +40,7 @@ from .quant_ref import QuantizedWeight, dequantize_weight, quantize_weight
 IMPLS = ("flat", "tiled", "torch")
 REFERENCE = "reference"  # off CUDA: dequantize + torch.matmul, the pure-torch twin
 DEFAULT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-DEFAULT_POINTS = (16, 128)
+DEFAULT_POINTS = (16, 2048)
 NO_LIMIT = 1 << 30
 
 
@@ -66,10 +67,30 @@ def inflection_points(timings: dict[int, dict[str, float]]) -> tuple[int, int]:
             break
         m2 = m
     if all(best[m] != "torch" for m in ms if m > m1):
-        m2 = NO_LIMIT
-    if m2 == NO_LIMIT and all(best[m] == "flat" for m in ms):
-        m1 = NO_LIMIT
-    return m1, m2
+        m2 = _extrapolated_crossover(timings, ms)
+    if all(best[m] == "flat" for m in ms):
+        m1 = m2  # flat up to where cuBLAS takes over
+    return min(m1, m2), m2
+
+
+def _extrapolated_crossover(timings: dict[int, dict[str, float]], ms: list[int]) -> int:
+    """Where cuBLAS would overtake the Triton kernels past the largest M measured: lines through
+    the last two Ms of the faster kernel and of "torch" (a kernel's time grows with M at its
+    tensor-core rate, "torch"'s fixed dequantization cost does not), ``NO_LIMIT`` when they do
+    not meet. The H100 table of 2026-11-23 measured no crossover up to M=1024 (a prefill is
+    thousands of tokens): [4096, 4096] "tiled" 98 -> 190 us from M=512 to 1024, "torch"
+    493 -> 515, meeting near M=3400."""
+    if len(ms) < 2 or any("torch" not in timings[m] for m in ms[-2:]):
+        return NO_LIMIT
+    a, b = ms[-2], ms[-1]
+    kernel = min((i for i in timings[b] if i != "torch"), key=timings[b].get, default=None)
+    if kernel is None or kernel not in timings[a]:
+        return NO_LIMIT
+    gap = timings[b]["torch"] - timings[b][kernel]
+    grow = (timings[b][kernel] - timings[a][kernel]) - (timings[b]["torch"] - timings[a]["torch"])
+    if grow <= 0:
+        return NO_LIMIT
+    return b + int(gap / grow * (b - a))
 
 
 @dataclass

@@ -12,10 +12,24 @@ Decode GEMMs are flat: ``M`` is a few tokens while ``N``/``K`` are thousands, so
 by reading W. The M tile is padded only to the smallest tensor-core tile (16, as ``tl.dot``
 needs), the grid runs over N (and optionally splits K so small N still fills the GPU), and each
 weight byte is read once per M tile: 4-bit weights read 1/4 of the fp16 bytes.
+
+The FlexGen layout has its own kernel (``_flat_gemm_int4_pairs``): a tile of output rows inside
+one scale group loads each packed byte once and splits it into the even-row (low nibble) and
+odd-row (high nibble) code tiles, with one ``[BLOCK_K]`` scale/min vector for the whole tile;
+on the GPU the nibbles become 16-bit floats by bit tricks (no int->float conversions), the K
+tile is cut into slices that the warps share, and K slices across programs (``split_k``) are
+summed in the kernel. Measured on an H100 (CUDA-graph replays over weights rotated past L2,
+M = 1 / 16, fp16; the previous kernel in brackets): [4096, 4096] 9.2 / 9.4 us (34),
+[11008, 4096] 17 / 18 (78), [22016, 4096] 27 / 28 (145), [4096, 11008] 18 / 19 (80); bf16
+11 / 22 / 40 / 22. A plain read of the 8.4 MB of codes of [4096, 4096] measured 4.9 us at
+best, so the kernel is within 2x of the bandwidth floor; it is bound by each SM's instruction
+issue (dequantization, operand moves), not by bytes in flight. The GGUF layout (and FlexGen
+tiles that do not fit one scale group) take the general kernel ``_flat_gemm_int4``.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -33,6 +47,8 @@ def _flat_gemm_int4(x_ptr, wp_ptr, ws_ptr, wz_ptr, y_ptr, M, N, K,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
                     IEEE: tl.constexpr, GROUP_K: tl.constexpr):
+    """The general kernel: both layouts, per-element scale/min (GGUF, and FlexGen tiles that do
+    not fit one scale group), K slices summed with float32 atomics."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -82,27 +98,78 @@ def _flat_gemm_int4(x_ptr, wp_ptr, ws_ptr, wz_ptr, y_ptr, M, N, K,
 
 
 @triton.jit
-def _dequant(code, sc, mn, DEQ: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """4-bit codes [R, BLOCK_K] (int) times the broadcast [1, BLOCK_K] scale plus min."""
-    if DEQ == 1:  # fp16 magic: 0x6400 | c is the fp16 1024 + c; all fp16 math
-        h = (code.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
-        w = h * sc + mn
-    elif DEQ == 2:  # fp32 magic: 0x4B000000 | c is 2^23 + c (no int->float convert)
-        h = (code.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        w = h * sc.to(tl.float32) + mn.to(tl.float32)
-    else:
-        w = code.to(tl.float32) * sc.to(tl.float32) + mn.to(tl.float32)
-    return w.to(DOT_DTYPE)
+def _codes(byte, DOT_DTYPE: tl.constexpr, FAST: tl.constexpr):
+    """The low and high nibbles of ``byte`` (any shape) as exact float codes 0..15. FAST (fp16/bf16
+    on the GPU): OR-ing a code into the mantissa of a 16-bit float B gives B + code exactly, so a
+    few bit operations per four bytes replace the per-code int->float conversions (fp16 also
+    leaves the high nibble in place: 1024 + 16 c, undone by one exact FMA); elsewhere (fp32, the
+    interpreter) plain integer ops."""
+    if not FAST:
+        lo = (byte & 15).to(tl.float32)
+        hi = (byte >> 4).to(tl.float32)
+    elif DOT_DTYPE == tl.float16:
+        lo, hi = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 a, b, k;
+            mov.b32 k, 0x64646464;
+            and.b32 a, $4, 0x0F0F0F0F;
+            and.b32 b, $4, 0xF0F0F0F0;
+            prmt.b32 $0, a, k, 0x5140;
+            prmt.b32 $1, a, k, 0x5342;
+            prmt.b32 $2, b, k, 0x5140;
+            prmt.b32 $3, b, k, 0x5342;
+            }""", "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        lo = lo - 1024.0
+        hi = hi * 0.0625 - 64.0
+    else:  # bf16 has 7 mantissa bits: both nibbles go to the low byte of 0x4300 (128 + c)
+        lo, hi = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t0, t1, t2, t3;
+            prmt.b32 t0, $4, 0, 0x4140;
+            prmt.b32 t1, $4, 0, 0x4342;
+            shr.u32 t2, t0, 4;
+            shr.u32 t3, t1, 4;
+            lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 $2, t2, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 $3, t3, 0x000F000F, 0x43004300, 0xEA;
+            }""", "=r,=r,=r,=r,r", [byte], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        lo = lo - 128.0
+        hi = hi - 128.0
+    return lo, hi
 
 
 @triton.jit
-def _flat_gemm_int4_n(x_ptr, wp_ptr, ws_ptr, wz_ptr, y_ptr, M, N, K,
-                      stride_xm, stride_xk, stride_pn, stride_pk, stride_sn, stride_sk,
-                      stride_ym, stride_yn, k_per_split,
-                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                      IEEE: tl.constexpr, DEQ: tl.constexpr, SWAP: tl.constexpr):
+def _dequant(code, sc, mn, DOT_DTYPE: tl.constexpr, FAST: tl.constexpr, IEEE: tl.constexpr):
+    """``code * scale + min`` as the dot operand. fp16 on the GPU: one fp16 FMA (one rounding, as
+    the fp32 result cast to fp16); bf16: in fp32, then cast (a bf16 FMA on bf16-rounded scales
+    measured 2.5x the error); IEEE (fp32 x, the bf16 interpreter path): fp32 kept."""
+    if FAST and DOT_DTYPE == tl.float16:
+        w = code * sc + mn
+    elif IEEE:
+        w = code.to(tl.float32) * sc.to(tl.float32) + mn.to(tl.float32)
+    else:
+        w = (code.to(tl.float32) * sc.to(tl.float32) + mn.to(tl.float32)).to(DOT_DTYPE)
+    return w
+
+
+@triton.jit
+def _flat_gemm_int4_pairs(x_ptr, wp_ptr, ws_ptr, wz_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
+                          stride_xm, stride_xk, stride_pn, stride_pk, stride_sn, stride_sk,
+                          stride_ym, stride_yn, k_per_split,
+                          GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, SLICES: tl.constexpr, SPLIT_K: tl.constexpr,
+                          EVEN: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+                          FAST: tl.constexpr):
+    """FlexGen layout. A program owns ``BLOCK_N`` output rows = ``HALF`` packed byte rows inside
+    one scale group (``GROUP % BLOCK_N == 0``), so each K column has one scale and one min for the
+    whole tile. Each byte tile is loaded once and gives two code tiles: low nibbles (rows 2p) and
+    high nibbles (rows 2p + 1), two dots. The K tile is cut into ``SLICES`` slices, the batch dim
+    of the dots: Triton puts the warps on it, so a tile of 16 rows keeps every warp busy without
+    duplicated dequantization, and the slices are summed once at the end. W is the dots' A
+    operand, x^T the B (fewer register moves than x as A). EVEN: no tails in N or K (no masks)."""
     HALF: tl.constexpr = BLOCK_N // 2
+    KS: tl.constexpr = BLOCK_K // SLICES
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -112,57 +179,82 @@ def _flat_gemm_int4_n(x_ptr, wp_ptr, ws_ptr, wz_ptr, y_ptr, M, N, K,
     p_mask = offs_p < N // 2
     offs_m64 = offs_m.to(tl.int64)
     offs_p64 = offs_p.to(tl.int64)
-    s_row = ((pid_n * BLOCK_N) // GROUP).to(tl.int64) * stride_sn
+    s_off = ((pid_n * BLOCK_N) // GROUP).to(tl.int64) * stride_sn  # the tile's scale/min row
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if SWAP:
-        acc_e = tl.zeros([HALF, BLOCK_M], tl.float32)
-        acc_o = tl.zeros([HALF, BLOCK_M], tl.float32)
-    else:
-        acc_e = tl.zeros([BLOCK_M, HALF], tl.float32)
-        acc_o = tl.zeros([BLOCK_M, HALF], tl.float32)
+    # [SLICES, 1, KS]: slice s covers k0 + s * KS + [0, KS)
+    offs_sk = (tl.arange(0, SLICES)[:, None] * KS + tl.arange(0, KS)[None, :])[:, None, :]
+    x_rows = x_ptr + offs_m64[None, :, None] * stride_xm  # [1, BLOCK_M, 1]
+    p_rows = wp_ptr + offs_p64[None, :, None] * stride_pn  # [1, HALF, 1]
+    acc_e = tl.zeros([SLICES, HALF, BLOCK_M], tl.float32)  # rows 2p, transposed
+    acc_o = tl.zeros([SLICES, HALF, BLOCK_M], tl.float32)  # rows 2p + 1
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_hi
-        offs_k64 = offs_k.to(tl.int64)
-        x = tl.load(x_ptr + offs_m64[:, None] * stride_xm + offs_k64[None, :] * stride_xk,
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        byte = tl.load(wp_ptr + offs_p64[:, None] * stride_pn + offs_k64[None, :] * stride_pk,
-                       mask=p_mask[:, None] & k_mask[None, :], other=0)
-        sc = tl.load(ws_ptr + s_row + offs_k64 * stride_sk, mask=k_mask, other=0.0)[None, :]
-        mn = tl.load(wz_ptr + s_row + offs_k64 * stride_sk, mask=k_mask, other=0.0)[None, :]
-        w_e = _dequant(byte & 15, sc, mn, DEQ, DOT_DTYPE)
-        w_o = _dequant(byte >> 4, sc, mn, DEQ, DOT_DTYPE)
-        if SWAP:
-            xt = tl.trans(x)
-            acc_e += _dot(w_e, xt, DOT_DTYPE, IEEE)
-            acc_o += _dot(w_o, xt, DOT_DTYPE, IEEE)
+        offs_k = (k0 + offs_sk).to(tl.int64)
+        if EVEN:
+            x = tl.load(x_rows + offs_k * stride_xk, mask=m_mask[None, :, None], other=0.0)
+            byte = tl.load(p_rows + offs_k * stride_pk)
+            sc = tl.load(ws_ptr + s_off + offs_k * stride_sk)
+            mn = tl.load(wz_ptr + s_off + offs_k * stride_sk)
         else:
-            acc_e += _dot(x, tl.trans(w_e), DOT_DTYPE, IEEE)
-            acc_o += _dot(x, tl.trans(w_o), DOT_DTYPE, IEEE)
-    if SWAP:
-        acc_e = tl.trans(acc_e)
-        acc_o = tl.trans(acc_o)
-    y_e = y_ptr + offs_m64[:, None] * stride_ym + (2 * offs_p64)[None, :] * stride_yn
-    y_mask = m_mask[:, None] & p_mask[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_e, acc_e.to(y_ptr.dtype.element_ty), mask=y_mask)
-        tl.store(y_e + stride_yn, acc_o.to(y_ptr.dtype.element_ty), mask=y_mask)
+            k_mask = offs_k < k_hi
+            x = tl.load(x_rows + offs_k * stride_xk, mask=m_mask[None, :, None] & k_mask,
+                        other=0.0)
+            byte = tl.load(p_rows + offs_k * stride_pk, mask=p_mask[None, :, None] & k_mask,
+                           other=0)
+            sc = tl.load(ws_ptr + s_off + offs_k * stride_sk, mask=k_mask, other=0.0)
+            mn = tl.load(wz_ptr + s_off + offs_k * stride_sk, mask=k_mask, other=0.0)
+        c_e, c_o = _codes(byte, DOT_DTYPE, FAST)
+        xt = tl.permute(x, (0, 2, 1))
+        acc_e += _dot(_dequant(c_e, sc, mn, DOT_DTYPE, FAST, IEEE), xt, DOT_DTYPE, IEEE)
+        acc_o += _dot(_dequant(c_o, sc, mn, DOT_DTYPE, FAST, IEEE), xt, DOT_DTYPE, IEEE)
+    sum_e = tl.sum(acc_e, axis=0)  # [HALF, BLOCK_M]
+    sum_o = tl.sum(acc_o, axis=0)
+    col_m = offs_m64[None, :]
+    row_n = (2 * offs_p64)[:, None]  # output row 2p; 2p + 1 is the next one
+    y_mask = p_mask[:, None] & m_mask[None, :]
+    if SPLIT_K > 1:
+        # K slices: store this slice's partial, take a ticket; the tile's last slice sums the
+        # partials (read through L2: other programs wrote them in this launch) and stores y, so
+        # a split costs no zero-fill or cast launches (the paged_decode fused-combine pattern)
+        part = part_ptr + (pid_k * M + col_m) * N + row_n
+        tl.store(part, sum_e, mask=y_mask)
+        tl.store(part + 1, sum_o, mask=y_mask)
+        tl.debug_barrier()
+        cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            sum_e = tl.zeros([HALF, BLOCK_M], tl.float32)
+            sum_o = tl.zeros([HALF, BLOCK_M], tl.float32)
+            for s in range(SPLIT_K):
+                part = part_ptr + (s * M + col_m) * N + row_n
+                sum_e += tl.load(part, mask=y_mask, other=0.0, cache_modifier=".cg")
+                sum_o += tl.load(part + 1, mask=y_mask, other=0.0, cache_modifier=".cg")
+            _store_pairs(y_ptr + col_m * stride_ym + row_n * stride_yn, stride_yn, sum_e, sum_o,
+                         y_mask)
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # zero again for the next call
     else:
-        tl.atomic_add(y_e, acc_e, mask=y_mask)
-        tl.atomic_add(y_e + stride_yn, acc_o, mask=y_mask)
+        _store_pairs(y_ptr + col_m * stride_ym + row_n * stride_yn, stride_yn, sum_e, sum_o,
+                     y_mask)
 
 
-def flat_gemm_int4(x: torch.Tensor, w: QuantizedWeight, *, block_m: int = 16, block_n: int = 64,
-                   block_k: int = 64, split_k: int = 1, num_warps: int = 4,
-                   num_stages: int = 3, out: torch.Tensor | None = None, deq: int | None = None,
-                   swap: bool = False) -> torch.Tensor:
+@triton.jit
+def _store_pairs(y, stride_yn, sum_e, sum_o, mask):
+    tl.store(y, sum_e.to(y.dtype.element_ty), mask=mask)
+    tl.store(y + stride_yn, sum_o.to(y.dtype.element_ty), mask=mask)
+
+
+def flat_gemm_int4(x: torch.Tensor, w: QuantizedWeight, *, block_m: int = 16,
+                   block_n: int | None = None, block_k: int | None = None, split_k: int = 1,
+                   num_warps: int = 4, num_stages: int | None = None,
+                   out: torch.Tensor | None = None, slices: int = 4) -> torch.Tensor:
     """``x @ W.T`` for ``x`` ``[M, K]`` (bf16/fp16/fp32) and ``W`` ``[N, K]`` int4: a
     ``QuantizedWeight`` or anything with ``packed``/``scale``/``min``/``group_size``/``shape`` and
     ``dim`` (0: grouped along N, FlexGen; 1: grouped along K, GGUF Q4_1).
-    Returns ``[M, N]`` in x's dtype. ``split_k > 1`` accumulates K slices with float32 atomics
-    (for small N). ``block_m`` 16 is the flat configuration; 64+ the tiled one. ``out``: an
-    ``[M, N]`` tensor of x's dtype to write into (returned)."""
+    Returns ``[M, N]`` in x's dtype. ``split_k > 1`` cuts K into slices (for small N): FlexGen
+    sums them in the kernel (the last slice of a tile combines fp32 partials), GGUF with float32
+    atomics. ``block_m`` 16 is the flat configuration; 64+ the tiled one. ``out``: an ``[M, N]``
+    tensor of x's dtype to write into (returned). ``block_n``/``block_k``/``num_stages`` default
+    per layout and ``block_m`` (``_pairs_config``; GGUF: 16/64/3); ``slices``: K slices per tile
+    shared by the warps (FlexGen kernel only)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got {tuple(x.shape)}")
     M, K = x.shape
@@ -172,48 +264,101 @@ def flat_gemm_int4(x: torch.Tensor, w: QuantizedWeight, *, block_m: int = 16, bl
     group_k = w.dim == 1
     if group_k and K % 2:
         raise ValueError(f"K-packed weights need an even K, got {K}")
+    if out is not None and (tuple(out.shape) != (M, N) or out.dtype != x.dtype):
+        raise ValueError(f"out must be [{M}, {N}] {x.dtype}, got {tuple(out.shape)} {out.dtype}")
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    ieee = x.dtype == torch.float32 or (interp and x.dtype == torch.bfloat16)
     block_m = max(16, min(block_m, _pow2(M)))
-    pair = not group_k and block_n >= 32 and w.group_size % block_n == 0
+    pairs = not group_k and w.group_size % (block_n or 32) == 0 and (block_n or 32) >= 32
+    if pairs:
+        cfg = _pairs_config(N, block_m, w.group_size, x.dtype, x.device)
+        block_n, block_k = block_n or cfg["block_n"], block_k or cfg["block_k"]
+        num_stages = num_stages or cfg["num_stages"]
+        slices = max(1, min(slices, block_k // 16))  # each slice a K >= 16 dot
+    else:
+        # 16-row tiles: twice the programs of 32 (GGUF Q4_1 on an H100, split_k 1: [4096, 4096]
+        # 474 us at 64 rows, 252 at 32, 133 at 16; [11008, 4096] 977 / 714 / 378)
+        block_n, block_k, num_stages = block_n or 16, block_k or 64, num_stages or 3
     split_k = max(1, int(split_k))
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     split_k = triton.cdiv(K, k_per_split)
-    if out is not None and (tuple(out.shape) != (M, N) or out.dtype != x.dtype):
-        raise ValueError(f"out must be [{M}, {N}] {x.dtype}, got {tuple(out.shape)} {out.dtype}")
-    if split_k == 1:
+    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m), split_k)
+    args = (M, N, K, x.stride(0), x.stride(1), w.packed.stride(0), w.packed.stride(1),
+            w.scale.stride(0), w.scale.stride(1))
+    common = dict(GROUP=w.group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                  SPLIT_K=split_k, DOT_DTYPE=_dot_dtype(x.dtype), IEEE=ieee,
+                  num_warps=num_warps, num_stages=num_stages)
+    if pairs or split_k == 1:
         y = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
     else:
         y = torch.zeros(M, N, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m), split_k)
-    ieee = x.dtype == torch.float32 or (interp and x.dtype == torch.bfloat16)
-    args = (x, w.packed, w.scale, w.min, y, M, N, K,
-            x.stride(0), x.stride(1), w.packed.stride(0), w.packed.stride(1),
-            w.scale.stride(0), w.scale.stride(1), y.stride(0), y.stride(1), k_per_split)
-    if pair:
-        if deq is None:
-            deq = 1 if x.dtype == torch.float16 else 2
-        _flat_gemm_int4_n[grid](
-            *args, GROUP=w.group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            SPLIT_K=split_k, DOT_DTYPE=_dot_dtype(x.dtype), IEEE=ieee, DEQ=deq, SWAP=swap,
-            num_warps=num_warps, num_stages=num_stages)
-    else:
-        _flat_gemm_int4[grid](
-            *args, GROUP=w.group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            SPLIT_K=split_k, DOT_DTYPE=_dot_dtype(x.dtype), IEEE=ieee, GROUP_K=group_k,
-            num_warps=num_warps, num_stages=num_stages)
+    if pairs:
+        if split_k > 1:
+            part = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device)
+            cnt = _tickets(x.device, grid[0] * grid[1])
+        else:
+            part = cnt = y  # unused
+        _flat_gemm_int4_pairs[grid](
+            x, w.packed, w.scale, w.min, y, part, cnt, *args, y.stride(0), y.stride(1),
+            k_per_split, SLICES=slices, EVEN=K % block_k == 0 and N % block_n == 0,
+            FAST=not (ieee or interp), **common)
+        return y
+    _flat_gemm_int4[grid](x, w.packed, w.scale, w.min, y, *args, y.stride(0), y.stride(1),
+                          k_per_split, GROUP_K=group_k, **common)
     if split_k == 1:
         return y
     return out.copy_(y) if out is not None else y.to(x.dtype)
 
 
-def choose_split_k(m: int, n: int, k: int, num_sms: int, block_m: int = 16, block_n: int = 64,
-                   block_k: int = 64, min_k_per_split: int = 512) -> int:
-    """K slices so a flat GEMM fills the GPU: the ``[N/block_n, M/block_m]`` tiles alone leave SMs
-    idle when N is small (Llama-2-7B's q/o at M=1: 64 tiles on 132 SMs), so K is cut until there
-    are about two programs per SM, keeping at least ``min_k_per_split`` of K per slice (each slice
-    adds an fp32 atomic pass over ``[M, N]``)."""
+def _pairs_config(n: int, block_m: int, group: int, dtype: torch.dtype,
+                  device: torch.device) -> dict:
+    """FlexGen kernel defaults, from an H100 sweep (M = 1/16 and 64/128; the kernel is bound by
+    each SM's instruction issue once every SM has a tile): 32-row tiles (16 byte rows) over
+    512 K columns in 4 slices, 3 stages; fp16: 64-row tiles once 32-row ones are more than about
+    four per SM ([22016, 4096]: 27 against 32 us; bf16, with its fp32 dequantization, measured
+    40 against 45 the other way); the 64-row M tile: 256 K columns, 2 stages (its x tile is 4x
+    larger)."""
+    block_n = 32
+    if dtype == torch.float16 and n > 4 * 32 * _num_sms(device) and group % 64 == 0:
+        block_n = 64
+    if block_m <= 16:
+        return dict(block_n=block_n, block_k=512, num_stages=3)
+    return dict(block_n=block_n, block_k=256, num_stages=2)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: any count (an H100's)
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_TICKETS: dict = {}
+
+
+def _tickets(device: torch.device, n: int) -> torch.Tensor:
+    """Per-device int32 tickets for the split-K combine; every launch leaves them at zero (as
+    ``paged_decode._counters``): not safe for two split launches running concurrently on one
+    device."""
+    key = (device.type, device.index)
+    buf = _TICKETS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _TICKETS[key] = buf
+    return buf
+
+
+def choose_split_k(m: int, n: int, k: int, num_sms: int, block_m: int = 16, block_n: int = 32,
+                   block_k: int = 512, min_k_per_split: int = 4096) -> int:
+    """K slices so a flat GEMM fills the GPU: only while the ``[N/block_n, M/block_m]`` tiles
+    leave SMs idle, up to about one program per SM, each slice keeping at least
+    ``min_k_per_split`` of K. The FlexGen kernel is bound by each SM's instruction issue, not by
+    programs in flight: on an H100, 2 slices of [4096, 4096] (128 tiles) measured 10.4 us against
+    9.2 unsplit, while [4096, 11008] gained (17.8 against 18.6 us)."""
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    want = triton.cdiv(2 * num_sms, tiles)
+    if tiles >= num_sms:
+        return 1
+    want = triton.cdiv(num_sms, tiles)
     most = max(1, k // max(min_k_per_split, block_k))
     return max(1, min(want, most))
 

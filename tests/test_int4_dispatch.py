@@ -103,11 +103,12 @@ def test_flat_gemm_flexgen_row_pairs(seed, dtype, n, k, m, block_m, block_n, blo
 
 def test_choose_split_k_fills_the_gpu():
     from localgen.kernels.flat_gemm import choose_split_k
-    assert choose_split_k(1, 4096, 4096, 132) == 5  # 64 tiles -> ~2 programs per SM
-    assert choose_split_k(1, 4096, 1024, 132) == 2  # at least 512 of K per slice
-    assert choose_split_k(1, 22016, 4096, 132) == 1  # 344 tiles already
-    assert choose_split_k(64, 12288, 4096, 132, block_m=64) == 2  # 192 tiles
-    assert choose_split_k(128, 12288, 4096, 132, block_m=64) == 1  # 384 tiles
+    assert choose_split_k(1, 4096, 4096, 132) == 1  # 128 tiles: splitting measured slower
+    assert choose_split_k(1, 4096, 11008, 132) == 2  # long K: ~1 program per SM
+    assert choose_split_k(1, 1024, 16384, 132) == 4  # 32 tiles, at least 4096 of K per slice
+    assert choose_split_k(1, 22016, 4096, 132) == 1  # 688 tiles already
+    assert choose_split_k(64, 4096, 11008, 132, block_m=64) == 2  # 128 tiles
+    assert choose_split_k(128, 4096, 11008, 132, block_m=64) == 1  # 256 tiles
     assert choose_split_k(1, 64, 96, 132) == 1
 
 
@@ -121,7 +122,7 @@ def test_route_is_a_pure_function_of_device_m_shape_table():
     assert [route("cuda", m, 256, 128, table, 1) for m in (2, 3, 4, 5)] == \
         ["flat", "tiled", "tiled", "torch"]
     assert route("cuda", 9, 512, 128, GemmDispatchTable({(512, 128): (8, 64)}), 1) == "tiled"
-    # shapes not in the table: DEFAULT_POINTS (16, 128)
+    # shapes not in the table: DEFAULT_POINTS (16, 2048)
     m1, m2 = DEFAULT_POINTS
     assert [route("cuda", m, 7, 7, table) for m in (1, m1, m1 + 1, m2, m2 + 1)] == \
         ["flat", "flat", "tiled", "tiled", "torch"]

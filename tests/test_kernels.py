@@ -263,6 +263,11 @@ def test_inflection_points_and_dispatch():
     assert inflection_points(timings) == (8, 64)
     assert inflection_points({1: t(1, 2, 3), 2: t(1, 2, 3)}) == (NO_LIMIT, NO_LIMIT)
     assert inflection_points({1: t(3, 2, 1), 2: t(3, 2, 1)}) == (0, 0)
+    # torch never measured fastest, but the kernels grow faster with M: the lines meet at M=3000
+    # (tiled 100 + 0.1 (M - 1000), torch 300 + 0.0 (M - 1000): 100 + 0.1 d = 300 at d = 2000)
+    far = {500: t(80, 50, 300), 1000: t(120, 100, 300)}
+    assert inflection_points(far) == (0, 3000)
+    assert inflection_points({500: t(50, 60, 300), 1000: t(100, 120, 300)}) == (3000, 3000)
     table = GemmDispatchTable({(256, 128): (8, 64)})
     assert [table.impl(m, 256, 128) for m in (1, 8, 9, 64, 65)] == \
         ["flat", "flat", "tiled", "tiled", "torch"]

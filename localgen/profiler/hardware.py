@@ -125,7 +125,9 @@ def user_config_dir() -> Path:
 
 def shipped_profile_names() -> list[str]:
     """Names of the reference profiles shipped in ``localgen.profiles`` (``profiles/`` in the repo)."""
-    return sorted(p.name[:-5] for p in _profiles_dir().iterdir() if p.name.endswith(".json"))
+    other = ("gemm_", "softmax_")  # GEMM dispatch tables and softmax calibrations live beside them
+    return sorted(p.name[:-5] for p in _profiles_dir().iterdir()
+                  if p.name.endswith(".json") and not p.name.startswith(other))
 
 
 def load_profile(name: str | os.PathLike | None = None) -> HardwareProfile:

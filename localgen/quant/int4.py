@@ -113,7 +113,7 @@ def _profiles_dir():
 def gemm_table(device_name: str, dtype: str = "bfloat16") -> GemmDispatchTable:
     """The M1/M2 table for one GPU and compute dtype: the file ``$LOCALGEN_GEMM_TABLE`` if set,
     else every ``profiles/gemm_*.json`` whose ``device_name`` and ``dtype`` match (entries
-    merged); shapes no file holds use ``dispatch.DEFAULT_POINTS`` (M1=16, M2=128)."""
+    merged); shapes no file holds use ``dispatch.DEFAULT_POINTS`` (M1=16, M2=2048)."""
     table = GemmDispatchTable(device_name=device_name, dtype=dtype)
     env = os.environ.get(GEMM_TABLE_ENV)
     if env:
