@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_decode import _dot, _dot_dtype, _pow2
+from .paged_decode import _counters, _dot, _dot_dtype, _pow2
 from .quant_ref import QuantizedWeight
 
 
@@ -295,7 +295,7 @@ def flat_gemm_int4(x: torch.Tensor, w: QuantizedWeight, *, block_m: int = 16,
     if pairs:
         if split_k > 1:
             part = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device)
-            cnt = _tickets(x.device, grid[0] * grid[1])
+            cnt = _counters(x.device, grid[0] * grid[1])  # paged_decode's tickets, same rules
         else:
             part = cnt = y  # unused
         _flat_gemm_int4_pairs[grid](
@@ -331,21 +331,6 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # the interpreter: any count (an H100's)
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-_TICKETS: dict = {}
-
-
-def _tickets(device: torch.device, n: int) -> torch.Tensor:
-    """Per-device int32 tickets for the split-K combine; every launch leaves them at zero (as
-    ``paged_decode._counters``): not safe for two split launches running concurrently on one
-    device."""
-    key = (device.type, device.index)
-    buf = _TICKETS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _TICKETS[key] = buf
-    return buf
 
 
 def choose_split_k(m: int, n: int, k: int, num_sms: int, block_m: int = 16, block_n: int = 32,
