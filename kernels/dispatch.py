@@ -12,8 +12,8 @@ measures it, ``route`` is the whole routing decision (a pure function of device 
 weight layout and table) and ``Int4Linear`` calls what it picks. Shapes the table lacks use
 ``DEFAULT_POINTS`` (M1=16: one 16-row tile of the flat kernel; M2=2048: the 64-row tiled kernel
 below that, dequantize + cuBLAS above; on the H100 the kernels beat dequantize + cuBLAS up to
-M ~1000-7000 for every measured shape, ``profiles/gemm_h100_*.json``). Off CUDA every M takes the reference twin
-(dequantize + ``torch.matmul``).
+M ~1000-7000 for every measured shape, ``profiles/gemm_h100_*.json``). Off CUDA every M takes
+the reference twin (dequantize + ``torch.matmul``).
 
 Both int4 weight layouts run in the Triton kernel: FlexGen's g=64 along the output channels
 (``group_dim`` 0) and GGUF Q4_1's g=32 along the input channels (``group_dim`` 1, see
