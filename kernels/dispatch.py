@@ -26,7 +26,6 @@ points of the shape serve both. Run offline on the GPU:
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -181,7 +180,7 @@ class Int4Linear:
         """``x [M, K] @ W.T`` by ``impl`` (``out``: an ``[M, N]`` tensor to write into)."""
         if impl in ("torch", REFERENCE) or (not x.is_cuda and not _interpreting()):
             return torch.matmul(x, self.dense().to(x.dtype).t(), out=out)
-        from .flat_gemm import choose_split_k, flat_gemm_int4
+        from .flat_gemm import _num_sms, choose_split_k, flat_gemm_int4
         block_m = 16 if impl == "flat" else 64
         n, k = self.shape
         split_k = choose_split_k(x.shape[0], n, k, _num_sms(x.device), block_m) if x.is_cuda else 1
@@ -195,11 +194,6 @@ class Int4Linear:
         if bias is not None:
             y = y + bias
         return y.reshape(*lead, n)
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _interpreting() -> bool:
@@ -242,6 +236,12 @@ def cuda_timer(fns: Callable[[], object] | list[Callable[[], object]], warmup: i
 L2_ROTATE_BYTES = 256 << 20  # weights rotated through per timing: several times any GPU's L2
 
 
+def rotation_copies(nbytes: int, most: int = 16) -> int:
+    """How many copies of an ``nbytes`` operand a timing rotates through so that together they
+    pass ``L2_ROTATE_BYTES`` (1 for operands that large already, at most ``most``)."""
+    return max(1, min(most, L2_ROTATE_BYTES // max(1, nbytes)))
+
+
 LAYOUTS = {"n64": 0, "k32": 1}  # FlexGen §5 (along output channels, g=64); GGUF Q4_1 (input, g=32)
 
 
@@ -256,9 +256,8 @@ def profile_inflection_points(n: int, k: int, ms=DEFAULT_MS, device="cuda",
     runtime keeps only the 4-bit weight); ``dense_cached`` times cuBLAS on a kept dense weight
     instead (FlashDecoding++'s comparison, for a runtime that can afford the dense copy)."""
     timer = timer or cuda_timer
-    copies = max(1, min(16, L2_ROTATE_BYTES // max(1, n * k // 2)))  # int4: K*N/2 bytes a weight
     lins = []
-    for _ in range(copies):
+    for _ in range(rotation_copies(n * k // 2)):  # int4: N*K/2 bytes a weight
         w = torch.randn(n, k, device=device, dtype=torch.float32) * 0.02
         lin = Int4Linear(quantize_weight(w, 32 if group_dim else 64, group_dim), dtype=dtype,
                          cache_dense=dense_cached)

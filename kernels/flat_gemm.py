@@ -39,6 +39,8 @@ import triton.language as tl
 from .paged_decode import _counters, _dot, _dot_dtype, _pow2
 from .quant_ref import QuantizedWeight
 
+PAIRS_BLOCK_N = 32  # the FlexGen kernel's default output rows a tile (and its smallest)
+
 
 @triton.jit
 def _flat_gemm_int4(x_ptr, wp_ptr, ws_ptr, wz_ptr, y_ptr, M, N, K,
@@ -269,7 +271,8 @@ def flat_gemm_int4(x: torch.Tensor, w: QuantizedWeight, *, block_m: int = 16,
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
     ieee = x.dtype == torch.float32 or (interp and x.dtype == torch.bfloat16)
     block_m = max(16, min(block_m, _pow2(M)))
-    pairs = not group_k and w.group_size % (block_n or 32) == 0 and (block_n or 32) >= 32
+    bn = block_n or PAIRS_BLOCK_N
+    pairs = not group_k and w.group_size % bn == 0 and bn >= PAIRS_BLOCK_N
     if pairs:
         cfg = _pairs_config(N, block_m, w.group_size, x.dtype, x.device)
         block_n, block_k = block_n or cfg["block_n"], block_k or cfg["block_k"]
@@ -318,8 +321,8 @@ def _pairs_config(n: int, block_m: int, group: int, dtype: torch.dtype,
     four per SM ([22016, 4096]: 27 against 32 us; bf16, with its fp32 dequantization, measured
     40 against 45 the other way); the 64-row M tile: 256 K columns, 2 stages (its x tile is 4x
     larger)."""
-    block_n = 32
-    if dtype == torch.float16 and n > 4 * 32 * _num_sms(device) and group % 64 == 0:
+    block_n = PAIRS_BLOCK_N
+    if dtype == torch.float16 and n > 4 * PAIRS_BLOCK_N * _num_sms(device) and group % 64 == 0:
         block_n = 64
     if block_m <= 16:
         return dict(block_n=block_n, block_k=512, num_stages=3)

@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     _alias_kernels()
-    from localgen.kernels.dispatch import L2_ROTATE_BYTES, cuda_timer
+    from localgen.kernels.dispatch import cuda_timer, rotation_copies
     from localgen.kernels.flat_gemm import flat_gemm_int4
     from localgen.kernels.quant_ref import dequantize_weight, quantize_weight
 
@@ -39,9 +39,9 @@ def main(argv=None) -> int:
     print(torch.cuda.get_device_name(), "torch", torch.__version__, a.dtype, flush=True)
     for s in a.shapes.split(","):
         n, k = (int(v) for v in s.split("x"))
-        copies = max(1, min(16, L2_ROTATE_BYTES // (n * k // 2)))
-        ws = [quantize_weight(torch.randn(n, k, device="cuda") * 0.02) for _ in range(copies)]
-        dense = [dequantize_weight(w, dtype) for w in ws[: max(1, min(copies, L2_ROTATE_BYTES // (2 * n * k)))]]
+        ws = [quantize_weight(torch.randn(n, k, device="cuda") * 0.02)
+              for _ in range(rotation_copies(n * k // 2))]
+        dense = [dequantize_weight(w, dtype) for w in ws[:rotation_copies(2 * n * k)]]
         wbytes = sum(t.numel() * t.element_size() for t in (ws[0].packed, ws[0].scale, ws[0].min))
         for m in (int(x) for x in a.ms.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=dtype)

@@ -27,7 +27,8 @@ def profile_policy(preset: str, spec: str, device: str, gpu_memory, prompt_len: 
     from torch.profiler import ProfilerActivity, profile
 
     from localgen.api import LLM
-    from localgen.bench.offload_bench import _generate, engine_config, policy_from_args
+    from localgen.bench.offload_bench import (add_random_requests, engine_config, generate_random,
+                                              policy_from_args)
     from localgen.models.dummy import DummyStore
     from localgen.models.model import family_of
     from localgen.policy.presets import preset_config
@@ -38,18 +39,12 @@ def profile_policy(preset: str, spec: str, device: str, gpu_memory, prompt_len: 
     ecfg = engine_config(cfg, pol, pol.bls, prompt_len, steps + 1)
     llm = LLM.from_parts(cfg, store, None, ecfg, device=device, dtype=torch.float16, name="profile",
                          policy=pol, offload_dir="/tmp/lg_prof_off", gpu_memory=gpu_memory)
-    _generate(llm, pol.bls, 8, 2, seed=1)  # warm-up: kernels compiled, allocator primed
-    pre, dec = _generate(llm, pol.bls, prompt_len, steps + 1, seed=2)
+    generate_random(llm, pol.bls, 8, 2, seed=1)  # warm-up: kernels compiled, allocator primed
+    pre, dec = generate_random(llm, pol.bls, prompt_len, steps + 1, seed=2)
     print(f"\n== {preset} [{pol.describe()}]\n   unprofiled: prefill {pre * 1e3:.1f} ms, "
           f"decode {dec / steps * 1e3:.1f} ms/step ({pol.bls * steps / dec:.1f} tok/s)", flush=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-    from localgen.runtime.request import Request, SamplingParams
-
-    g = torch.Generator().manual_seed(3)
-    sp = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
-    for _ in range(pol.bls):
-        llm.add_request(Request(prompt_token_ids=torch.randint(10, 1000, (prompt_len,), generator=g).tolist(),
-                                sampling=sp))
+    add_random_requests(llm, pol.bls, prompt_len, steps + 1, seed=3)
     llm.step()  # prefill outside the profile
     with profile(activities=acts) as prof:
         t0 = time.perf_counter()

@@ -83,7 +83,7 @@ def test_flat_gemm_both_layouts(seed, layout, dtype, m, block_m, split_k):
     (200, 192, 3, 16, 64, 128, 1),  # N tail: 8 rows past the last full tile; a short last group
     (96, 256, 17, 16, 32, 256, 1),  # two M tiles; a tile of 32 rows inside a group of 64
     (64, 64, 1, 16, 32, 64, 1),
-    (200, 256, 16, 16, 32, 64, 3),  # K slices summed by fp32 atomics
+    (200, 256, 16, 16, 32, 64, 3),  # K slices summed in the kernel (the last slice of a tile)
     (96, 192, 33, 64, 64, 256, 2),  # the tiled configuration; K tail inside a slice
     (96, 64, 2, 16, 16, 64, 1),  # a tile under the 16x16 dot: the general kernel
 ])
@@ -100,6 +100,7 @@ def test_flat_gemm_flexgen_row_pairs(seed, dtype, n, k, m, block_m, block_n, blo
     assert rel_err(got, want(x, t)) < TOL[dtype], f"seed={seed}"
     assert rel_err(flat_gemm_int4(x.contiguous(), t, block_n=block_n, block_k=block_k,
                                   split_k=split_k), want(x, t)) < TOL[dtype], f"seed={seed}"
+
 
 def test_choose_split_k_fills_the_gpu():
     from localgen.kernels.flat_gemm import choose_split_k

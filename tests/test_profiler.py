@@ -99,23 +99,18 @@ def test_mm_probe_counts_flops(monkeypatch):
 
 
 def test_cpu_attention_probe_counts_kv_bytes_and_runs_the_runtime_path(monkeypatch):
-    """``cpu_flops`` comes from the delegated decode attention itself: the probe's timed function
+    """``cpu_flops`` comes from the delegated decode attention itself: the probe's timed step
     gathers blocks through a shuffled block table and returns what ``paged_decode_attention``
     computes (checked here against float64 attention over the unshuffled sequences); the rate is
     K/V bytes at 2 bytes an element (= MHA FLOPs, App. A.3) over the best time."""
     import torch
 
-    timed = []
-
-    def fake_best_time(fn, repeats=5, sync=None):
-        timed.append(fn)
-        return 0.5
-
-    monkeypatch.setattr(probes, "best_time", fake_best_time)
+    monkeypatch.setattr(probes, "best_time", lambda fn, repeats=5, sync=None: 0.5)
     seqs, kvh, d, ctx = 3, 2, 16, 37
     rate = probes.probe_cpu_attention((seqs, kvh, d, ctx), dtype=torch.float32)
     assert rate == 2 * 2 * seqs * kvh * d * ctx / 0.5
-    out, (q, k, v, tables) = timed[0](), timed[0].inputs
+    run, (q, k, v, tables) = probes.cpu_attention_case((seqs, kvh, d, ctx), torch.float32)
+    out = run()
     for i in range(seqs):
         kk = k[tables[i]].flatten(0, 1)[:ctx].double()  # [ctx, kvh, d]
         vv = v[tables[i]].flatten(0, 1)[:ctx].double()
@@ -124,6 +119,6 @@ def test_cpu_attention_probe_counts_kv_bytes_and_runs_the_runtime_path(monkeypat
 
 
 def test_cpu_only_profile_takes_cpu_flops_from_the_attention_probe(tmp_path, monkeypatch):
-    monkeypatch.setattr(probes, "probe_cpu_attention", lambda shape, repeats=5: 1234.0)
+    monkeypatch.setattr(probes, "probe_cpu_attention", lambda shape, dtype=None, repeats=5: 1234.0)
     hw = probes.run_profile(tmp_path / "off", sizes=probes.QUICK, use_gpu=False)
     assert hw.cpu_flops == 1234.0 and "delegated CPU decode attention" in hw.source["cpu_flops"]

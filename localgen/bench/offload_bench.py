@@ -73,7 +73,16 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def _generate(llm, batch: int, prompt_len: int, gen_len: int, seed: int = 0):
+def _free_cuda_memory() -> None:
+    """Return a finished run's GPU memory and restart the peak count for the next one."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def add_random_requests(llm, batch: int, prompt_len: int, gen_len: int, seed: int = 0) -> None:
+    """``batch`` greedy requests of random prompt ids, EOS ignored (``gen_len`` tokens each)."""
     from localgen.runtime.request import Request, SamplingParams
 
     g = torch.Generator().manual_seed(seed)
@@ -81,6 +90,11 @@ def _generate(llm, batch: int, prompt_len: int, gen_len: int, seed: int = 0):
     for _ in range(batch):
         ids = torch.randint(10, llm.config.vocab_size - 10, (prompt_len,), generator=g).tolist()
         llm.add_request(Request(prompt_token_ids=ids, sampling=sp))
+
+
+def generate_random(llm, batch: int, prompt_len: int, gen_len: int, seed: int = 0):
+    """``add_random_requests`` run to completion -> (prefill seconds, decode seconds)."""
+    add_random_requests(llm, batch, prompt_len, gen_len, seed)
     m = llm.metrics
     p0, d0 = m.prefill_seconds, m.decode_seconds
     while llm.has_unfinished():
@@ -118,9 +132,9 @@ def run_localgen(cfg, store, policy, batch: int, prompt_len: int, gen_len: int, 
     llm = LLM.from_parts(cfg, store, None, ecfg, device=device, dtype=dtype, name="bench",
                          policy=policy, offload_dir=offload_dir, gpu_memory=gpu_memory)
     _log(f"  built in {time.perf_counter() - t0:.1f} s; {policy.describe()}")
-    _generate(llm, min(batch, policy.bls), 8, 2, seed=1)  # warm up (allocator, kernels)
+    generate_random(llm, min(batch, policy.bls), 8, 2, seed=1)  # warm up (allocator, kernels)
     _log("  warmed up")
-    pre, dec = _generate(llm, batch, prompt_len, gen_len)
+    pre, dec = generate_random(llm, batch, prompt_len, gen_len)
     _log(f"  generated: prefill {pre:.2f} s, decode {dec:.2f} s")
     res = RunResult("localgen", batch, pre, dec, batch * gen_len / (pre + dec),
                     batch * (gen_len - 1) / dec if dec else 0.0, policy.describe())
@@ -131,7 +145,7 @@ def run_localgen(cfg, store, policy, batch: int, prompt_len: int, gen_len: int, 
     if timed_steps:
         timers.reset()
         timers.enabled = True
-        _generate(llm, batch, prompt_len, timed_steps + 1, seed=2)
+        generate_random(llm, batch, prompt_len, timed_steps + 1, seed=2)
         timers.enabled = False
         L = cfg.num_layers
         res.measured_terms = {
@@ -149,10 +163,7 @@ def run_localgen(cfg, store, policy, batch: int, prompt_len: int, gen_len: int, 
                          "profile": hw.name}
     llm.engine.model.layers.close()
     del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    _free_cuda_memory()
     return res
 
 
@@ -208,9 +219,7 @@ def run_accelerate(hf_config: dict, batch: int, prompt_len: int, gen_len: int, g
                     f"device_map: {on_gpu}/{len(dmap)} modules on GPU, max_memory GPU {gpu_memory / GiB:.1f} GiB")
     res.memory_gib = {"cuda_max_allocated": round(torch.cuda.max_memory_allocated() / GiB, 3)}
     del model
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    _free_cuda_memory()
     return res
 
 
@@ -290,9 +299,7 @@ def main(argv=None) -> int:
             peak = (f"; peak allocated {torch.cuda.max_memory_allocated() / GiB:.3f} GiB"
                     if torch.cuda.is_available() else "")
             r = RunResult("localgen", pol.bls, 0, 0, 0, 0, pol.describe(), error=repr(e)[:300] + peak)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
+            _free_cuda_memory()
         print_result(r)
         sys.stdout.flush()
         results.append(r)

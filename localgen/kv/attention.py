@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -123,6 +123,17 @@ def _attend_fresh_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
             attn_mask=_causal_chunk_mask(a, e, q.device)).transpose(1, 2)
 
 
+def _runs(keys: list) -> Iterator[tuple[int, int]]:
+    """``(i, j)`` index ranges of the consecutive equal items of ``keys``."""
+    i = 0
+    while i < len(keys):
+        j = i + 1
+        while j < len(keys) and keys[j] == keys[i]:
+            j += 1
+        yield i, j
+        i = j
+
+
 def fresh_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             query_lens: list[int], scale: float,
                             query_chunk: int | None = None) -> torch.Tensor:
@@ -130,15 +141,12 @@ def fresh_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     not read back from any cache: q ``[num_tokens, num_heads, head_dim]``, k/v with the KV heads;
     runs of equal-length prompts attend together. Returns ``[num_tokens, num_heads, head_dim]``."""
     out = torch.empty_like(q)
-    i = start = 0
-    while i < len(query_lens):
-        ql, j = query_lens[i], i
-        while j < len(query_lens) and query_lens[j] == ql:
-            j += 1
-        end = start + (j - i) * ql
-        _attend_fresh_run(q[start:end], k[start:end], v[start:end], out[start:end], j - i, ql,
-                          scale, query_chunk)
-        i, start = j, end
+    start = 0
+    for i, j in _runs(query_lens):
+        end = start + (j - i) * query_lens[i]
+        _attend_fresh_run(q[start:end], k[start:end], v[start:end], out[start:end], j - i,
+                          query_lens[i], scale, query_chunk)
+        start = end
     return out
 
 
@@ -155,27 +163,25 @@ def cpu_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv:
     gqa = kv_heads != num_heads
     out = torch.empty_like(q)
     lens = list(zip(meta.context_lens_list, meta.query_lens))
-    i = start = 0
-    while i < len(lens):
+    start = 0
+    for i, j in _runs(lens):
         ctx, ql = lens[i]
         if ctx == ql:  # a run of fresh prompts of one length: batched, chunked calls
-            j = i
-            while j < len(lens) and lens[j] == (ql, ql):
-                j += 1
-            n, end = j - i, start + (j - i) * ql
-            _attend_fresh_run(q[start:end], k[start:end], v[start:end], out[start:end], n, ql,
+            end = start + (j - i) * ql
+            _attend_fresh_run(q[start:end], k[start:end], v[start:end], out[start:end], j - i, ql,
                               scale, PREFILL_QUERY_CHUNK)
-            i, start = j, end
+            start = end
             continue
-        kc = ref.gather_kv(kv.k_cache, meta.block_tables[i], ctx).transpose(0, 1)[None]
-        vc = ref.gather_kv(kv.v_cache, meta.block_tables[i], ctx).transpose(0, 1)[None]
-        qpos = torch.arange(ctx - ql, ctx, device=q.device)[:, None]
-        mask = torch.arange(ctx, device=q.device)[None, :] <= qpos  # key j visible to query t
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q[start:start + ql].transpose(0, 1)[None], kc.to(q.dtype), vc.to(q.dtype),
-            attn_mask=mask, scale=scale, enable_gqa=gqa)
-        out[start:start + ql] = o[0].transpose(0, 1)
-        i, start = i + 1, start + ql
+        for s in range(i, j):  # a cached prefix: each sequence over its own gathered context
+            kc = ref.gather_kv(kv.k_cache, meta.block_tables[s], ctx).transpose(0, 1)[None]
+            vc = ref.gather_kv(kv.v_cache, meta.block_tables[s], ctx).transpose(0, 1)[None]
+            qpos = torch.arange(ctx - ql, ctx, device=q.device)[:, None]
+            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos  # key j visible to query t
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[start:start + ql].transpose(0, 1)[None], kc.to(q.dtype), vc.to(q.dtype),
+                attn_mask=mask, scale=scale, enable_gqa=gqa)
+            out[start:start + ql] = o[0].transpose(0, 1)
+            start += ql
     return out
 
 

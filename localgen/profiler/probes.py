@@ -125,24 +125,16 @@ def probe_bmm_flops(device: str, shape: tuple[int, int, int, int], dtype=None, r
     return 2 * bh * m * k * n / best_time(lambda: torch.bmm(a, b), repeats, sync)
 
 
-def probe_cpu_attention(shape: tuple[int, int, int, int] = ProbeSizes.attn_decode, dtype=None,
-                        repeats: int = 5, block_size: int = 16) -> float:
-    """Rate of decode attention on the CPU as the offloading runtime runs it when it delegates
-    attention to the CPU (FlexGen §4.2; ``runtime/offload/kv.py``): gather a batch's K/V blocks
-    from a paged cache (shuffled block ids), then ``paged_attention_ref.paged_decode_attention``.
-    ``shape``: (sequences, KV heads, head_dim, context); one query head per KV head. Returns K/V
-    bytes read per second at 2 bytes an element, which equals the MHA FLOPs the cost model
-    divides by ``cpu_flops`` (App. A.3 counts 4 * context * hidden for both). fp16 when a GPU is
-    present (the cache's dtype there), else float32. A plain bmm at these shapes over-predicted
-    this path 16x on the H200 host (99.7 vs 4.86 GFLOP/s): it is bound by memory, not FLOPs."""
+def cpu_attention_case(shape: tuple[int, int, int, int], dtype, block_size: int = 16):
+    """A delegated decode-attention step as ``runtime/offload/kv.py`` runs it on the CPU: gather
+    a batch's K/V blocks from a paged cache (shuffled block ids), then
+    ``paged_attention_ref.paged_decode_attention``. ``shape``: (sequences, KV heads, head_dim,
+    context); one query head per KV head. Returns ``(run, (q, k, v, tables))``."""
     import torch
 
-    from localgen.hostmem import keep_freed_host_memory
     from localgen.kernels import paged_attention_ref as ref
 
-    keep_freed_host_memory()  # as the runtime runs: gathered blocks land in reused heap memory
     seqs, kvh, d, ctx = shape
-    dtype = dtype or (torch.float16 if torch.cuda.is_available() else torch.float32)
     nb = -(-ctx // block_size)
     g = torch.Generator().manual_seed(0)
     k, v = (torch.randn(seqs * nb, block_size, kvh, d, generator=g).to(dtype) for _ in range(2))
@@ -155,7 +147,26 @@ def probe_cpu_attention(shape: tuple[int, int, int, int] = ProbeSizes.attn_decod
         ids = tables.flatten()
         return ref.paged_decode_attention(q, k[ids], v[ids], local, lens, d ** -0.5)
 
-    run.inputs = (q, k, v, tables)  # for the probe's test
+    return run, (q, k, v, tables)
+
+
+def probe_cpu_attention(shape: tuple[int, int, int, int] = ProbeSizes.attn_decode, dtype=None,
+                        repeats: int = 5) -> float:
+    """Rate of decode attention on the CPU as the offloading runtime runs it when it delegates
+    attention to the CPU (FlexGen §4.2; ``cpu_attention_case``). Returns K/V bytes read per
+    second at 2 bytes an element, which equals the MHA FLOPs the cost model divides by
+    ``cpu_flops`` (App. A.3 counts 4 * context * hidden for both). ``dtype``: the cache's, fp16
+    beside a GPU, else float32 (``run_profile`` passes the one its profile implies). A plain bmm
+    at these shapes over-predicted this path 16x on the H200 host (99.7 vs 4.86 GFLOP/s): it is
+    bound by memory, not FLOPs."""
+    import torch
+
+    from localgen.hostmem import keep_freed_host_memory
+
+    keep_freed_host_memory()  # as the runtime runs: gathered blocks land in reused heap memory
+    seqs, kvh, d, ctx = shape
+    dtype = dtype or (torch.float16 if torch.cuda.is_available() else torch.float32)
+    run, _ = cpu_attention_case(shape, dtype)
     return 2 * seqs * ctx * kvh * d * 2 / best_time(run, repeats)
 
 
@@ -297,7 +308,8 @@ def run_profile(offload_dir: str | os.PathLike, name: str = "local", sizes: Prob
         ("matmul decode", lambda: {"mm_flops_gen": probe_mm_flops(dev, sizes.mm_decode, repeats=sizes.repeats)}),
         ("bmm prefill", lambda: {"bmm_flops": probe_bmm_flops(dev, sizes.bmm_prefill, repeats=sizes.repeats)}),
         ("bmm decode", lambda: {"bmm_flops_gen": probe_bmm_flops(dev, sizes.bmm_decode, repeats=sizes.repeats)}),
-        ("CPU attention", lambda: {"cpu_flops": probe_cpu_attention(sizes.attn_decode, repeats=sizes.repeats)}),
+        ("CPU attention", lambda: {"cpu_flops": probe_cpu_attention(
+            sizes.attn_decode, torch.float16 if gpu else torch.float32, repeats=sizes.repeats)}),
     ]
     vals: dict = {}
     for i, (step, fn) in enumerate(steps):
