@@ -4,7 +4,8 @@
 One program per new token writes that token's ``[num_kv_heads, head_dim]`` K row and V row at
 its flat slot ``block_id * block_size + offset`` (PagedAttention §4.1 layout, DESIGN.md). At
 batch-1 decode the two ``index_copy_`` kernels per layer were ~3% of a Llama-2-7B step on an H200
-(scripts/decode_profile.py); this is one small kernel instead of two.
+(scripts/decode_profile.py); this is one small kernel instead of two. ``write_kv_int4`` does the
+same for a 4-bit cache, quantizing in registers (the twin of ``quant_ref.write_kv_int4``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .quant_ref import QuantizedKV
 
 
 @triton.jit
@@ -59,4 +62,113 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
                            BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1 if kv_heads * head_dim <= 512 else 4)
 
 
-__all__ = ["write_kv"]
+@triton.jit
+def _quant_store(x_ptr, stride_xt, stride_xh, p_ptr, s_ptr, z_ptr, t64, slot,
+                 stride_ps, stride_ph, stride_ss, stride_sh,
+                 KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NG: tl.constexpr,
+                 G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Quantize one token's ``[KV_HEADS, HEAD_DIM]`` row of K or V (as ``[BLOCK_H, BLOCK_G, G]``
+    groups) and store packed codes, scale and min at ``slot``; the ops mirror
+    ``quant_ref.quantize_int4`` one for one so the result is bit-identical."""
+    h = tl.arange(0, BLOCK_H)
+    grp = tl.arange(0, BLOCK_G)
+    d = grp[None, :, None] * G + tl.arange(0, G)[None, None, :]
+    mask = (h < KV_HEADS)[:, None, None] & (d < HEAD_DIM)
+    x = tl.load(x_ptr + t64 * stride_xt + h[:, None, None] * stride_xh + d, mask=mask,
+                other=0.0).to(tl.float32)
+    # min/max over each group's own elements (a last, shorter group: the reference's edge padding)
+    lo = tl.min(tl.where(mask, x, float("inf")), axis=2)
+    hi = tl.max(tl.where(mask, x, float("-inf")), axis=2)
+    gmask = (h < KV_HEADS)[:, None] & (grp < NG)[None, :]
+    lo = tl.where(gmask, lo, 0.0)  # padded heads/groups: no inf - inf
+    hi = tl.where(gmask, hi, 0.0)
+    mn = lo.to(tl.float16)  # round-to-nearest-even, as torch .half()
+    # div_rn: plain `/` on fp32 is div.full.f32 (approximate) on NVIDIA; torch divides exactly
+    scale = tl.math.div_rn(hi - lo, 15.0).to(tl.float16)
+    s32 = scale.to(tl.float32)
+    safe = tl.where(s32 == 0.0, 1.0, s32)
+    y = tl.math.div_rn(x - mn.to(tl.float32)[:, :, None], safe[:, :, None])
+    # clamp, then round half to even (torch.round; clamp-then-round == round-then-clamp since the
+    # bounds are integers). floor + exact fraction instead of libdevice.rint: runs interpreted too
+    y = tl.minimum(tl.maximum(y, 0.0), 15.0)
+    r = tl.math.floor(y)
+    f = y - r  # exact
+    ri = r.to(tl.int32)
+    q = ri + ((f > 0.5) | ((f == 0.5) & ((ri & 1) == 1))).to(tl.int32)
+    q = tl.where(s32[:, :, None] == 0.0, 0, q)
+    # element 2i -> low nibble, 2i + 1 -> high nibble of byte i
+    even, odd = tl.split(tl.reshape(q, [BLOCK_H, BLOCK_G, G // 2, 2]))
+    byte = (even | (odd << 4)).to(tl.uint8)
+    b = grp[None, :, None] * (G // 2) + tl.arange(0, G // 2)[None, None, :]
+    tl.store(p_ptr + slot * stride_ps + h[:, None, None] * stride_ph + b, byte,
+             mask=(h < KV_HEADS)[:, None, None] & (b < HEAD_DIM // 2))
+    so = slot * stride_ss + h[:, None] * stride_sh + grp[None, :]
+    tl.store(s_ptr + so, scale, mask=gmask)
+    tl.store(z_ptr + so, mn, mask=gmask)
+
+
+@triton.jit
+def _write_kv_int4_kernel(k_ptr, v_ptr, kp_ptr, ks_ptr, kz_ptr, vp_ptr, vs_ptr, vz_ptr, slot_ptr,
+                          stride_kt, stride_kh, stride_vt, stride_vh,
+                          stride_ps, stride_ph, stride_ss, stride_sh,
+                          KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NG: tl.constexpr,
+                          G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    t64 = t.to(tl.int64)
+    _quant_store(k_ptr, stride_kt, stride_kh, kp_ptr, ks_ptr, kz_ptr, t64, slot, stride_ps,
+                 stride_ph, stride_ss, stride_sh, KV_HEADS, HEAD_DIM, NG, G, BLOCK_H, BLOCK_G)
+    _quant_store(v_ptr, stride_vt, stride_vh, vp_ptr, vs_ptr, vz_ptr, t64, slot, stride_ps,
+                 stride_ph, stride_ss, stride_sh, KV_HEADS, HEAD_DIM, NG, G, BLOCK_H, BLOCK_G)
+
+
+def write_kv_int4(k_cache: QuantizedKV, v_cache: QuantizedKV, k: torch.Tensor, v: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Quantize ``k``/``v`` ``[num_tokens, num_kv_heads, head_dim]`` (bf16/fp16/fp32, any strides
+    with a unit last dim) to the 4-bit group format (FlexGen §5: per group of ``g =
+    cache.group_size`` elements along head_dim, fp16 min and ``scale = (max - min) / 15``, codes
+    ``round((x - min) / scale)`` in [0, 15]) and store them at flat slots ``slot_mapping``
+    ``[num_tokens]`` (``block * block_size + offset``) of contiguous caches: ``packed``
+    ``[num_blocks, block_size, num_kv_heads, head_dim // 2]`` uint8, ``scale``/``min`` ``[...,
+    ceil(head_dim / g)]`` fp16. One launch for K and V; bit-identical to
+    ``quant_ref.write_kv_int4``. Raises ValueError on mismatched shapes or dtypes, a group size
+    that is not a power of two >= 2 or differs between K and V, or a non-contiguous cache."""
+    n, kv_heads, head_dim = k.shape
+    g = k_cache.group_size
+    if g < 2 or g & (g - 1) or v_cache.group_size != g:
+        raise ValueError(f"write_kv_int4: group sizes {g}/{v_cache.group_size} must be one "
+                         "power of two >= 2")
+    ng = -(-head_dim // g)
+    pshape = k_cache.packed.shape
+    if v.shape != k.shape or pshape[-2:] != (kv_heads, head_dim // 2) or head_dim % 2 or \
+            slot_mapping.shape != (n,) or any(
+                c.packed.shape != pshape or c.scale.shape != (*pshape[:-1], ng) or
+                c.min.shape != c.scale.shape for c in (k_cache, v_cache)):
+        raise ValueError(f"write_kv_int4: k {tuple(k.shape)}, v {tuple(v.shape)}, packed cache "
+                         f"{tuple(pshape)}, slots {tuple(slot_mapping.shape)} do not match")
+    caches = (k_cache.packed, k_cache.scale, k_cache.min,
+              v_cache.packed, v_cache.scale, v_cache.min)
+    if [c.dtype for c in caches] != [torch.uint8, torch.float16, torch.float16] * 2 or \
+            k.dtype != v.dtype or k.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"write_kv_int4 needs bf16/fp16/fp32 k/v (got {k.dtype}/{v.dtype}), "
+                         "uint8 packed and float16 scale/min caches")
+    if not all(c.is_contiguous() for c in caches):  # checked, never copied: pinned caches stay put
+        raise ValueError("write_kv_int4 needs contiguous caches")
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    if n == 0:
+        return
+    kp = k_cache.packed
+    _write_kv_int4_kernel[(n,)](k, v, *caches, slot_mapping,
+                                k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                kp.stride(1), kp.stride(2), k_cache.scale.stride(1),
+                                k_cache.scale.stride(2),
+                                KV_HEADS=kv_heads, HEAD_DIM=head_dim, NG=ng, G=g,
+                                BLOCK_H=triton.next_power_of_2(kv_heads),
+                                BLOCK_G=triton.next_power_of_2(ng),
+                                num_warps=1 if kv_heads * head_dim <= 512 else 4)
+
+
+__all__ = ["write_kv", "write_kv_int4"]

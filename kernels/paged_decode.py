@@ -175,28 +175,128 @@ def _attend_range(q, q_odd, bt_row_ptr, lo, hi,
                  + _dot(q_odd, tl.trans(k_hi), DOT_DTYPE, IEEE)) * qk_scale
         else:
             k = _load_kv_tile(k_ptr, rows, offs_d, tok_mask, d_mask)
-            v = _load_kv_tile(v_ptr, rows, offs_d, tok_mask, d_mask)  # issued before K is used
+            v_lo = _load_kv_tile(v_ptr, rows, offs_d, tok_mask, d_mask)  # issued before K is used
+            v_hi = v_lo  # unused
             s = _dot(q, tl.trans(k), DOT_DTYPE, IEEE) * qk_scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(tok_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        if ASYNC:
-            p = tl.exp2(s - phi2)
-            l += tl.sum(p, 1)
-            if QUANT:
-                acc += _dot(p, v_lo, DOT_DTYPE, IEEE)
-                acc_o += _dot(p, v_hi, DOT_DTYPE, IEEE)
-            else:
-                acc += _dot(p, v, DOT_DTYPE, IEEE)
-        else:
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            if QUANT:
-                acc = acc * alpha[:, None] + _dot(p, v_lo, DOT_DTYPE, IEEE)
-                acc_o = acc_o * alpha[:, None] + _dot(p, v_hi, DOT_DTYPE, IEEE)
-            else:
-                acc = acc * alpha[:, None] + _dot(p, v, DOT_DTYPE, IEEE)
-        m = m_new
+        acc, acc_o, l, m = _online_update(s, v_lo, v_hi, acc, acc_o, l, m, phi2, ASYNC, QUANT,
+                                          DOT_DTYPE, IEEE)
+    return acc, acc_o, l, m
+
+
+@triton.jit
+def _online_update(s, v_a, v_b, acc, acc_o, l, m, phi2, ASYNC: tl.constexpr, QUANT: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+    """One tile's softmax step: scores ``s`` ``[BLOCK_H, BLOCK_N]`` (log2 units, masked to
+    -inf), values ``v_a`` (plain: the tile; QUANT: the even elements) and ``v_b`` (QUANT: the
+    odd elements). Returns the updated (acc, acc_o, l, m)."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    if ASYNC:
+        p = tl.exp2(s - phi2)
+        l += tl.sum(p, 1)
+        acc += _dot(p, v_a, DOT_DTYPE, IEEE)
+        if QUANT:
+            acc_o += _dot(p, v_b, DOT_DTYPE, IEEE)
+    else:
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p, v_a, DOT_DTYPE, IEEE)
+        if QUANT:
+            acc_o = acc_o * alpha[:, None] + _dot(p, v_b, DOT_DTYPE, IEEE)
+    return acc, acc_o, l, m_new
+
+
+@triton.jit
+def _attend_pool(q, q_odd, pk_ptr, pv_ptr, row64, lo, hi, stride_pr, stride_pt, qk_scale, phi2,
+                 BLOCK_H: tl.constexpr, OWN_N: tl.constexpr, ASYNC: tl.constexpr,
+                 HALF_D: tl.constexpr, QW: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """Attend to slots ``[lo, hi)`` of pool row ``row64`` (the sequence's own block in full
+    precision, KIVI's recent tokens): fp K/V rows read split by parity like the int4 tiles.
+    Returns a fresh (acc, acc_o, l, m) for ``_merge``; an empty range leaves m at -inf."""
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, QW], tl.float32)
+    acc_o = tl.zeros([BLOCK_H, QW], tl.float32)
+    c = tl.arange(0, QW)
+    for start in range(lo, hi, OWN_N):
+        tok = start + tl.arange(0, OWN_N)
+        tok_mask = tok < hi
+        msk = tok_mask[:, None] & (c < HALF_D)[None, :]
+        off = (row64 * stride_pr + tok.to(tl.int64) * stride_pt)[:, None] + 2 * c[None, :]
+        k_lo = tl.load(pk_ptr + off, mask=msk, other=0.0).to(tl.float32)
+        k_hi = tl.load(pk_ptr + off + 1, mask=msk, other=0.0).to(tl.float32)
+        v_lo = tl.load(pv_ptr + off, mask=msk, other=0.0).to(tl.float32)
+        v_hi = tl.load(pv_ptr + off + 1, mask=msk, other=0.0).to(tl.float32)
+        s = (_dot(q, tl.trans(k_lo), DOT_DTYPE, IEEE)
+             + _dot(q_odd, tl.trans(k_hi), DOT_DTYPE, IEEE)) * qk_scale
+        s = tl.where(tok_mask[None, :], s, float("-inf"))
+        acc, acc_o, l, m = _online_update(s, v_lo, v_hi, acc, acc_o, l, m, phi2, ASYNC, True,
+                                          DOT_DTYPE, IEEE)
+    return acc, acc_o, l, m
+
+
+@triton.jit
+def _merge(acc, acc_o, l, m, acc2, acc_o2, l2, m2, ASYNC: tl.constexpr):
+    """Combine two partial states over disjoint token ranges (asynchronized: both are relative
+    to phi, plain sums; synchronized: rescaled to the larger max)."""
+    m_new = tl.maximum(m, m2)
+    if ASYNC:
+        acc = acc + acc2
+        acc_o = acc_o + acc_o2
+        l = l + l2
+    else:
+        ref_m = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp2(m - ref_m)
+        b = tl.exp2(m2 - ref_m)
+        acc = acc * a[:, None] + acc2 * b[:, None]
+        acc_o = acc_o * a[:, None] + acc_o2 * b[:, None]
+        l = l * a + l2 * b
+    return acc, acc_o, l, m_new
+
+
+@triton.jit
+def _own_start(own_ptr, seq64, ctx, BS: tl.constexpr, OWN_FP: tl.constexpr):
+    """(pool row, first slot of the own block) of a sequence; without a row (or without
+    OWN_FP) the own block starts at ``ctx``: everything is read 4-bit."""
+    if OWN_FP:
+        row = tl.load(own_ptr + seq64).to(tl.int64)
+        own_lo = tl.where(row >= 0, (tl.maximum(ctx, 1) - 1) // BS * BS, ctx)
+    else:
+        row = seq64 * 0
+        own_lo = ctx
+    return row, own_lo
+
+
+@triton.jit
+def _attend_ctx(q, q_odd, bt_row_ptr, lo, hi, own_row, own_lo,
+                k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, pk_ptr, pv_ptr,
+                stride_kb, stride_kt, stride_sb, stride_st, stride_pr, stride_pt,
+                qk_scale, phi2, offs_d, d_mask,
+                BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr, ASYNC: tl.constexpr, QUANT: tl.constexpr,
+                HALF_D: tl.constexpr, NG: tl.constexpr, NG_P: tl.constexpr, HG: tl.constexpr,
+                DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, OWN_FP: tl.constexpr,
+                OWN_N: tl.constexpr):
+    """``_attend_range`` over ``[lo, hi)``; with OWN_FP the part from ``own_lo`` on (the own
+    block) comes from the fp pool row instead of the 4-bit cache, merged into one state."""
+    if OWN_FP:
+        acc, acc_o, l, m = _attend_range(
+            q, q_odd, bt_row_ptr, lo, tl.minimum(hi, own_lo), k_ptr, ks_ptr, kz_ptr, v_ptr,
+            vs_ptr, vz_ptr, stride_kb, stride_kt, stride_sb, stride_st, qk_scale, phi2, offs_d,
+            d_mask, BS, BLOCK_H, BLOCK_N, BLOCK_D, ASYNC, QUANT, HALF_D, NG, NG_P, HG,
+            DOT_DTYPE, IEEE)
+        acc2, acc_o2, l2, m2 = _attend_pool(
+            q, q_odd, pk_ptr, pv_ptr, own_row, tl.maximum(lo, own_lo) - own_lo, hi - own_lo,
+            stride_pr, stride_pt, qk_scale, phi2, BLOCK_H, OWN_N, ASYNC, HALF_D, NG_P * HG,
+            DOT_DTYPE, IEEE)
+        acc, acc_o, l, m = _merge(acc, acc_o, l, m, acc2, acc_o2, l2, m2, ASYNC)
+    else:
+        acc, acc_o, l, m = _attend_range(
+            q, q_odd, bt_row_ptr, lo, hi, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr,
+            stride_kb, stride_kt, stride_sb, stride_st, qk_scale, phi2, offs_d, d_mask,
+            BS, BLOCK_H, BLOCK_N, BLOCK_D, ASYNC, QUANT, HALF_D, NG, NG_P, HG, DOT_DTYPE, IEEE)
     return acc, acc_o, l, m
 
 
@@ -218,16 +318,18 @@ def _store_rows(ptr, rows, acc, acc_o, scale, h_mask, HEAD_DIM: tl.constexpr,
 
 @triton.jit
 def _finish(q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, bt_ptr, cl_ptr,
-            mid_o_ptr, mid_l_ptr, mid_m_ptr, out_ptr, flag_ptr, seq64, kvh,
+            mid_o_ptr, mid_l_ptr, mid_m_ptr, out_ptr, flag_ptr, pk_ptr, pv_ptr, own_ptr, seq64, kvh,
             stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
             stride_sb, stride_st, stride_sh, stride_btb,
             stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, stride_fb,
+            stride_pr, stride_pt, stride_ph,
             qk_scale, phi2, lo2, hi2, num_splits,
             GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BS: tl.constexpr,
             BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
             BLOCK_S: tl.constexpr, S_CHUNK: tl.constexpr, ASYNC: tl.constexpr,
             QUANT: tl.constexpr, HALF_D: tl.constexpr, NG: tl.constexpr, NG_P: tl.constexpr,
-            HG: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+            HG: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+            OWN_FP: tl.constexpr, OWN_N: tl.constexpr):
     """Combine the splits of one (sequence, KV head) into ``out``. Synchronized: rescale by
     ``exp2(m_s - max m_s)``. Asynchronized: plain sums, rows outside the safe range flagged and
     the KV head's rows recomputed by the synchronized online softmax. The partials are read
@@ -256,12 +358,15 @@ def _finish(q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, bt_ptr, cl_ptr,
         q, q_odd = _load_q(q_ptr, seq64 * stride_qb, heads * stride_qh, h_mask, HEAD_DIM, BLOCK_D,
                            QUANT, NG_P * HG)
         kvh64 = kvh.to(tl.int64)
-        r_acc, r_acc_o, r_l, r_m = _attend_range(
-            q, q_odd, bt_ptr + seq64 * stride_btb, 0, ctx,
+        own_row, own_lo = _own_start(own_ptr, seq64, ctx, BS, OWN_FP)
+        r_acc, r_acc_o, r_l, r_m = _attend_ctx(
+            q, q_odd, bt_ptr + seq64 * stride_btb, 0, ctx, own_row, own_lo,
             k_ptr + kvh64 * stride_kh, ks_ptr + kvh64 * stride_sh, kz_ptr + kvh64 * stride_sh,
             v_ptr + kvh64 * stride_kh, vs_ptr + kvh64 * stride_sh, vz_ptr + kvh64 * stride_sh,
-            stride_kb, stride_kt, stride_sb, stride_st, qk_scale, phi2, offs_d, d_mask,
-            BS, BLOCK_H, BLOCK_N, BLOCK_D, False, QUANT, HALF_D, NG, NG_P, HG, DOT_DTYPE, IEEE)
+            pk_ptr + kvh64 * stride_ph, pv_ptr + kvh64 * stride_ph,
+            stride_kb, stride_kt, stride_sb, stride_st, stride_pr, stride_pt, qk_scale, phi2,
+            offs_d, d_mask, BS, BLOCK_H, BLOCK_N, BLOCK_D, False, QUANT, HALF_D, NG, NG_P, HG,
+            DOT_DTYPE, IEEE, OWN_FP, OWN_N)
         r_l = tl.where(r_l == 0.0, 1.0, r_l)
         _store_rows(out_ptr, out_rows, r_acc, r_acc_o, 1.0 / r_l, h_mask, HEAD_DIM, BLOCK_D,
                     QUANT, NG_P * HG)
@@ -303,17 +408,19 @@ def _finish(q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, bt_ptr, cl_ptr,
 
 @triton.jit
 def _decode_stage1(q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, bt_ptr, cl_ptr,
-                   mid_o_ptr, mid_l_ptr, mid_m_ptr, out_ptr, flag_ptr, count_ptr,
+                   mid_o_ptr, mid_l_ptr, mid_m_ptr, out_ptr, flag_ptr, pk_ptr, pv_ptr, own_ptr, count_ptr,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
                    stride_sb, stride_st, stride_sh, stride_btb,
                    stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, stride_fb,
+            stride_pr, stride_pt, stride_ph,
                    qk_scale, phi2, lo2, hi2, num_splits, num_kv_heads,
                    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BS: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_S: tl.constexpr, S_CHUNK: tl.constexpr, ASYNC: tl.constexpr,
                    QUANT: tl.constexpr, HALF_D: tl.constexpr, NG: tl.constexpr,
                    NG_P: tl.constexpr, HG: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                   IEEE: tl.constexpr, FUSED: tl.constexpr, ONE_SPLIT: tl.constexpr):
+                   IEEE: tl.constexpr, FUSED: tl.constexpr, ONE_SPLIT: tl.constexpr,
+                   OWN_FP: tl.constexpr, OWN_N: tl.constexpr):
     """Stage 1: one split of one (sequence, KV head). ONE_SPLIT: the program owns the whole
     context and writes ``out`` itself (no partials). FUSED: after writing its partials, the
     program takes a ticket from the (sequence, KV head)'s counter; the last one to arrive
@@ -336,12 +443,16 @@ def _decode_stage1(q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, bt_ptr, 
                        QUANT, NG_P * HG)
 
     kvh64 = kvh.to(tl.int64)
-    acc, acc_o, l, m = _attend_range(
-        q, q_odd, bt_ptr + seq64 * stride_btb, lo, hi,
+    own_row, own_lo = _own_start(own_ptr, seq64, ctx, BS, OWN_FP)
+    pk_h = pk_ptr + kvh64 * stride_ph
+    pv_h = pv_ptr + kvh64 * stride_ph
+    acc, acc_o, l, m = _attend_ctx(
+        q, q_odd, bt_ptr + seq64 * stride_btb, lo, hi, own_row, own_lo,
         k_ptr + kvh64 * stride_kh, ks_ptr + kvh64 * stride_sh, kz_ptr + kvh64 * stride_sh,
         v_ptr + kvh64 * stride_kh, vs_ptr + kvh64 * stride_sh, vz_ptr + kvh64 * stride_sh,
-        stride_kb, stride_kt, stride_sb, stride_st, qk_scale, phi2, offs_d, d_mask,
-        BS, BLOCK_H, BLOCK_N, BLOCK_D, ASYNC, QUANT, HALF_D, NG, NG_P, HG, DOT_DTYPE, IEEE)
+        pk_h, pv_h, stride_kb, stride_kt, stride_sb, stride_st, stride_pr, stride_pt,
+        qk_scale, phi2, offs_d, d_mask, BS, BLOCK_H, BLOCK_N, BLOCK_D, ASYNC, QUANT, HALF_D,
+        NG, NG_P, HG, DOT_DTYPE, IEEE, OWN_FP, OWN_N)
     if ONE_SPLIT:
         out_rows = seq64 * stride_ob + heads.to(tl.int64) * stride_oh
         recompute = False
@@ -351,13 +462,13 @@ def _decode_stage1(q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, bt_ptr, 
             tl.store(flag_ptr + seq64 * stride_fb + heads, bad.to(tl.int32), mask=h_mask)
             recompute = tl.max(bad.to(tl.int32), 0) > 0
         if recompute:
-            r_acc, r_acc_o, r_l, r_m = _attend_range(
-                q, q_odd, bt_ptr + seq64 * stride_btb, 0, ctx,
+            r_acc, r_acc_o, r_l, r_m = _attend_ctx(
+                q, q_odd, bt_ptr + seq64 * stride_btb, 0, ctx, own_row, own_lo,
                 k_ptr + kvh64 * stride_kh, ks_ptr + kvh64 * stride_sh, kz_ptr + kvh64 * stride_sh,
                 v_ptr + kvh64 * stride_kh, vs_ptr + kvh64 * stride_sh, vz_ptr + kvh64 * stride_sh,
-                stride_kb, stride_kt, stride_sb, stride_st, qk_scale, phi2, offs_d, d_mask,
-                BS, BLOCK_H, BLOCK_N, BLOCK_D, False, QUANT, HALF_D, NG, NG_P, HG, DOT_DTYPE,
-                IEEE)
+                pk_h, pv_h, stride_kb, stride_kt, stride_sb, stride_st, stride_pr, stride_pt,
+                qk_scale, phi2, offs_d, d_mask, BS, BLOCK_H, BLOCK_N, BLOCK_D, False, QUANT,
+                HALF_D, NG, NG_P, HG, DOT_DTYPE, IEEE, OWN_FP, OWN_N)
             r_l = tl.where(r_l == 0.0, 1.0, r_l)
             _store_rows(out_ptr, out_rows, r_acc, r_acc_o, 1.0 / r_l, h_mask, HEAD_DIM, BLOCK_D,
                         QUANT, NG_P * HG)
@@ -379,39 +490,42 @@ def _decode_stage1(q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, bt_ptr, 
             ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
             if ticket == num_splits - 1:
                 _finish(q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, bt_ptr, cl_ptr,
-                        mid_o_ptr, mid_l_ptr, mid_m_ptr, out_ptr, flag_ptr, seq64, kvh,
+                        mid_o_ptr, mid_l_ptr, mid_m_ptr, out_ptr, flag_ptr, pk_ptr, pv_ptr, own_ptr, seq64, kvh,
                         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
                         stride_sb, stride_st, stride_sh, stride_btb,
                         stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, stride_fb,
+            stride_pr, stride_pt, stride_ph,
                         qk_scale, phi2, lo2, hi2, num_splits,
                         GQA, HEAD_DIM, BS, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_S, S_CHUNK, ASYNC,
-                        QUANT, HALF_D, NG, NG_P, HG, DOT_DTYPE, IEEE)
+                        QUANT, HALF_D, NG, NG_P, HG, DOT_DTYPE, IEEE, OWN_FP, OWN_N)
                 tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next call
 
 
 @triton.jit
 def _decode_stage2(q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, bt_ptr, cl_ptr,
-                   mid_o_ptr, mid_l_ptr, mid_m_ptr, out_ptr, flag_ptr,
+                   mid_o_ptr, mid_l_ptr, mid_m_ptr, out_ptr, flag_ptr, pk_ptr, pv_ptr, own_ptr,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
                    stride_sb, stride_st, stride_sh, stride_btb,
                    stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, stride_fb,
+            stride_pr, stride_pt, stride_ph,
                    qk_scale, phi2, lo2, hi2, num_splits,
                    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BS: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_S: tl.constexpr, S_CHUNK: tl.constexpr, ASYNC: tl.constexpr,
                    QUANT: tl.constexpr, HALF_D: tl.constexpr, NG: tl.constexpr,
                    NG_P: tl.constexpr, HG: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                   IEEE: tl.constexpr):
+                   IEEE: tl.constexpr, OWN_FP: tl.constexpr, OWN_N: tl.constexpr):
     """Stage 2 (unfused path), grid ``[num_seqs, num_kv_heads]``: ``_finish``."""
     _finish(q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, bt_ptr, cl_ptr,
-            mid_o_ptr, mid_l_ptr, mid_m_ptr, out_ptr, flag_ptr,
+            mid_o_ptr, mid_l_ptr, mid_m_ptr, out_ptr, flag_ptr, pk_ptr, pv_ptr, own_ptr,
             tl.program_id(0).to(tl.int64), tl.program_id(1),
             stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
             stride_sb, stride_st, stride_sh, stride_btb,
             stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, stride_fb,
+            stride_pr, stride_pt, stride_ph,
             qk_scale, phi2, lo2, hi2, num_splits,
             GQA, HEAD_DIM, BS, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_S, S_CHUNK, ASYNC,
-            QUANT, HALF_D, NG, NG_P, HG, DOT_DTYPE, IEEE)
+            QUANT, HALF_D, NG, NG_P, HG, DOT_DTYPE, IEEE, OWN_FP, OWN_N)
 
 
 # --------------------------------------------------------------------------------------------
@@ -463,8 +577,10 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def _launch(q, k, v, block_tables, context_lens, scale, *, quant_group, phi, bounds, num_splits,
-            max_context_len, block_n, num_warps, num_stages, return_flags, out, fused=None):
-    """Shared launcher; ``k``/``v`` are plain caches or QuantizedKV."""
+            max_context_len, block_n, num_warps, num_stages, return_flags, out, fused=None,
+            own=None):
+    """Shared launcher; ``k``/``v`` are plain caches or QuantizedKV; ``own`` = (pool K, pool V,
+    row per sequence) for the int4 cache's fp own blocks, or None."""
     if q.dim() != 3:
         raise ValueError(f"q must be [num_seqs, num_heads, head_dim], got {tuple(q.shape)}")
     num_seqs, num_heads, head_dim = q.shape
@@ -529,6 +645,17 @@ def _launch(q, k, v, block_tables, context_lens, scale, *, quant_group, phi, bou
         ks = kz = vs = vz = kc  # unused
         s_strides = (0, 0, 0)
         qdims = dict(HALF_D=1, NG=1, NG_P=1, HG=1)
+    if own is not None:
+        pk, pv, own_rows = own
+        if not quant or pk.shape[1:] != (bs, kv_heads, head_dim) or pv.shape != pk.shape \
+                or pk.stride() != pv.stride() or pk.stride(-1) != 1 or own_rows.shape != (num_seqs,):
+            raise ValueError(f"own-block pool: K {tuple(pk.shape)}, V {tuple(pv.shape)}, rows "
+                             f"{tuple(own_rows.shape)} do not match an int4 cache of block size "
+                             f"{bs}, {kv_heads} KV heads, head_dim {head_dim}, {num_seqs} sequences")
+        p_strides = (pk.stride(0), pk.stride(1), pk.stride(2))
+    else:
+        pk = pv = own_rows = kc  # unused
+        p_strides = (0, 0, 0)
     interp = _interpreting()
     ieee = q.dtype == torch.float32 or (interp and q.dtype == torch.bfloat16)
     dot_dtype = _dot_dtype(q.dtype)
@@ -541,21 +668,24 @@ def _launch(q, k, v, block_tables, context_lens, scale, *, quant_group, phi, bou
     hi2 = float(bounds[1]) * LOG2E if is_async else 0.0
     common = dict(GQA=gqa, HEAD_DIM=head_dim, BS=bs, BLOCK_H=block_h, BLOCK_N=block_n,
                   BLOCK_D=block_d, BLOCK_S=block_s, S_CHUNK=min(block_s, max(1, 32 // block_h)), ASYNC=is_async,
-                  QUANT=quant, **qdims, DOT_DTYPE=dot_dtype, IEEE=ieee)
+                  QUANT=quant, **qdims, DOT_DTYPE=dot_dtype, IEEE=ieee, OWN_FP=own is not None,
+                  OWN_N=_pow2(bs))
     kv_strides = (kc.stride(0), kc.stride(1), kc.stride(2))
     mid_strides = (mid_l.stride(0), mid_l.stride(1), mid_l.stride(2)) if not one_split else (0, 0, 0)
     f_stride = flags.stride(0) if flags is not out else 0
     _decode_stage1[(num_seqs, kv_heads, num_splits)](
         q, kc, ks, kz, vc, vs, vz, block_tables, context_lens, mid_o, mid_l, mid_m, out, flags,
-        count, q.stride(0), q.stride(1), *kv_strides, *s_strides, block_tables.stride(0),
-        *mid_strides, out.stride(0), out.stride(1), f_stride, qk_scale, phi2, lo2, hi2,
+        pk, pv, own_rows, count, q.stride(0), q.stride(1), *kv_strides, *s_strides,
+        block_tables.stride(0), *mid_strides, out.stride(0), out.stride(1), f_stride, *p_strides,
+        qk_scale, phi2, lo2, hi2,
         num_splits, kv_heads, **common, FUSED=use_fused, ONE_SPLIT=one_split,
         num_warps=num_warps, num_stages=num_stages)
     if not one_split and not use_fused:
         _decode_stage2[(num_seqs, kv_heads)](
             q, kc, ks, kz, vc, vs, vz, block_tables, context_lens, mid_o, mid_l, mid_m, out, flags,
-            q.stride(0), q.stride(1), *kv_strides, *s_strides, block_tables.stride(0),
-            *mid_strides, out.stride(0), out.stride(1), f_stride, qk_scale, phi2, lo2, hi2,
+            pk, pv, own_rows, q.stride(0), q.stride(1), *kv_strides, *s_strides,
+            block_tables.stride(0), *mid_strides, out.stride(0), out.stride(1), f_stride,
+            *p_strides, qk_scale, phi2, lo2, hi2,
             num_splits, **common, num_warps=4)
     if return_flags:
         return out, flags
@@ -597,13 +727,22 @@ def paged_decode_attention_int4(q: torch.Tensor, k_cache: QuantizedKV, v_cache: 
                                 num_splits: int | None = None, max_context_len: int | None = None,
                                 block_n: int | None = None, num_warps: int | None = None,
                                 num_stages: int | None = None, fused: bool | None = None,
-                                return_flags: bool = False, out: torch.Tensor | None = None):
+                                return_flags: bool = False, out: torch.Tensor | None = None,
+                                own_k: torch.Tensor | None = None, own_v: torch.Tensor | None = None,
+                                own_rows: torch.Tensor | None = None):
     """Decode attention over a 4-bit KV cache (FlexGen §5: group-wise asymmetric, groups of
     ``group_size`` along head_dim; ``quant_ref.quantize_kv``), dequantized in registers: the
     packed bytes are read as coalesced tiles, each group's scale/min once per token, and the
     nibbles unpacked by parity (even elements from low nibbles, odd from high), so the two
     halves of q.k and p@V are two tensor-core dots each. Same contract as
-    ``paged_decode_attention``; the math runs in q's dtype/float32."""
+    ``paged_decode_attention``; the math runs in q's dtype/float32.
+
+    Own block in full precision (KIVI, Liu et al. 2024, §3.3; ``localgen.runtime.offload.kv``'s
+    recent-block pool): with ``own_k``/``own_v`` ``[pool_rows, block_size, num_kv_heads,
+    head_dim]`` (q's dtype) and ``own_rows`` ``[num_seqs]`` (int), sequence i reads the slots of
+    its last block (positions ``block_size * ((ctx - 1) // block_size)`` .. ``ctx - 1``) from
+    pool row ``own_rows[i]`` and every earlier block 4-bit; ``own_rows[i] < 0`` reads all of it
+    4-bit. Raises ValueError when the pool's shape does not match the cache."""
     if k_cache.group_size != v_cache.group_size:
         raise ValueError("K and V must share the quantization group size")
     for c in (k_cache, v_cache):
@@ -614,7 +753,8 @@ def paged_decode_attention_int4(q: torch.Tensor, k_cache: QuantizedKV, v_cache: 
     return _launch(q, k_cache, v_cache, block_tables, context_lens, scale,
                    quant_group=k_cache.group_size, phi=phi, bounds=bounds, num_splits=num_splits,
                    max_context_len=max_context_len, block_n=block_n, num_warps=num_warps,
-                   num_stages=num_stages, return_flags=return_flags, out=out, fused=fused)
+                   num_stages=num_stages, return_flags=return_flags, out=out, fused=fused,
+                   own=None if own_k is None else (own_k, own_v, own_rows))
 
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_int4", "choose_num_splits",

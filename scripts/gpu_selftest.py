@@ -1,7 +1,8 @@
 """GPU self-test (run on a CUDA machine): Triton kernels vs a float64 reference on fresh random
 inputs, and the engine on CUDA vs transformers on the same tiny weights.
 
-    python scripts/gpu_selftest.py
+    python scripts/gpu_selftest.py              # everything
+    python scripts/gpu_selftest.py --int4-kv    # only the 4-bit KV write and decode kernels
 
 Needs torch, triton, transformers (no localgen install: the repo root is put on sys.path and
 kernels/ is loaded as localgen.kernels).
@@ -79,6 +80,81 @@ def check_decode_int4(dev, dtype, heads, kv_heads, head_dim, lens, phi=None, **k
                                              out=out, **kw)
     torch.cuda.synchronize()
     return rel_err(out, want)
+
+
+def check_decode_int4_own(dev, dtype, heads, kv_heads, head_dim, lens, phi=None, **kw) -> float:
+    """int4 KV decode with each sequence's own block read in fp from a pool row (one sequence
+    without a row), vs float64 attention over the dequantized cache with those slots replaced."""
+    from localgen.kernels import paged_attention_ref as ref
+    from localgen.kernels import paged_decode, quant_ref
+
+    bs = 16
+    B, maxb = len(lens), max(-(-n // bs) for n in lens)
+    nb = B * maxb + 64
+    k = torch.randn(nb, bs, kv_heads, head_dim, device=dev, dtype=dtype)
+    v = torch.randn_like(k)
+    qk, qv = quant_ref.quantize_kv(k), quant_ref.quantize_kv(v)
+    kd, vd = quant_ref.dequantize_kv(qk, torch.float64), quant_ref.dequantize_kv(qv, torch.float64)
+    perm = torch.randperm(nb, device=dev)[:B * maxb].view(B, maxb)
+    pool_k = torch.randn(B + 3, bs, kv_heads, head_dim, device=dev, dtype=dtype)
+    pool_v = torch.randn_like(pool_k)
+    rows = torch.randperm(B + 3, device=dev)[:B]
+    rows[0] = -1
+    for i, (row, n) in enumerate(zip(rows.tolist(), lens)):
+        if row >= 0:
+            blk, m = int(perm[i, (n - 1) // bs]), (n - 1) % bs + 1
+            kd[blk, :m], vd[blk, :m] = pool_k[row, :m].double(), pool_v[row, :m].double()
+    cl = torch.tensor(lens, device=dev)
+    q = torch.randn(B, heads, head_dim, device=dev, dtype=dtype)
+    want = ref.paged_decode_attention(q.double(), kd, vd, perm, cl, head_dim ** -0.5)
+    out = torch.full_like(q, float("nan"))
+    paged_decode.paged_decode_attention_int4(q, qk, qv, perm, cl, head_dim ** -0.5, phi=phi, out=out,
+                                             own_k=pool_k, own_v=pool_v, own_rows=rows, **kw)
+    torch.cuda.synchronize()
+    return rel_err(out, want)
+
+
+def check_write_int4(dev) -> list[str]:
+    """The Triton quantize-and-write kernel is bit-identical to the torch reference on the GPU
+    (exact division and round-half-even there too); returns the failing cases."""
+    from localgen.kernels import kv_write, quant_ref
+
+    bad = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for kvh, d in ((8, 128), (3, 80), (1, 64), (32, 128)):
+            n, nb, bs = 300, 64, 16
+            fused = torch.randn(n, 3 * kvh, d, device=dev, dtype=dtype) * 3
+            k, v = fused[:, kvh:2 * kvh], fused[:, 2 * kvh:]
+            slots = torch.randperm(nb * bs, device=dev)[:n]
+            ng = -(-d // 64)
+            got = [quant_ref.QuantizedKV(torch.randint(0, 256, (nb, bs, kvh, d // 2), device=dev, dtype=torch.uint8),
+                                         torch.randn(nb, bs, kvh, ng, device=dev).half(),
+                                         torch.randn(nb, bs, kvh, ng, device=dev).half()) for _ in range(2)]
+            want = [quant_ref.QuantizedKV(c.packed.clone(), c.scale.clone(), c.min.clone()) for c in got]
+            kv_write.write_kv_int4(got[0], got[1], k, v, slots)
+            quant_ref.write_kv_int4(want[0], want[1], k, v, slots)
+            same = all(torch.equal(getattr(a, f).view(torch.uint8), getattr(b, f).view(torch.uint8))
+                       for a, b in zip(got, want) for f in ("packed", "scale", "min"))
+            if not same:
+                bad.append(f"{dtype} kv{kvh} d{d}")
+    return bad
+
+
+def int4_kv_main(dev) -> int:
+    """Only the 4-bit KV kernels: quantize-and-write, int4 decode with and without the own block."""
+    bad = check_write_int4(dev)
+    print("int4 write (Triton vs torch, bit-identical):", "ok" if not bad else f"FAIL {bad}")
+    fails = len(bad)
+    for dtype, h, kvh, d in ((torch.bfloat16, 32, 8, 128), (torch.float16, 32, 32, 128),
+                             (torch.bfloat16, 9, 3, 64), (torch.float16, 16, 2, 96)):
+        tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+        for kw in (dict(), dict(phi=0.0), dict(fused=False), dict(num_splits=1)):
+            e = check_decode_int4_own(dev, dtype, h, kvh, d, [17, 1, 300, 4099, 32], **kw)
+            fails += not e < tol
+            print(f"int4 decode, own block fp {str(dtype):15s} h{h} kv{kvh} d{d} {kw}: rel err {e:.2e} "
+                  f"{'ok' if e < tol else 'FAIL'}")
+    print("int4 kv selftest failures:", fails)
+    return 1 if fails else 0
 
 
 def check_prefill(dev, dtype, heads, kv_heads, head_dim) -> float:
@@ -251,6 +327,8 @@ def main() -> int:
     dev = torch.device("cuda")
     _alias_kernels()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    if sys.argv[1:] == ["--int4-kv"]:
+        return int4_kv_main(dev)
     fails = 0
     cases = [(torch.bfloat16, 32, 8, 128), (torch.float16, 32, 8, 128), (torch.bfloat16, 9, 3, 64),
              (torch.float16, 32, 32, 80), (torch.bfloat16, 16, 2, 96), (torch.float32, 8, 1, 64)]
@@ -275,6 +353,11 @@ def main() -> int:
                 ok = e < tol
                 fails += not ok
                 print(f"int4 decode {str(dtype):15s} h{h} kv{kvh} d{d} {kw}: rel err {e:.2e} {'ok' if ok else 'FAIL'}")
+            for kw in (dict(), dict(phi=0.0), dict(fused=False), dict(num_splits=1)):
+                e = check_decode_int4_own(dev, dtype, h, kvh, d, [17, 1, 300, 4099, 32][: 5 if d == 128 else 4], **kw)
+                ok = e < tol
+                fails += not ok
+                print(f"int4 decode, own block fp {str(dtype):15s} h{h} kv{kvh} d{d} {kw}: rel err {e:.2e} {'ok' if ok else 'FAIL'}")
         e = check_prefill(dev, dtype, h, kvh, d)
         ok = e < tol
         fails += not ok

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Issue 6 on a lent H200: the offloading runtime beside accelerate and FlexGen's figures.
+# Issue 6 on a lent H100/H200: the offloading runtime beside accelerate and FlexGen's figures.
 # Run from the repo root on the GPU machine: scripts/offload_gpu_runs.sh STAGE   (writes to $OUT)
 #   selftest : scripts/offload_selftest.py (every placement on CUDA vs the resident path)
+#   int4kv   : scripts/gpu_selftest.py --int4-kv (the 4-bit KV write and decode kernels vs torch/float64)
 #   llama7b  : Llama-2-7B shape, 6 GiB cap: weights 26/74 with the cache on the CPU (attended in
 #              place by the GPU), the searched 4-bit policy; accelerate at batch 1, 8, 32 (same max_memory)
-#   llama7b_fp, llama7b_w4, llama7b_peer: the parts of llama7b in their own processes
+#   llama7b_fp, llama7b_w4, llama7b_peer: the parts of llama7b in their own processes (llama7b_w4:
+#              the search's 4-bit policy at 6 GiB on the H200 profile, 4x4 with activations 33/67)
 #   llama7b_w4cpu: 4-bit weights all on the GPU, fp16 cache on the CPU, with and without the int4 GEMM
 #   opt30b_acc: accelerate alone on OPT-30B at batch 1
 #   opt67b   : OPT-6.7B with FlexGen's measured placement (45/55, 32x4, cache on the CPU)
@@ -17,44 +19,49 @@
 #   gemm_table : M1/M2 inflection points (FlashDecoding++ §5) of Llama-2-7B's and SmolLM2's [N, K], fp16 and bf16
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+TAG=${TAG:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -o -i -E 'h100|h200' | head -1 | tr A-Z a-z)}
+TAG=${TAG:-gpu}  # output file suffix: the GPU kind
 ln -sfn ../kernels localgen/kernels; ln -sfn ../profiles localgen/profiles; export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # a capped GPU: no fragmentation slack
 B="python3 -m localgen.bench.offload_bench --profile h200 --timed-steps 1 --offload-dir /tmp/lg_off"
 for stage in "$@"; do
   case $stage in
-    selftest) timeout 150 python3 scripts/offload_selftest.py 2>&1 | tee "$OUT/offload_selftest_h200.txt" ;;
-    selftest_exact) LOCALGEN_EXACT_PIN_MIN=0 timeout 150 python3 scripts/offload_selftest.py 2>&1 | tee "$OUT/offload_selftest_exactpin_h200.txt" ;;
+    int4kv) timeout 150 python3 scripts/gpu_selftest.py --int4-kv 2>&1 | tee "$OUT/int4kv_selftest_$TAG.txt" ;;
+    selftest) timeout 200 python3 scripts/offload_selftest.py 2>&1 | tee "$OUT/offload_selftest_$TAG.txt" ;;
+    selftest_exact) LOCALGEN_EXACT_PIN_MIN=0 timeout 150 python3 scripts/offload_selftest.py 2>&1 | tee "$OUT/offload_selftest_exactpin_$TAG.txt" ;;
     llama7b_fp) timeout 200 $B --preset llama-2-7b --gpu-memory 6GiB --policy 16,8,26,74,0,100,100,0 \
-        --peer-batches '' --out "$OUT/offload_llama7b_fp_h200.json" 2>&1 | tee "$OUT/offload_llama7b_fp_h200.txt" ;;
-    llama7b_w4) timeout 200 $B --preset llama-2-7b --gpu-memory 6GiB --policy 4,3,100,0,100,0,100,0,w4,kv4 --policy 2,4,100,0,100,0,100,0,w4,kv4 \
-        --peer-batches '' --out "$OUT/offload_llama7b_w4_h200.json" 2>&1 | tee "$OUT/offload_llama7b_w4_h200.txt" ;;
+        --peer-batches '' --out "$OUT/offload_llama7b_fp_$TAG.json" 2>&1 | tee "$OUT/offload_llama7b_fp_$TAG.txt" ;;
+    llama7b_w4) timeout 300 $B --preset llama-2-7b --gpu-memory 6GiB --policy 4,4,100,0,100,0,33,67,w4,kv4 \
+        --policy 4,4,100,0,100,0,100,0,w4,kv4 --policy 2,4,100,0,100,0,100,0,w4,kv4 \
+        --peer-batches '' --out "$OUT/offload_llama7b_w4_$TAG.json" 2>&1 | tee "$OUT/offload_llama7b_w4_$TAG.txt" ;;
     llama7b_w4cpu) for g in 1 0; do LOCALGEN_INT4_GEMM=$g timeout 150 $B --preset llama-2-7b --gpu-memory 6GiB \
         --policy 16,8,100,0,0,100,100,0,w4 --peer-batches '' --out "$OUT/offload_llama7b_w4cpu_gemm$g.json" \
         2>&1 | tee "$OUT/offload_llama7b_w4cpu_gemm$g.txt"; done ;;
     opt30b_acc) timeout 300 $B --preset opt-30b --gpu-memory 16GiB --peer-batches 1 \
-        --out "$OUT/offload_opt30b_acc_h200.json" 2>&1 | tee "$OUT/offload_opt30b_acc_h200.txt" ;;
+        --out "$OUT/offload_opt30b_acc_$TAG.json" 2>&1 | tee "$OUT/offload_opt30b_acc_$TAG.txt" ;;
     llama7b_peer) timeout 330 $B --preset llama-2-7b --gpu-memory 6GiB --peer-batches 1,8,32 \
-        --out "$OUT/offload_llama7b_peer_h200.json" 2>&1 | tee "$OUT/offload_llama7b_peer_h200.txt" ;;
+        --out "$OUT/offload_llama7b_peer_$TAG.json" 2>&1 | tee "$OUT/offload_llama7b_peer_$TAG.txt" ;;
     llama7b) timeout 400 $B --preset llama-2-7b --gpu-memory 6GiB \
         --policy 16,8,26,74,0,100,100,0 --policy 4,4,100,0,100,0,100,0,w4,kv4 \
-        --peer-batches 1,8,32 --out "$OUT/offload_llama7b_h200.json" 2>&1 | tee "$OUT/offload_llama7b_h200.txt" ;;
+        --peer-batches 1,8,32 --out "$OUT/offload_llama7b_$TAG.json" 2>&1 | tee "$OUT/offload_llama7b_$TAG.txt" ;;
     opt67b) timeout 200 $B --preset opt-6.7b --gpu-memory none \
         --policy 32,4,45,55,0,100,100,0 --peer-batches '' \
-        --out "$OUT/offload_opt67b_h200.json" 2>&1 | tee "$OUT/offload_opt67b_h200.txt" ;;
+        --out "$OUT/offload_opt67b_$TAG.json" 2>&1 | tee "$OUT/offload_opt67b_$TAG.txt" ;;
     opt30b) timeout 560 $B --preset opt-30b --gpu-memory 16GiB \
         --policy 32,2,10,90,0,100,100,0 --peer-batches '' \
-        --out "$OUT/offload_opt30b_h200.json" 2>&1 | tee "$OUT/offload_opt30b_h200.txt" ;;
-    int4check) timeout 240 python3 -c "import sys, torch; sys.path.insert(0, 'scripts'); import gpu_selftest as g; g._alias_kernels(); print(g.check_int4_linear(torch.device('cuda')))" 2>&1 | tee "$OUT/int4_linear_check_h200.txt" ;;
+        --out "$OUT/offload_opt30b_$TAG.json" 2>&1 | tee "$OUT/offload_opt30b_$TAG.txt" ;;
+    int4check) timeout 240 python3 -c "import sys, torch; sys.path.insert(0, 'scripts'); import gpu_selftest as g; g._alias_kernels(); print(g.check_int4_linear(torch.device('cuda')))" 2>&1 | tee "$OUT/int4_linear_check_$TAG.txt" ;;
     limits) cat /sys/fs/cgroup/memory.max /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null; ulimit -a | grep -i -E "mem|lock" ;;
-    cpuattn) timeout 200 python3 scripts/cpu_attention_bench.py 2>&1 | tee "$OUT/cpu_attention_h200_host.txt" ;;
+    cpuattn) timeout 200 python3 scripts/cpu_attention_bench.py 2>&1 | tee "$OUT/cpu_attention_${TAG}_host.txt" ;;
     llama7b_short) timeout 300 $B --preset llama-2-7b --gpu-memory 6GiB --gen-len 3 \
-        --policy 16,8,26,74,0,100,100,0,cpuattn --peer-batches '' 2>&1 | tee "$OUT/offload_llama7b_short_h200.txt" ;;
+        --policy 16,8,26,74,0,100,100,0,cpuattn --peer-batches '' 2>&1 | tee "$OUT/offload_llama7b_short_$TAG.txt" ;;
     opt30b_peer) timeout 560 $B --preset opt-30b --gpu-memory 16GiB --policy 4,14,9,91,100,0,0,100,w4,kv4 --peer-batches 1 \
-        --out "$OUT/offload_opt30b_peer_h200.json" 2>&1 | tee "$OUT/offload_opt30b_peer_h200.txt" ;;
+        --out "$OUT/offload_opt30b_peer_$TAG.json" 2>&1 | tee "$OUT/offload_opt30b_peer_$TAG.txt" ;;
     profile_w4) timeout 300 python3 scripts/offload_profile.py --preset llama-2-7b --gpu-memory 6GiB \
         --policy 2,4,100,0,100,0,100,0,w4,kv4 2>&1 | tee "$OUT/offload_profile_w4.txt" ;;
     cpuattn_probe) timeout 120 python3 -c "from localgen.profiler import probes; [print('cpu attention probe', s, round(probes.probe_cpu_attention(s) / 1e9, 2), 'GB/s of fp16 K/V') for s in ((16, 32, 128, 544), (8, 32, 128, 544))]" 2>&1 | tee "$OUT/cpuattn_probe.txt" ;;
-    gemm_table) for dt in float16 bfloat16; do timeout 200 python3 -m localgen.kernels.dispatch --dtype $dt \
+    profile) timeout 300 python3 -c "import sys; from localgen.profiler.probes import run_profile; hw = run_profile('/tmp/lg_prof', progress=lambda n, i, t: print(n, i, t, flush=True)); print(hw.to_json()); hw.save(sys.argv[1])" "$OUT/profile_$TAG.json" 2>&1 | tee "$OUT/profile_$TAG.txt" ;;
+  gemm_table) for dt in float16 bfloat16; do timeout 200 python3 -m localgen.kernels.dispatch --dtype $dt \
         --shapes 4096x4096,11008x4096,4096x11008,12288x4096,22016x4096,960x576,576x576,3072x576,576x1536 \
         --out "$OUT/gemm_$dt.json" 2>&1 | tee "$OUT/gemm_$dt.txt"; done ;;
   esac

@@ -198,6 +198,49 @@ def test_int4_decode_matches_dequantized_reference(seed, head_dim, heads, kv_hea
     assert rel_err(got, want) < 1e-2, f"seed={seed} err={rel_err(got, want)}"
 
 
+@pytest.mark.parametrize("softmax", ["sync", "async", "recompute"])
+def test_int4_decode_reads_own_blocks_from_the_fp_pool(seed, softmax):
+    """KIVI-style own block: each sequence with a pool row reads its last block's slots in fp from
+    the row (non-contiguous pool, shuffled rows), earlier blocks 4-bit; row -1 reads all 4-bit.
+    Lengths on and off block boundaries (a lone token in a fresh block, a full last block), splits
+    that cut the own block, and an outlier row in the pool that forces the recompute path."""
+    heads, kv_heads, head_dim = 8, 2, 64
+    lens = [1, BS, BS + 1, random.randint(2 * BS + 2, 3 * BS - 1), random.randint(3 * BS, 6 * BS)]
+    q, k, v, bt, cl = decode_case(torch.bfloat16, heads, kv_heads, head_dim, lens)
+    qk, qv = qr.quantize_kv(k), qr.quantize_kv(v)
+    kd, vd = qr.dequantize_kv(qk, torch.float64), qr.dequantize_kv(qv, torch.float64)
+    pool_k = torch.randn(9, BS, 2 * kv_heads, head_dim, dtype=torch.bfloat16)[:, :, 1::2]
+    pool_v = torch.randn(9, BS, 2 * kv_heads, head_dim, dtype=torch.bfloat16)[:, :, 1::2]
+    rows = torch.tensor(random.sample(range(9), len(lens)))
+    rows[random.randrange(len(lens))] = -1
+    if softmax == "recompute":
+        seq = int(torch.nonzero(rows >= 0)[0])
+        # a key along each KV head's first query head: that score is ~ 30 * |q|^2 / 8, far above
+        # the safe range, in every draw
+        pool_k[rows[seq], (lens[seq] - 1) % BS] = 30 * q[seq, ::heads // kv_heads]
+    for i, (row, n) in enumerate(zip(rows.tolist(), lens)):  # the reference reads the same values
+        if row >= 0:
+            blk, m = int(bt[i, (n - 1) // BS]), (n - 1) % BS + 1
+            kd[blk, :m], vd[blk, :m] = pool_k[row, :m].double(), pool_v[row, :m].double()
+    scale = head_dim ** -0.5
+    want = ref.paged_decode_attention(q.double(), kd, vd, bt, cl, scale)
+    got, flags = paged_decode_attention_int4(
+        q, qk, qv, bt, cl, scale, num_splits=random.choice([1, 3, 7]), block_n=16,
+        fused=random.choice([True, False]), phi=None if softmax == "sync" else 0.0,
+        out=poisoned(q), return_flags=True, own_k=pool_k, own_v=pool_v, own_rows=rows)
+    assert rel_err(got, want) < 1e-2, f"seed={seed} err={rel_err(got, want)}"
+    assert bool(flags.any()) == (softmax == "recompute"), f"seed={seed}"
+
+
+def test_int4_decode_rejects_a_mismatched_pool():
+    q, k, v, bt, cl = decode_case(torch.bfloat16, 4, 2, 64, [5, 20])
+    qk, qv = qr.quantize_kv(k), qr.quantize_kv(v)
+    pool = torch.zeros(3, BS + 1, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="own-block pool"):
+        paged_decode_attention_int4(q, qk, qv, bt, cl, 0.125, own_k=pool, own_v=pool,
+                                    own_rows=torch.tensor([0, 1]))
+
+
 def test_int4_recompute_and_fused_counters_reset(seed):
     """int4 rows forced through the recompute path (phi far above every score), fused combine;
     the fused path leaves its ticket counters at zero for the next call (CUDA-graph replays)."""
@@ -331,3 +374,82 @@ def test_write_kv_matches_index_copy(seed, dtype, kv_heads, head_dim):
         assert bool((flat_g[untouched] == 7.0).all()), f"seed={seed}: wrote outside the slots"
     with pytest.raises(ValueError, match="do not match"):
         write_kv(got_k, got_v, k, v, slots[:-1])
+
+
+def _garbage_int4_cache(nb, kv_heads, head_dim, group):
+    """A QuantizedKV filled with random bytes (scale/min: random fp16 bit patterns, NaNs
+    included), so unwritten slots can be checked bit for bit."""
+    s = (nb, BS, kv_heads, -(-head_dim // group))
+    scale, mn = torch.randint(-(1 << 15), 1 << 15, (2, *s), dtype=torch.int16).view(torch.float16)
+    return qr.QuantizedKV(torch.randint(0, 256, (*s[:3], head_dim // 2), dtype=torch.uint8),
+                          scale, mn, group)
+
+
+def _int4_bits(c):  # integer views: exact comparison, NaN and -0.0 included
+    return c.packed, c.scale.view(torch.int16), c.min.view(torch.int16)
+
+
+def _clone_int4(c):
+    return qr.QuantizedKV(c.packed.clone(), c.scale.clone(), c.min.clone(), c.group_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("kv_heads,head_dim,group", [(1, 64, 64), (3, 80, 64), (8, 128, 32)])
+def test_write_kv_int4_kernel_bit_identical(seed, dtype, kv_heads, head_dim, group):
+    from localgen.kernels.kv_write import write_kv_int4
+
+    nb, n = 3, 12
+    # k/v as strided views of a fused qkv row; per-(token, head) ranges vary
+    qkv = torch.randn(n, kv_heads * 4, head_dim) * torch.rand(n, kv_heads * 4, 1) * 8
+    qkv[0, 2 * kv_heads:] = 1.5 + torch.randn(()).item()  # token 0's K and V: zero-range groups
+    qkv[2] += 20  # all positive, token 3 all negative: padding must not enter a short group's min/max
+    qkv[3] -= 20
+    # token 1's K, head 0, every group: min m*s, max (m + 15)*s, the rest exactly halfway between
+    # codes, (x - min) / scale = c + 0.5: the codes must round half to even
+    s = random.choice([0.25, 0.5, 1.0, 2.0])
+    m = random.randint(-8, 8)
+    c = torch.randint(0, 15, (head_dim,))
+    row = s * (m + c + 0.5)
+    starts = list(range(0, head_dim, group))
+    for a in starts:
+        row[a], row[a + 1] = m * s, (m + 15) * s
+    qkv[1, 2 * kv_heads] = row
+    qkv = qkv.to(dtype)
+    k, v = qkv[:, 2 * kv_heads:3 * kv_heads], qkv[:, 3 * kv_heads:]
+    slots = torch.randperm(nb * BS)[:n]
+    got_k, got_v = _garbage_int4_cache(nb, kv_heads, head_dim, group), \
+        _garbage_int4_cache(nb, kv_heads, head_dim, group)
+    want_k, want_v = _clone_int4(got_k), _clone_int4(got_v)
+    qr.write_kv_int4(want_k, want_v, k, v, slots)
+    write_kv_int4(got_k, got_v, k, v, slots)
+    for got, want in ((got_k, want_k), (got_v, want_v)):
+        for g_t, w_t in zip(_int4_bits(got), _int4_bits(want)):
+            assert torch.equal(g_t, w_t), f"seed={seed}"  # unwritten slots: garbage kept
+    # independent oracle for the crafted row: half-way codes go to the even neighbour
+    packed = got_k.packed.view(-1, kv_heads, head_dim // 2)[slots[1], 0]
+    codes = torch.stack([packed & 15, packed >> 4], -1).flatten().long()
+    want_codes = c + c % 2
+    for a in starts:
+        want_codes[a], want_codes[a + 1] = 0, 15
+    assert torch.equal(codes, want_codes), f"seed={seed}"
+    assert bool((got_v.scale.view(-1, kv_heads, got_v.scale.shape[-1])[slots[0]] == 0).all())
+
+
+def test_write_kv_int4_kernel_validates(seed):
+    from localgen.kernels.kv_write import write_kv_int4
+
+    kc, vc = _garbage_int4_cache(2, 2, 64, 64), _garbage_int4_cache(2, 2, 64, 64)
+    k = v = torch.randn(3, 2, 64)
+    slots = torch.tensor([0, 5, 17])
+    with pytest.raises(ValueError, match="do not match"):
+        write_kv_int4(kc, vc, k, v, slots[:-1])
+    with pytest.raises(ValueError, match="do not match"):
+        write_kv_int4(kc, vc, torch.randn(3, 2, 80), torch.randn(3, 2, 80), slots)
+    with pytest.raises(ValueError, match="power of two"):
+        write_kv_int4(kc, _garbage_int4_cache(2, 2, 64, 32), k, v, slots)
+    with pytest.raises(ValueError, match="contiguous"):
+        write_kv_int4(qr.QuantizedKV(kc.packed.transpose(0, 1).contiguous().transpose(0, 1),
+                                     kc.scale, kc.min), vc, k, v, slots)
+    with pytest.raises(ValueError, match="bf16/fp16/fp32"):
+        write_kv_int4(kc, vc, k.double(), v.double(), slots)
+    write_kv_int4(kc, vc, k[:0], v[:0], slots[:0])  # no tokens: no launch

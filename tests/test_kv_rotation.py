@@ -4,18 +4,33 @@ channels; each query reads its own block in full precision, in prefill as in dec
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
 
-from localgen.kernels import paged_attention_ref as ref
-from localgen.kernels.quant_ref import dequantize_int4, quantize_int4
-from localgen.kv.attention import AttentionMetadata
-from localgen.models.config import ModelConfig
-from localgen.runtime.offload.kv import TieredKVCache, kv_rotation
-from localgen.runtime.offload.timers import Timers
-from tests.tiny_models import make_config
+os.environ["TRITON_INTERPRET"] = "1"  # the "kernels" path runs the Triton kernels on the CPU
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from localgen.kernels import paged_attention_ref as ref  # noqa: E402
+from localgen.kernels.quant_ref import dequantize_int4, quantize_int4  # noqa: E402
+from localgen.kv.attention import AttentionMetadata  # noqa: E402
+from localgen.models.config import ModelConfig  # noqa: E402
+from localgen.runtime.offload import kv as offload_kv  # noqa: E402
+from localgen.runtime.offload.kv import TieredKVCache, kv_rotation  # noqa: E402
+from localgen.runtime.offload.timers import Timers  # noqa: E402
+from tests.tiny_models import make_config  # noqa: E402
 
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(params=["reference", "kernels"])
+def int4_path(request, monkeypatch):
+    """Run a test over the torch reference path and over the Triton kernels (quantize-and-write,
+    int4 paged decode reading the own block from the pool) that a CUDA cache takes."""
+    if request.param == "kernels":
+        pytest.importorskip("triton")
+        monkeypatch.setattr(offload_kv, "INT4_KERNEL_DEVICES", ("cuda", "cpu"))
+    return request.param
 
 
 def config(head_dim: int) -> ModelConfig:
@@ -143,7 +158,7 @@ def reference_recent(q, k, v, scale, bs, rot):
     return torch.stack(outs)
 
 
-def test_recent_block_prefill_equals_decode_and_reference():
+def test_recent_block_prefill_equals_decode_and_reference(int4_path):
     """With the pool, one prefill, a chunked prefill and token-by-token decode all give the
     reference: own block fp, earlier blocks 4-bit."""
     cfg = config(64)
@@ -170,7 +185,7 @@ def test_recent_block_prefill_equals_decode_and_reference():
     assert (one - fp).norm() < 0.7 * (off - fp).norm()
 
 
-def test_recent_pool_batched_decode_and_eviction():
+def test_recent_pool_batched_decode_and_eviction(int4_path):
     """Batched decode of sequences of different lengths equals decoding each alone; with a pool of
     one block, the evicted sequence falls back to its 4-bit values (still the 4-bit reference)."""
     cfg = config(64)
@@ -297,7 +312,7 @@ def test_decode_with_a_shared_own_block_takes_the_general_path():
     torch.testing.assert_close(both, torch.cat(one), atol=1e-5, rtol=1e-5)
 
 
-def test_row_remade_mid_block_starts_from_4bit_values():
+def test_row_remade_mid_block_starts_from_4bit_values(int4_path):
     """A sequence whose pool row was evicted gets a new one mid-block: the slots written before
     read 4-bit, every token from then on fp (the pool's invariant), over two decode steps."""
     cfg = config(64)

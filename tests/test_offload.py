@@ -3,16 +3,20 @@ path's greedy tokens; disk placements really read their files; 4-bit runs stay w
 
 from __future__ import annotations
 
-import warnings
+import os
 
-import numpy as np
-import pytest
-import torch
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the int4 kernel path test
 
-from localgen.api import LLM, Request, SamplingParams
-from localgen.policy import Policy
-from tests.test_engine_vs_hf import run_staggered
-from tests.tiny_models import VARIANTS, make_hf_model
+import warnings  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from localgen.api import LLM, Request, SamplingParams  # noqa: E402
+from localgen.policy import Policy  # noqa: E402
+from tests.test_engine_vs_hf import run_staggered  # noqa: E402
+from tests.tiny_models import VARIANTS, make_hf_model  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 KV = 1 << 22
@@ -230,6 +234,24 @@ def test_compressed_logits_close(dirs):
     assert torch.equal(res["kv4"].argmax(-1), res["plain"].argmax(-1))
     top2 = res["w4kv4"].topk(2, -1).indices
     assert (top2 == res["plain"].argmax(-1)[:, None]).any(-1).all()
+
+
+def test_int4_kernel_path_gives_the_reference_tokens(dirs, monkeypatch):
+    """A 4-bit cache on the compute device (rotated, own blocks in the pool) as a CUDA run takes
+    it (Triton quantize-and-write and int4 paged decode, here under TRITON_INTERPRET=1) gives the
+    torch reference path's greedy tokens, over staggered prefill/decode batches and two GPU batches."""
+    pytest.importorskip("triton")
+    from localgen.runtime.offload import kv as offload_kv
+
+    pol = P(compress_cache=True, gbs=2, ngb=2)
+    runs = {}
+    for path, devices in (("reference", ("cuda",)), ("kernels", ("cuda", "cpu"))):
+        monkeypatch.setattr(offload_kv, "INT4_KERNEL_DEVICES", devices)
+        llm = LLM.load(str(dirs["llama3"]), device="cpu", kv_cache_memory=KV, block_size=4,
+                       max_num_seqs=4, policy=pol)
+        runs[path] = staggered(llm, prompts())
+        assert all(v._kernels == (path == "kernels") for v in llm.engine.kv_cache.views)
+    assert runs["kernels"] == runs["reference"]
 
 
 def test_pinning_failure_falls_back_to_pageable(monkeypatch):

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from localgen.kernels import paged_attention_ref as ref
-from localgen.kernels.quant_ref import GROUP_SIZE, dequantize_int4, quantize_int4
+from localgen.kernels.quant_ref import GROUP_SIZE, QuantizedKV, dequantize_int4, quantize_int4
 from localgen.kv.attention import AttentionMetadata, LayerKV, fresh_prefill_attention
 from localgen.models.config import ModelConfig
 from localgen.runtime.offload.memory import Layout, host_empty
@@ -56,6 +56,9 @@ from localgen.runtime.offload.timers import Timers
 
 
 DEFAULT_RECENT_BLOCKS = 64  # fp pool rows per layer when the caller does not say (one per sequence)
+# where a 4-bit cache on the compute device goes through the Triton kernels (tests add "cpu"
+# under TRITON_INTERPRET=1)
+INT4_KERNEL_DEVICES = ("cuda",)
 
 
 def kv_layer_bytes(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -130,6 +133,7 @@ class TierKV:
         self._free: list[int] = []
         self.plans = plans if plans is not None else _PlanCache()
         self.mapped: bool | None = None  # decided on first use (``_zero_copy``)
+        self._kernels: bool | None = None  # decided on first use (``_int4_kernels``)
         self.stored: "torch.cuda.Event | None" = None  # a side-stream store still in flight
         self.prefill_temp_per_token = prefill_temp_per_token  # ``prefill_temp_bytes_per_token``
 
@@ -151,6 +155,10 @@ class TierKV:
         self._store(k, v, slots)
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        if self._int4_kernels():  # quantize and write in one Triton launch
+            with self.timers.section("compute"):
+                _triton_kernels()[2].write_kv_int4(self._packed("k"), self._packed("v"), k, v, slots)
+            return
         off = self.store_device != k.device
         slots = slots.to(self.store_device)
         for name, x in (("k", k), ("v", v)):
@@ -163,6 +171,19 @@ class TierKV:
                         src = src.to(self.store_device)
                 with self.timers.section("ctod" if self.tier == "disk" else "compute"):
                     dst.view(-1, *dst.shape[2:]).index_copy_(0, slots, src.to(dst.dtype))
+
+    def _packed(self, name: str) -> QuantizedKV:
+        return QuantizedKV(self.t[name + "#packed"], self.t[name + "#scale"], self.t[name + "#min"],
+                           GROUP_SIZE)
+
+    def _int4_kernels(self) -> bool:
+        """A 4-bit cache on the compute device, where the Triton kernels run (CUDA): quantized
+        writes and decode attention go through them instead of the torch reference twins."""
+        if self._kernels is None:
+            self._kernels = bool(self.compress and self.store_device == self.device
+                                 and self.device.type in INT4_KERNEL_DEVICES
+                                 and _triton_kernels() is not None)
+        return self._kernels
 
     def _blocks(self, name: str, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Blocks ``ids`` of K or V, dequantized, on ``device`` in the compute dtype."""
@@ -195,6 +216,10 @@ class TierKV:
             self._await_store()
             out = self._attend_mapped(q, k, v, meta, scale)
             if out is not None:
+                return out if self.rot is None else _rotate(out, self.rot_t).to(out.dtype)
+        if self._int4_kernels() and not meta.is_prefill:
+            with self.timers.section("compute"):
+                out = self._decode_int4(q, k, v, meta, scale)
                 return out if self.rot is None else _rotate(out, self.rot_t).to(out.dtype)
         self._store(k, v, meta.slot_mapping)
         on_cpu = (self.cpu_compute and not meta.is_prefill and self.tier != "gpu"
@@ -299,8 +324,44 @@ class TierKV:
         return (meta.is_prefill and not self.compress and self.store_device != self.device
                 and meta.context_lens_list == list(meta.query_lens))
 
+    def _decode_int4(self, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """A decode step over the 4-bit cache in place, in three launches besides the pool's two
+        small writes: quantize-and-write the new K/V, then the int4 paged-decode kernel, which
+        reads each sequence's own block in fp from its pool row (KIVI) and every earlier block
+        4-bit, dequantized in registers (FlexGen §5); nothing is gathered. Same result as the
+        reference path (``_attend_recent``), which it falls back to when a sequence gets no pool
+        row or shares its last block."""
+        decode, _prefill, kv_write = _triton_kernels()
+        kc, vc = self._packed("k"), self._packed("v")
+        kv_write.write_kv_int4(kc, vc, k, v, meta.slot_mapping)
+        plan = self.plans.get(meta, self.block_size)
+        own = None
+        if self.recent_blocks:
+            if plan.decode is None:
+                return self._decode_int4_reference(q, k, v, meta, scale, plan, None)
+            rows, init = self._assign_rows(plan, meta)
+            if min(rows) < 0:
+                return self._decode_int4_reference(q, k, v, meta, scale, plan, (rows, init))
+            dev = self.store_device
+            if init:  # rows (re)made mid-block start from the block's 4-bit values
+                ri = plan.tensor("init_rows", [rows[i] for i in init], dev)
+                ids = torch.tensor([plan.decode[0][i] for i in init])
+                self.pool_k[ri], self.pool_v[ri] = self._blocks("k", ids, dev), self._blocks("v", ids, dev)
+            r_t, o_t = plan.tensor("rows", rows, dev), plan.tensor("offs", plan.decode[1], dev)
+            self.pool_k[r_t, o_t] = k.to(self.dtype)
+            self.pool_v[r_t, o_t] = v.to(self.dtype)
+            own = dict(own_k=self.pool_k, own_v=self.pool_v, own_rows=r_t)
+        return decode.paged_decode_attention_int4(
+            q, kc, vc, meta.block_tables, meta.context_lens, scale,
+            max_context_len=max(meta.context_lens_list), **(own or {}))
+
+    def _decode_int4_reference(self, q, k, v, meta, scale, plan, assigned):
+        """The gather path for the rare steps the kernel does not take (K/V already written)."""
+        kc, vc = self._blocks("k", plan.ids, self.device), self._blocks("v", plan.ids, self.device)
+        return self._attend_recent(q, k, v, kc, vc, plan, meta, scale, self.device, assigned)
+
     # -- the recent-block pool ---------------------------------------------------------------------
-    def _attend_recent(self, q, k, v, kc, vc, plan: "_StepPlan", meta, scale, where):
+    def _attend_recent(self, q, k, v, kc, vc, plan: "_StepPlan", meta, scale, where, assigned=None):
         """Attention where each query reads its own block in fp and earlier blocks 4-bit; the pool
         keeps each sequence's last block (module docstring). Same shapes as ``attend``; ``kc``/``vc``
         are the gathered, dequantized blocks ``[len(plan.ids), block_size, kvh, d]`` (this call's
@@ -308,13 +369,14 @@ class TierKV:
 
         Pool invariant: a row holds, for every slot of its block written so far, the fp value, or
         the 4-bit one where the row was (re)made after the slot was written (eviction, prefix
-        cache), so a row is read whole, with no per-slot mask."""
+        cache), so a row is read whole, with no per-slot mask. ``assigned``: this step's
+        ``_assign_rows`` result when the caller already made it (it must run once a step)."""
         if plan.decode is None:
             out = self._attend_recent_general(q, k, v, kc, vc, plan, meta, scale, where)
             self._keep_recent(plan, meta, k, v, kc, vc)
             return out
         offs = plan.decode[1]
-        rows, init = self._assign_rows(plan, meta)
+        rows, init = assigned or self._assign_rows(plan, meta)
         dev = self.store_device
         if init:  # rows (re)made mid-block start from the block's 4-bit values
             ri = plan.tensor("init_rows", [rows[i] for i in init], dev)
