@@ -40,7 +40,9 @@ def quantize_int4(x: torch.Tensor, group_size: int = GROUP_SIZE, dim: int = -1
     g = xf.unflatten(dim, (ngroups, group_size))
     lo, hi = g.amin(dim + 1, keepdim=True), g.amax(dim + 1, keepdim=True)
     mn = lo.half()
-    scale = ((hi - lo) / 15).half()
+    # divided by a tensor on x's device: torch on CUDA turns division by a Python scalar into a
+    # multiply by its reciprocal, which rounds differently from the CPU (and the Triton kernels)
+    scale = ((hi - lo) / torch.full((), 15.0, device=hi.device)).half()
     s32 = scale.float()
     safe = torch.where(s32 == 0, torch.ones_like(s32), s32)
     codes = torch.round((g - mn.float()) / safe).clamp_(0, 15)

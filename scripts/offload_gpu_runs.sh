@@ -58,7 +58,7 @@ for stage in "$@"; do
     opt30b_peer) timeout 560 $B --preset opt-30b --gpu-memory 16GiB --policy 4,14,9,91,100,0,0,100,w4,kv4 --peer-batches 1 \
         --out "$OUT/offload_opt30b_peer_$TAG.json" 2>&1 | tee "$OUT/offload_opt30b_peer_$TAG.txt" ;;
     profile_w4) timeout 300 python3 scripts/offload_profile.py --preset llama-2-7b --gpu-memory 6GiB \
-        --policy 2,4,100,0,100,0,100,0,w4,kv4 2>&1 | tee "$OUT/offload_profile_w4.txt" ;;
+        --policy 4,4,100,0,100,0,100,0,w4,kv4 2>&1 | tee "$OUT/offload_profile_w4_$TAG.txt" ;;
     cpuattn_probe) timeout 120 python3 -c "from localgen.profiler import probes; [print('cpu attention probe', s, round(probes.probe_cpu_attention(s) / 1e9, 2), 'GB/s of fp16 K/V') for s in ((16, 32, 128, 544), (8, 32, 128, 544))]" 2>&1 | tee "$OUT/cpuattn_probe.txt" ;;
     profile) timeout 300 python3 -c "import sys; from localgen.profiler.probes import run_profile; hw = run_profile('/tmp/lg_prof', progress=lambda n, i, t: print(n, i, t, flush=True)); print(hw.to_json()); hw.save(sys.argv[1])" "$OUT/profile_$TAG.json" 2>&1 | tee "$OUT/profile_$TAG.txt" ;;
   gemm_table) for dt in float16 bfloat16; do timeout 200 python3 -m localgen.kernels.dispatch --dtype $dt \

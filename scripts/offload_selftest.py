@@ -10,6 +10,7 @@ attention delegation with activations crossing PCIe.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import tempfile
 import time
@@ -36,6 +37,24 @@ def generate(cfg, store, policy=None, offload_dir=None, device="cuda") -> list[l
     if policy is not None:
         llm.engine.model.layers.close()
     return [o.token_ids for o in outs]
+
+
+@contextlib.contextmanager
+def count_calls(name: str):
+    """Count calls of ``localgen.kernels.paged_decode.<name>`` inside the block (a list of 1s)."""
+    from localgen.kernels import paged_decode
+
+    calls, real = [], getattr(paged_decode, name)
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    setattr(paged_decode, name, spy)
+    try:
+        yield calls
+    finally:
+        setattr(paged_decode, name, real)
 
 
 def placements():
@@ -77,11 +96,15 @@ def main(argv=None) -> int:
         for name, (pol, exact) in placements().items():
             t = time.time()
             try:
-                got = generate(cfg, store, pol, offload_dir=str(Path(tmp) / name), device=dev)
+                with count_calls("paged_decode_attention_int4") as calls:
+                    got = generate(cfg, store, pol, offload_dir=str(Path(tmp) / name), device=dev)
             except Exception as e:  # report and go on
                 fails += 1
                 print(f"offload {name:26s} FAILED: {e!r}")
                 continue
+            if name.endswith("_kernels") and dev == "cuda" and not calls:  # silently on the gather path
+                fails += 1
+                print(f"offload {name:26s} FAIL: the int4 decode kernel never ran")
             # 4-bit placements: compared with the same policy on the CPU (the CI-tested path);
             # the quantization is deterministic, so only float rounding may flip a greedy token
             ref = want if exact else got if dev == "cpu" else generate(

@@ -254,6 +254,17 @@ def test_int4_kernel_path_gives_the_reference_tokens(dirs, monkeypatch):
     assert runs["kernels"] == runs["reference"]
 
 
+def test_bare_cuda_device_is_resolved(monkeypatch):
+    """The cache compares its compute device with its tensors' devices; a bare "cuda" must become
+    "cuda:<current>" first (it once sent a GPU-tier 4-bit cache down the gather path)."""
+    from localgen.runtime.offload.kv import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert resolve_device("cuda") == torch.device("cuda:1")
+    assert resolve_device(torch.device("cuda:0")) == torch.device("cuda:0")
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
 def test_pinning_failure_falls_back_to_pageable(monkeypatch):
     from localgen.runtime.offload import memory
 

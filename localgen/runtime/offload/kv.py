@@ -61,6 +61,16 @@ DEFAULT_RECENT_BLOCKS = 64  # fp pool rows per layer when the caller does not sa
 INT4_KERNEL_DEVICES = ("cuda",)
 
 
+def resolve_device(device: torch.device | str) -> torch.device:
+    """``device`` with a bare "cuda" made "cuda:<current>": tensors report an index, and
+    ``torch.device("cuda") != torch.device("cuda:0")``, so comparing a bare compute device with a
+    cache tensor's device silently took the gather path for a GPU-tier 4-bit cache."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
 def kv_layer_bytes(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                    compress: bool) -> int:
     """Stored bytes of one layer's K and V."""
@@ -118,7 +128,7 @@ class TierKV:
                  rotation: torch.Tensor | None = None, recent_blocks: int = 0,
                  plans: "_PlanCache | None" = None, prefill_temp_per_token: int = 0):
         self.t, self.tier, self.compress = tensors, tier, compress
-        self.device, self.dtype, self.cpu_compute, self.timers = compute_device, dtype, cpu_compute, timers
+        self.device, self.dtype, self.cpu_compute, self.timers = resolve_device(compute_device), dtype, cpu_compute, timers
         key = tensors["k#packed" if compress else "k"]
         self.store_device = key.device
         self.block_size, self.kv_heads = key.shape[1], key.shape[2]
@@ -655,7 +665,7 @@ class TieredKVCache:
                  offload_dir: str | os.PathLike | None, timers: Timers, rotate: bool | None = None,
                  recent_blocks: int | None = None):
         self.num_blocks, self.block_size, self.tiers = num_blocks, block_size, list(tiers)
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         lay = Layout(_kv_items(cfg, num_blocks, block_size, dtype, compress))
         if recent_blocks is None:
             recent_blocks = DEFAULT_RECENT_BLOCKS
