@@ -7,6 +7,8 @@
 #              place by the GPU), the searched 4-bit policy; accelerate at batch 1, 8, 32 (same max_memory)
 #   llama7b_fp, llama7b_w4, llama7b_peer: the parts of llama7b in their own processes (llama7b_w4:
 #              the search's 4-bit policy at 6 GiB on the H200 profile, 4x4 with activations 33/67)
+#   llama7b_w4big: 4-bit weights and KV all on the GPU in fewer, larger GPU batches (16x1, 8x2): the
+#              host cost is per layer per GPU batch
 #   llama7b_w4cpu: 4-bit weights all on the GPU, fp16 cache on the CPU, with and without the int4 GEMM
 #   opt30b_acc: accelerate alone on OPT-30B at batch 1
 #   opt67b   : OPT-6.7B with FlexGen's measured placement (45/55, 32x4, cache on the CPU)
@@ -34,6 +36,8 @@ for stage in "$@"; do
     llama7b_w4) timeout 300 $B --preset llama-2-7b --gpu-memory 6GiB --policy 4,4,100,0,100,0,33,67,w4,kv4 \
         --policy 4,4,100,0,100,0,100,0,w4,kv4 --policy 2,4,100,0,100,0,100,0,w4,kv4 \
         --peer-batches '' --out "$OUT/offload_llama7b_w4_$TAG.json" 2>&1 | tee "$OUT/offload_llama7b_w4_$TAG.txt" ;;
+    llama7b_w4big) timeout 300 $B --preset llama-2-7b --gpu-memory 6GiB --policy 16,1,100,0,100,0,100,0,w4,kv4 \
+        --policy 8,2,100,0,100,0,100,0,w4,kv4 --peer-batches '' --out "$OUT/offload_llama7b_w4big_$TAG.json" 2>&1 | tee "$OUT/offload_llama7b_w4big_$TAG.txt" ;;
     llama7b_w4cpu) for g in 1 0; do LOCALGEN_INT4_GEMM=$g timeout 150 $B --preset llama-2-7b --gpu-memory 6GiB \
         --policy 16,8,100,0,0,100,100,0,w4 --peer-batches '' --out "$OUT/offload_llama7b_w4cpu_gemm$g.json" \
         2>&1 | tee "$OUT/offload_llama7b_w4cpu_gemm$g.txt"; done ;;
