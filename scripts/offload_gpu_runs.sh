@@ -18,6 +18,8 @@
 #   cpuattn  : scripts/cpu_attention_bench.py on the host CPU; llama7b_short: the first llama7b policy, 3 tokens
 #   profile_w4 : scripts/offload_profile.py on Llama-2-7B, 6 GiB: where a 4-bit decode step spends its time
 #   cpuattn_probe : localgen profile's CPU-attention probe on the host (compare: the runtime's 4.86 GFLOP/s)
+#   gemm_cublas : scripts/gemm_variants.py: the int4 flat GEMM beside cuBLAS on the dense weight, fp16 and bf16
+#   profile  : the hardware profile (localgen profile's probes) of this machine, as JSON
 #   gemm_table : M1/M2 inflection points (FlashDecoding++ §5) of Llama-2-7B's and SmolLM2's [N, K], fp16 and bf16
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -65,6 +67,8 @@ for stage in "$@"; do
         --policy 4,4,100,0,100,0,100,0,w4,kv4 2>&1 | tee "$OUT/offload_profile_w4_$TAG.txt" ;;
     cpuattn_probe) timeout 120 python3 -c "from localgen.profiler import probes; [print('cpu attention probe', s, round(probes.probe_cpu_attention(s) / 1e9, 2), 'GB/s of fp16 K/V') for s in ((16, 32, 128, 544), (8, 32, 128, 544))]" 2>&1 | tee "$OUT/cpuattn_probe.txt" ;;
     profile) timeout 300 python3 -c "import sys; from localgen.profiler.probes import run_profile; hw = run_profile('/tmp/lg_prof', progress=lambda n, i, t: print(n, i, t, flush=True)); print(hw.to_json()); hw.save(sys.argv[1])" "$OUT/profile_$TAG.json" 2>&1 | tee "$OUT/profile_$TAG.txt" ;;
+  gemm_cublas) for dt in float16 bfloat16; do timeout 150 python3 scripts/gemm_variants.py --dtype $dt \
+        --out "$OUT/gemm_variants_${dt}_$TAG.json" 2>&1 | tee "$OUT/gemm_variants_${dt}_$TAG.txt"; done ;;
   gemm_table) for dt in float16 bfloat16; do timeout 200 python3 -m localgen.kernels.dispatch --dtype $dt \
         --shapes 4096x4096,11008x4096,4096x11008,12288x4096,22016x4096,960x576,576x576,3072x576,576x1536 \
         --out "$OUT/gemm_$dt.json" 2>&1 | tee "$OUT/gemm_$dt.txt"; done ;;
