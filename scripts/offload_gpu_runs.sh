@@ -27,7 +27,7 @@ TAG=${TAG:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | gre
 TAG=${TAG:-gpu}  # output file suffix: the GPU kind
 ln -sfn ../kernels localgen/kernels; ln -sfn ../profiles localgen/profiles; export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # a capped GPU: no fragmentation slack
-B="python3 -m localgen.bench.offload_bench --profile h200 --timed-steps 1 --offload-dir /tmp/lg_off"
+B="python3 -m localgen.bench.offload_bench --profile ${TAG/gpu/h200} --timed-steps 1 --offload-dir /tmp/lg_off"
 for stage in "$@"; do
   case $stage in
     int4kv) timeout 150 python3 scripts/gpu_selftest.py --int4-kv 2>&1 | tee "$OUT/int4kv_selftest_$TAG.txt" ;;
