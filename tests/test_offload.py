@@ -254,25 +254,6 @@ def test_int4_kernel_path_gives_the_reference_tokens(dirs, monkeypatch):
     assert runs["kernels"] == runs["reference"]
 
 
-def test_fused_layer_form_gives_the_plain_tokens(dirs, monkeypatch):
-    """On CUDA the offload runner runs Llama layers through the fused kernels (``layer_step``);
-    here under TRITON_INTERPRET=1 on the CPU, with the GPU batches, a CPU-held cache and
-    activations on both tiers: the plain path's greedy tokens."""
-    pytest.importorskip("triton")
-    from localgen.models import llama
-
-    want = plain(dirs, "llama3")  # the torch path, before the fused one is switched on
-    calls = []
-    real = llama.layer_step
-    monkeypatch.setattr(llama, "fused_enabled", lambda h: True)
-    monkeypatch.setattr(llama, "layer_step", lambda *a: calls.append(1) or real(*a))
-    pol = P(w=(0.5, 0.5, 0), c=(0.5, 0.5, 0), h=(0.5, 0.5), gbs=2, ngb=2)
-    llm = LLM.load(str(dirs["llama3"]), device="cpu", kv_cache_memory=KV, block_size=4, max_num_seqs=4,
-                   policy=pol)
-    assert staggered(llm, prompts()) == want
-    assert calls
-
-
 def test_bare_cuda_device_is_resolved(monkeypatch):
     """The cache compares its compute device with its tensors' devices; a bare "cuda" must become
     "cuda:<current>" first (it once sent a GPU-tier 4-bit cache down the gather path)."""

@@ -23,7 +23,6 @@ from localgen.kv.attention import LayerKV
 from localgen.kv.cache import free_memory_bytes
 from localgen.models.config import ModelConfig
 from localgen.models.model import family_of, read_weights
-from localgen.models import llama
 from localgen.models.rope import inv_frequencies, rope_cos_sin
 from localgen.policy.policy import Policy
 from localgen.quant.int4 import Int4Tensor
@@ -173,7 +172,7 @@ class OffloadRunner(ModelRunner):
             for k, meta in enumerate(metas):  # every GPU batch uses layer j before layer j+1
                 h = self._load_act(hs[k])
                 with self.timers.section("compute"):
-                    h = self._layer(j, w, h, ropes[k], kv, meta)
+                    h = m.family.layer(cfg, w, h, ropes[k], kv, meta)
                 hs[k] = self._store_act(h)
             m.layers.release(j)
         logits = []
@@ -183,18 +182,6 @@ class OffloadRunner(ModelRunner):
                 last = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1
                 logits.append(m.logits(h[last]))
         return torch.cat(logits)
-
-    def _layer(self, j: int, w: dict, h: torch.Tensor, rope, kv, meta) -> torch.Tensor:
-        """Layer ``j`` on one GPU batch. Llama-family layers on CUDA take the fused-kernel form
-        (``llama.layer_step``: add+RMSNorm, RoPE and SiLU*mul as 4 launches against ~30 torch
-        kernels), as the resident model does: the 4-bit decode step is bound by launches on the
-        host (docs/results/offload_h100.md). The residual is added back at once, since the
-        activations may leave the GPU between layers."""
-        m = self.model
-        if m.family is llama and rope is not None and llama.fused_enabled(h):
-            x, residual = llama.layer_step(m.cfg, w, h, None, rope, kv, meta)
-            return residual + x
-        return m.family.layer(m.cfg, w, h, rope, kv, meta)
 
     def memory_by_tier(self) -> dict[str, int]:
         """Bytes this runner holds per tier: weights (+ staging), KV cache."""
