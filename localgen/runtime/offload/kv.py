@@ -128,7 +128,8 @@ class TierKV:
                  rotation: torch.Tensor | None = None, recent_blocks: int = 0,
                  plans: "_PlanCache | None" = None, prefill_temp_per_token: int = 0):
         self.t, self.tier, self.compress = tensors, tier, compress
-        self.device, self.dtype, self.cpu_compute, self.timers = resolve_device(compute_device), dtype, cpu_compute, timers
+        self.device = resolve_device(compute_device)
+        self.dtype, self.cpu_compute, self.timers = dtype, cpu_compute, timers
         key = tensors["k#packed" if compress else "k"]
         self.store_device = key.device
         self.block_size, self.kv_heads = key.shape[1], key.shape[2]
@@ -335,8 +336,8 @@ class TierKV:
                 and meta.context_lens_list == list(meta.query_lens))
 
     def _decode_int4(self, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """A decode step over the 4-bit cache in place, in three launches besides the pool's two
-        small writes: quantize-and-write the new K/V, then the int4 paged-decode kernel, which
+        """A decode step over the 4-bit cache in place: one launch quantizes and writes the new
+        K/V, two small ones put them in the pool, then the int4 paged-decode kernel, which
         reads each sequence's own block in fp from its pool row (KIVI) and every earlier block
         4-bit, dequantized in registers (FlexGen §5); nothing is gathered. Same result as the
         reference path (``_attend_recent``), which it falls back to when a sequence gets no pool
