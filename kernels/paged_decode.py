@@ -23,6 +23,11 @@ Why the row max decides: with ``M = max_j x_j``, every term ``exp(x_j - phi) <= 
 the sum when ``M - phi > a``); a single ``x_j - phi`` below ``a`` only means that term's weight is
 tiny, which is exact enough. ``x`` is the pre-softmax score ``scale * q.k`` (natural log units).
 
+The 4-bit variant can read each sequence's own (last) block in full precision from a pool row
+(KIVI's recent tokens, ``localgen.runtime.offload.kv``): ``_attend_ctx`` attends the 4-bit part
+and the pool part separately and merges the two states (``_merge``), in stage 1 and in the
+recompute path alike.
+
 All arithmetic is float32 in registers; tensor-core dots take the cache dtype (bf16/fp16) with a
 float32 accumulator. Offsets into the caches are int64 (caches beyond 2^31 elements).
 """
