@@ -35,6 +35,11 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
     tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with a unit-stride last dim (the kernels index rows by their first two strides)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store ``k``/``v`` ``[num_tokens, num_kv_heads, head_dim]`` (any strides with a unit last
@@ -48,12 +53,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
                          f"{tuple(k_cache.shape)}, slots {tuple(slot_mapping.shape)} do not match")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("write_kv needs contiguous caches")
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    if v.stride(-1) != 1:
-        v = v.contiguous()
     if n == 0:
         return
+    k, v = _unit_last(k), _unit_last(v)
     _write_kv_kernel[(n,)](k, v, k_cache, v_cache, slot_mapping,
                            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                            k_cache.stride(1), k_cache.stride(2),
@@ -154,12 +156,9 @@ def write_kv_int4(k_cache: QuantizedKV, v_cache: QuantizedKV, k: torch.Tensor, v
                          "uint8 packed and float16 scale/min caches")
     if not all(c.is_contiguous() for c in caches):  # checked, never copied: pinned caches stay put
         raise ValueError("write_kv_int4 needs contiguous caches")
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    if v.stride(-1) != 1:
-        v = v.contiguous()
     if n == 0:
         return
+    k, v = _unit_last(k), _unit_last(v)
     kp = k_cache.packed
     _write_kv_int4_kernel[(n,)](k, v, *caches, slot_mapping,
                                 k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -59,12 +59,11 @@ def check_decode(dev, dtype, heads, kv_heads, head_dim, lens, phi=None, **kw) ->
     return rel_err(out, want)
 
 
-def check_decode_int4(dev, dtype, heads, kv_heads, head_dim, lens, phi=None, **kw) -> float:
-    """int4 KV decode vs float64 attention over the dequantized cache."""
-    from localgen.kernels import paged_attention_ref as ref
-    from localgen.kernels import paged_decode, quant_ref
+def _int4_case(dev, dtype, heads, kv_heads, head_dim, lens, bs=16):
+    """A random int4 decode case: (q, quantized K/V, their float64 dequantizations, shuffled
+    block tables ``[B, max_blocks]`` over spare blocks, context lens)."""
+    from localgen.kernels import quant_ref
 
-    bs = 16
     B, maxb = len(lens), max(-(-n // bs) for n in lens)
     nb = B * maxb + 64
     k = torch.randn(nb, bs, kv_heads, head_dim, device=dev, dtype=dtype)
@@ -72,8 +71,30 @@ def check_decode_int4(dev, dtype, heads, kv_heads, head_dim, lens, phi=None, **k
     qk, qv = quant_ref.quantize_kv(k), quant_ref.quantize_kv(v)
     kd, vd = quant_ref.dequantize_kv(qk, torch.float64), quant_ref.dequantize_kv(qv, torch.float64)
     perm = torch.randperm(nb, device=dev)[:B * maxb].view(B, maxb)
-    cl = torch.tensor(lens, device=dev)
     q = torch.randn(B, heads, head_dim, device=dev, dtype=dtype)
+    return q, qk, qv, kd, vd, perm, torch.tensor(lens, device=dev)
+
+
+def check_decode_int4(dev, dtype, heads, kv_heads, head_dim, lens, phi=None, own=False, **kw) -> float:
+    """int4 KV decode vs float64 attention over the dequantized cache. ``own``: each sequence's
+    own block is read in fp from a pool row (the first sequence has none), and the reference
+    reads those slots from the pool too."""
+    from localgen.kernels import paged_attention_ref as ref
+    from localgen.kernels import paged_decode
+
+    bs = 16
+    q, qk, qv, kd, vd, perm, cl = _int4_case(dev, dtype, heads, kv_heads, head_dim, lens, bs)
+    if own:
+        B = len(lens)
+        pool_k = torch.randn(B + 3, bs, kv_heads, head_dim, device=dev, dtype=dtype)
+        pool_v = torch.randn_like(pool_k)
+        rows = torch.randperm(B + 3, device=dev)[:B]
+        rows[0] = -1
+        for i, (row, n) in enumerate(zip(rows.tolist(), lens)):
+            if row >= 0:
+                blk, m = int(perm[i, (n - 1) // bs]), (n - 1) % bs + 1
+                kd[blk, :m], vd[blk, :m] = pool_k[row, :m].double(), pool_v[row, :m].double()
+        kw = dict(kw, own_k=pool_k, own_v=pool_v, own_rows=rows)
     want = ref.paged_decode_attention(q.double(), kd, vd, perm, cl, head_dim ** -0.5)
     out = torch.full_like(q, float("nan"))
     paged_decode.paged_decode_attention_int4(q, qk, qv, perm, cl, head_dim ** -0.5, phi=phi,
@@ -82,36 +103,15 @@ def check_decode_int4(dev, dtype, heads, kv_heads, head_dim, lens, phi=None, **k
     return rel_err(out, want)
 
 
-def check_decode_int4_own(dev, dtype, heads, kv_heads, head_dim, lens, phi=None, **kw) -> float:
-    """int4 KV decode with each sequence's own block read in fp from a pool row (one sequence
-    without a row), vs float64 attention over the dequantized cache with those slots replaced."""
-    from localgen.kernels import paged_attention_ref as ref
-    from localgen.kernels import paged_decode, quant_ref
-
-    bs = 16
-    B, maxb = len(lens), max(-(-n // bs) for n in lens)
-    nb = B * maxb + 64
-    k = torch.randn(nb, bs, kv_heads, head_dim, device=dev, dtype=dtype)
-    v = torch.randn_like(k)
-    qk, qv = quant_ref.quantize_kv(k), quant_ref.quantize_kv(v)
-    kd, vd = quant_ref.dequantize_kv(qk, torch.float64), quant_ref.dequantize_kv(qv, torch.float64)
-    perm = torch.randperm(nb, device=dev)[:B * maxb].view(B, maxb)
-    pool_k = torch.randn(B + 3, bs, kv_heads, head_dim, device=dev, dtype=dtype)
-    pool_v = torch.randn_like(pool_k)
-    rows = torch.randperm(B + 3, device=dev)[:B]
-    rows[0] = -1
-    for i, (row, n) in enumerate(zip(rows.tolist(), lens)):
-        if row >= 0:
-            blk, m = int(perm[i, (n - 1) // bs]), (n - 1) % bs + 1
-            kd[blk, :m], vd[blk, :m] = pool_k[row, :m].double(), pool_v[row, :m].double()
-    cl = torch.tensor(lens, device=dev)
-    q = torch.randn(B, heads, head_dim, device=dev, dtype=dtype)
-    want = ref.paged_decode_attention(q.double(), kd, vd, perm, cl, head_dim ** -0.5)
-    out = torch.full_like(q, float("nan"))
-    paged_decode.paged_decode_attention_int4(q, qk, qv, perm, cl, head_dim ** -0.5, phi=phi, out=out,
-                                             own_k=pool_k, own_v=pool_v, own_rows=rows, **kw)
-    torch.cuda.synchronize()
-    return rel_err(out, want)
+def check_own_blocks(dev, dtype, h, kvh, d, lens, tol) -> int:
+    """The own-block variant over the launch forms; prints a line each, returns the failures."""
+    fails = 0
+    for kw in (dict(), dict(phi=0.0), dict(fused=False), dict(num_splits=1)):
+        e = check_decode_int4(dev, dtype, h, kvh, d, lens, own=True, **kw)
+        fails += not e < tol
+        print(f"int4 decode, own block fp {str(dtype):15s} h{h} kv{kvh} d{d} {kw}: rel err {e:.2e} "
+              f"{'ok' if e < tol else 'FAIL'}")
+    return fails
 
 
 def check_write_int4(dev) -> list[str]:
@@ -148,11 +148,7 @@ def int4_kv_main(dev) -> int:
     for dtype, h, kvh, d in ((torch.bfloat16, 32, 8, 128), (torch.float16, 32, 32, 128),
                              (torch.bfloat16, 9, 3, 64), (torch.float16, 16, 2, 96)):
         tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
-        for kw in (dict(), dict(phi=0.0), dict(fused=False), dict(num_splits=1)):
-            e = check_decode_int4_own(dev, dtype, h, kvh, d, [17, 1, 300, 4099, 32], **kw)
-            fails += not e < tol
-            print(f"int4 decode, own block fp {str(dtype):15s} h{h} kv{kvh} d{d} {kw}: rel err {e:.2e} "
-                  f"{'ok' if e < tol else 'FAIL'}")
+        fails += check_own_blocks(dev, dtype, h, kvh, d, [17, 1, 300, 4099, 32], tol)
     print("int4 kv selftest failures:", fails)
     return 1 if fails else 0
 
@@ -353,11 +349,7 @@ def main() -> int:
                 ok = e < tol
                 fails += not ok
                 print(f"int4 decode {str(dtype):15s} h{h} kv{kvh} d{d} {kw}: rel err {e:.2e} {'ok' if ok else 'FAIL'}")
-            for kw in (dict(), dict(phi=0.0), dict(fused=False), dict(num_splits=1)):
-                e = check_decode_int4_own(dev, dtype, h, kvh, d, [17, 1, 300, 4099, 32][: 5 if d == 128 else 4], **kw)
-                ok = e < tol
-                fails += not ok
-                print(f"int4 decode, own block fp {str(dtype):15s} h{h} kv{kvh} d{d} {kw}: rel err {e:.2e} {'ok' if ok else 'FAIL'}")
+            fails += check_own_blocks(dev, dtype, h, kvh, d, [17, 1, 300, 4099, 32][: 5 if d == 128 else 4], tol)
         e = check_prefill(dev, dtype, h, kvh, d)
         ok = e < tol
         fails += not ok

@@ -342,9 +342,7 @@ class TierKV:
         4-bit, dequantized in registers (FlexGen §5); nothing is gathered. Same result as the
         reference path (``_attend_recent``), which it falls back to when a sequence gets no pool
         row or shares its last block."""
-        decode, _prefill, kv_write = _triton_kernels()
-        kc, vc = self._packed("k"), self._packed("v")
-        kv_write.write_kv_int4(kc, vc, k, v, meta.slot_mapping)
+        self._store(k, v, meta.slot_mapping)  # the Triton quantize-and-write
         plan = self.plans.get(meta, self.block_size)
         own = None
         if self.recent_blocks:
@@ -358,12 +356,11 @@ class TierKV:
                 ri = plan.tensor("init_rows", [rows[i] for i in init], dev)
                 ids = torch.tensor([plan.decode[0][i] for i in init])
                 self.pool_k[ri], self.pool_v[ri] = self._blocks("k", ids, dev), self._blocks("v", ids, dev)
-            r_t, o_t = plan.tensor("rows", rows, dev), plan.tensor("offs", plan.decode[1], dev)
-            self.pool_k[r_t, o_t] = k.to(self.dtype)
-            self.pool_v[r_t, o_t] = v.to(self.dtype)
+            r_t = plan.tensor("rows", rows, dev)
+            self._pool_put(r_t, plan.tensor("offs", plan.decode[1], dev), k, v)
             own = dict(own_k=self.pool_k, own_v=self.pool_v, own_rows=r_t)
-        return decode.paged_decode_attention_int4(
-            q, kc, vc, meta.block_tables, meta.context_lens, scale,
+        return _triton_kernels()[0].paged_decode_attention_int4(
+            q, self._packed("k"), self._packed("v"), meta.block_tables, meta.context_lens, scale,
             max_context_len=max(meta.context_lens_list), **(own or {}))
 
     def _decode_int4_reference(self, q, k, v, meta, scale, plan, assigned):
@@ -396,8 +393,7 @@ class TierKV:
         have = [i for i, r in enumerate(rows) if r >= 0]
         if len(have) == len(rows):  # the usual case: this step's token into the pool, the rows out
             r_t = plan.tensor("rows", rows, dev)
-            self.pool_k[r_t, plan.tensor("offs", offs, dev)] = k.to(dev, self.dtype)
-            self.pool_v[r_t, plan.tensor("offs", offs, dev)] = v.to(dev, self.dtype)
+            self._pool_put(r_t, plan.tensor("offs", offs, dev), k, v)
             li = plan.tensor("own_local", plan.decode_local, where)
             kc[li], vc[li] = self.pool_k[r_t].to(where), self.pool_v[r_t].to(where)
         else:  # more sequences than pool rows: those without one read only this token in fp
@@ -408,8 +404,7 @@ class TierKV:
                 r_t = plan.tensor("rows", [rows[i] for i in have], dev)
                 o_t = plan.tensor("offs", [offs[i] for i in have], dev)
                 t_t = plan.tensor("have", have, k.device)
-                self.pool_k[r_t, o_t] = k[t_t].to(dev, self.dtype)
-                self.pool_v[r_t, o_t] = v[t_t].to(dev, self.dtype)
+                self._pool_put(r_t, o_t, k[t_t], v[t_t])
                 li = plan.tensor("own_local", [plan.decode_local[i] for i in have], where)
                 kc[li], vc[li] = self.pool_k[r_t].to(where), self.pool_v[r_t].to(where)
         return ref.paged_decode_attention(q, kc, vc, plan.local_on(where), meta.context_lens.to(where), scale)
@@ -478,8 +473,12 @@ class TierKV:
         if r_l:
             r_t, o_t = plan.tensor("keep_rows", r_l, dev), plan.tensor("keep_offs", o_l, dev)
             t_t = plan.tensor("keep_toks", t_l, k.device)
-            self.pool_k[r_t, o_t] = k[t_t].to(dev, self.dtype)
-            self.pool_v[r_t, o_t] = v[t_t].to(dev, self.dtype)
+            self._pool_put(r_t, o_t, k[t_t], v[t_t])
+
+    def _pool_put(self, rows: torch.Tensor, offs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write fp K/V ``[n, kv_heads, head_dim]`` into pool rows ``rows`` at slots ``offs``."""
+        self.pool_k[rows, offs] = k.to(self.store_device, self.dtype)
+        self.pool_v[rows, offs] = v.to(self.store_device, self.dtype)
 
     def _assign_rows(self, plan: "_StepPlan", meta) -> tuple[list[int], list[int]]:
         """Pool bookkeeping of a step (Python only): drop the rows of blocks each sequence has
