@@ -9,6 +9,8 @@
 #              the search's 4-bit policy at 6 GiB on the H200 profile, 4x4 with activations 33/67)
 #   llama7b_w4big: 4-bit weights and KV all on the GPU in fewer, larger GPU batches (16x1, 8x2): the
 #              host cost is per layer per GPU batch
+#   llama7b_graph: 4-bit weights and KV all on the GPU (decode replayed as CUDA graphs) at 4x4, 8x2,
+#              16x1, and the search's 8x2 with 8% of the weights on the CPU (eager)
 #   llama7b_w4cpu: 4-bit weights all on the GPU, fp16 cache on the CPU, with and without the int4 GEMM
 #   opt30b_acc: accelerate alone on OPT-30B at batch 1
 #   opt67b   : OPT-6.7B with FlexGen's measured placement (45/55, 32x4, cache on the CPU)
@@ -40,6 +42,10 @@ for stage in "$@"; do
         --peer-batches '' --out "$OUT/offload_llama7b_w4_$TAG.json" 2>&1 | tee "$OUT/offload_llama7b_w4_$TAG.txt" ;;
     llama7b_w4big) timeout 300 $B --preset llama-2-7b --gpu-memory 6GiB --policy 16,1,100,0,100,0,100,0,w4,kv4 \
         --policy 8,2,100,0,100,0,100,0,w4,kv4 --peer-batches '' --out "$OUT/offload_llama7b_w4big_$TAG.json" 2>&1 | tee "$OUT/offload_llama7b_w4big_$TAG.txt" ;;
+    llama7b_graph) timeout 400 $B --preset llama-2-7b --gpu-memory 6GiB --policy 4,4,100,0,100,0,100,0,w4,kv4 \
+        --policy 8,2,100,0,100,0,100,0,w4,kv4 --policy 16,1,100,0,100,0,100,0,w4,kv4 \
+        --policy 8,2,92,8,100,0,100,0,w4,kv4 --peer-batches '' \
+        --out "$OUT/offload_llama7b_graph_$TAG.json" 2>&1 | tee "$OUT/offload_llama7b_graph_$TAG.txt" ;;
     llama7b_w4cpu) for g in 1 0; do LOCALGEN_INT4_GEMM=$g timeout 150 $B --preset llama-2-7b --gpu-memory 6GiB \
         --policy 16,8,100,0,0,100,100,0,w4 --peer-batches '' --out "$OUT/offload_llama7b_w4cpu_gemm$g.json" \
         2>&1 | tee "$OUT/offload_llama7b_w4cpu_gemm$g.txt"; done ;;

@@ -39,7 +39,7 @@ def profile_policy(preset: str, spec: str, device: str, gpu_memory, prompt_len: 
     ecfg = engine_config(cfg, pol, pol.bls, prompt_len, steps + 1)
     llm = LLM.from_parts(cfg, store, None, ecfg, device=device, dtype=torch.float16, name="profile",
                          policy=pol, offload_dir="/tmp/lg_prof_off", gpu_memory=gpu_memory)
-    generate_random(llm, pol.bls, 8, 2, seed=1)  # warm-up: kernels compiled, allocator primed
+    generate_random(llm, pol.bls, prompt_len, 2, seed=1)  # warm-up: kernels, allocator, decode graph
     pre, dec = generate_random(llm, pol.bls, prompt_len, steps + 1, seed=2)
     print(f"\n== {preset} [{pol.describe()}]\n   unprofiled: prefill {pre * 1e3:.1f} ms, "
           f"decode {dec / steps * 1e3:.1f} ms/step ({pol.bls * steps / dec:.1f} tok/s)", flush=True)

@@ -1,5 +1,6 @@
 """The offloading runtime on CUDA (issue 6): every placement gives the resident CUDA path's greedy
-tokens; the 4-bit placements give those of the same policy run on the CPU.
+tokens; the 4-bit placements give those of the same policy run on the CPU. Placements with
+everything on the GPU must decode through CUDA graphs.
 
 CI covers the placements on the CPU (tests/test_offload.py); this runs the CUDA-only parts: pinned
 staging, the copy stream and its events, disk reads on threads into pinned buffers, CPU
@@ -23,6 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_selftest import _alias_kernels, tiny_llama  # noqa: E402  (localgen.kernels -> kernels/)
 
 
+GRAPHS: list[int] = []  # decode graphs the last offloaded run captured
+
+
 def generate(cfg, store, policy=None, offload_dir=None, device="cuda") -> list[list[int]]:
     from localgen.api import LLM, Request, SamplingParams
     from localgen.runtime.engine import EngineConfig
@@ -35,6 +39,8 @@ def generate(cfg, store, policy=None, offload_dir=None, device="cuda") -> list[l
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = llm.generate([Request(prompt_token_ids=p, sampling=sp) for p in prompts])
     if policy is not None:
+        graphs = llm.engine.runner.graphs
+        GRAPHS[:] = [len(graphs.graphs) if graphs is not None else 0]
         llm.engine.model.layers.close()
     return [o.token_ids for o in outs]
 
@@ -105,6 +111,10 @@ def main(argv=None) -> int:
             if name.endswith("_kernels") and dev == "cuda" and not calls:  # silently on the gather path
                 fails += 1
                 print(f"offload {name:26s} FAIL: the int4 decode kernel never ran")
+            on_gpu = pol.wg == 1 and pol.cg == 1 and pol.hg == 1
+            if dev == "cuda" and on_gpu != bool(GRAPHS[0]):
+                fails += 1
+                print(f"offload {name:26s} FAIL: {GRAPHS[0]} decode graphs captured")
             # 4-bit placements: compared with the same policy on the CPU (the CI-tested path);
             # the quantization is deterministic, so only float rounding may flip a greedy token
             ref = want if exact else got if dev == "cpu" else generate(

@@ -185,6 +185,25 @@ def test_recent_block_prefill_equals_decode_and_reference(int4_path):
     assert (one - fp).norm() < 0.7 * (off - fp).norm()
 
 
+def test_batched_fresh_prefill_equals_the_reference():
+    """Whole prompts prefilled together (runs of equal length in one masked attention call: 7, 7,
+    then 5, then 9 tokens, shuffled block tables) give each prompt's own reference."""
+    cfg = config(64)
+    bs, scale = 4, 0.125
+    lens = (7, 7, 5, 9)
+    tables = torch.tensor([[9, 2, 14], [0, 11, 3], [6, 1, 8], [4, 13, 7]])
+    data = [qkv(cfg, n, seed=60 + i, outliers=True) for i, n in enumerate(lens)]
+    q, k, v = (torch.cat(x) for x in zip(*data))
+    slots = torch.cat([slots_of(tables[i:i + 1], n, bs) for i, n in enumerate(lens)])
+    out = layer(cfg).attend(q, k, v, AttentionMetadata(True, slots, tables, torch.tensor(lens),
+                                                       list(lens), list(lens)), scale)
+    rot, start = kv_rotation(64).float(), 0
+    for (qi, ki, vi), n in zip(data, lens):
+        torch.testing.assert_close(out[start:start + n], reference_recent(qi, ki, vi, scale, bs, rot),
+                                   atol=1e-5, rtol=1e-5)
+        start += n
+
+
 def test_recent_pool_batched_decode_and_eviction(int4_path):
     """Batched decode of sequences of different lengths equals decoding each alone; with a pool of
     one block, the evicted sequence falls back to its 4-bit values (still the 4-bit reference)."""
@@ -216,9 +235,9 @@ def test_recent_pool_batched_decode_and_eviction(int4_path):
     for i, n in enumerate(lens):
         q, k, v = data[i]
         torch.testing.assert_close(batched[i], reference_recent(q, k, v, scale, bs, rot)[n], atol=1e-5, rtol=1e-5)
-    assert len(kv.pool_rows) == 3 and kv.pool_k.shape[0] <= 8
+    assert len(kv.pool_rows) == 3 and kv.pool_k.shape[0] == 8 + 1  # + the scratch row
     small, kv1 = run(1, True)  # one pool row: only the last prefilled sequence kept its tail
-    assert len(kv1.pool_rows) == 1 and kv1.pool_k.shape[0] == 1
+    assert len(kv1.pool_rows) == 1 and kv1.pool_k.shape[0] == 1 + 1
     torch.testing.assert_close(small[2], batched[2], atol=1e-5, rtol=1e-5)  # sequence 2 kept its pool row
     q, k, v = data[0]  # sequence 0: own block slots before this step read 4-bit
     n = lens[0]
@@ -237,7 +256,7 @@ def test_pool_memory_is_counted():
     args = (cfg, 16, 4, torch.float32, CPU)
     a = TieredKVCache(*args, ["cpu"] * 2, True, False, None, Timers(CPU), recent_blocks=5)
     b = TieredKVCache(*args, ["cpu"] * 2, True, False, None, Timers(CPU), recent_blocks=0)
-    per = 5 * 4 * cfg.num_kv_heads * 64 * 2 * 4
+    per = (5 + 1) * 4 * cfg.num_kv_heads * 64 * 2 * 4  # + the scratch row
     assert a.nbytes - b.nbytes == 2 * per and a.bytes_on("cpu") - b.bytes_on("cpu") == 2 * per
     assert a.views[0].recent_blocks == 5 and b.views[0].recent_blocks == 0
     plain = TieredKVCache(*args, ["cpu"] * 2, False, False, None, Timers(CPU), recent_blocks=5)
@@ -304,7 +323,7 @@ def test_decode_with_a_shared_own_block_takes_the_general_path():
     kv, kv2 = setup(), setup()
     meta = AttentionMetadata(False, slots, tables, torch.tensor(ctx), [1, 1], ctx)
     both = kv2.attend(q[7:9], k[7:9], v[7:9], meta, scale)
-    assert kv2.plans.get(meta, bs).decode is None  # block 1 is A's own block and B's context
+    assert kv2._plan(meta).decode is None  # block 1 is A's own block and B's context
     one = [kv.attend(q[7:8], k[7:8], v[7:8], AttentionMetadata(False, slots[:1], tables[:1],
                                                               torch.tensor([8]), [1], [8]), scale),
            kv.attend(q[8:9], k[8:9], v[8:9], AttentionMetadata(False, slots[1:], tables[1:],

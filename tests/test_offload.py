@@ -254,6 +254,71 @@ def test_int4_kernel_path_gives_the_reference_tokens(dirs, monkeypatch):
     assert runs["kernels"] == runs["reference"]
 
 
+@pytest.mark.parametrize("compress", [False, True])
+def test_graph_decode_gives_the_eager_tokens(dirs, monkeypatch, compress):
+    """A policy with everything on the GPU tier decodes through the CUDA-graph runner (all of a
+    step's sequences in one static batch, padded to its bucket, 4-bit pool rows assigned on the
+    host): run here without capture (``capture=False``, Triton under TRITON_INTERPRET=1), it gives
+    the eager zig-zag schedule's greedy tokens over staggered batches of 1-4 sequences."""
+    pytest.importorskip("triton")
+    from localgen.runtime.cuda_graphs import GraphedModelRunner
+    from localgen.runtime.offload import kv as offload_kv
+
+    monkeypatch.setattr(offload_kv, "INT4_KERNEL_DEVICES", ("cuda", "cpu"))
+    pol = P(compress_weight=compress, compress_cache=compress, gbs=2, ngb=2)
+    runs, replays = {}, []
+    for graphed in (False, True):
+        llm = LLM.load(str(dirs["llama3"]), device="cpu", kv_cache_memory=KV, block_size=4,
+                       max_num_seqs=4, policy=pol)
+        runner = llm.engine.runner
+        assert runner.graphs is None  # only on CUDA by itself
+        if graphed:
+            runner.graphs = GraphedModelRunner(runner.model, runner.kv, 4, llm.engine.max_model_len,
+                                               capture=False)
+            decode = runner.graphs.decode
+            monkeypatch.setattr(runner.graphs, "decode", lambda seqs: replays.append(len(seqs)) or decode(seqs))
+        together = prompts(5, lengths=(4, 9, 6))  # three at once: a batch of 3 padded to 4
+        runs[graphed] = staggered(llm, prompts()) + [run_staggered(llm, [together[0]])[0]] + \
+            _at_once(llm, together)
+    assert runs[True] == runs[False]
+    assert {1, 3, 4} <= set(replays) and len(replays) >= 15
+    assert [b for b, _ in sorted(runner.graphs.graphs)] == [1, 4]
+
+
+def _at_once(llm: LLM, ps) -> list[list[int]]:
+    ids = [llm.add_request(Request(prompt_token_ids=p, sampling=GREEDY)) for p in ps]
+    done = {}
+    while llm.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in llm.step() if o.finished})
+    return [done[i] for i in ids]
+
+
+def test_graph_pool_rows():
+    """The host side of a graphed 4-bit decode step: one row per sequence for all layers, a row
+    made mid-block filled from the block's 4-bit values in every layer, None (an eager step) when
+    the pool has fewer rows than sequences or an own block is shared."""
+    from localgen.runtime.offload.kv import TieredKVCache
+    from localgen.runtime.offload.timers import Timers
+    from tests.tiny_models import make_config
+    from localgen.models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf_dict(make_config("llama3").to_dict())
+    cpu = torch.device("cpu")
+    kv = TieredKVCache(cfg, 16, 4, torch.float32, cpu, ["gpu"] * cfg.num_layers, True, False, None,
+                       Timers(cpu), recent_blocks=2)
+    for view in kv.views:  # block 3 holds 4-bit codes of 1.0 (scale 0, min 1)
+        for name in ("k", "v"):
+            view._packed(name).packed[3] = 0
+            view._packed(name).scale[3] = 0
+            view._packed(name).min[3] = 1
+    assert kv.graph_pool_rows([[0, 1], [2, 3]], [6, 7]) == [0, 1]
+    assert all(torch.equal(v.pool_k[1], torch.ones_like(v.pool_k[1])) for v in kv.views)  # made mid-block
+    assert kv.graph_pool_rows([[0, 1], [2, 3]], [7, 8]) == [0, 1]  # kept
+    assert kv.graph_pool_rows([[0, 1], [2, 3], [4, 5]], [8, 8, 5]) is None  # 3 sequences, 2 rows
+    assert kv.graph_pool_rows([[0, 1], [0, 1, 2]], [7, 9]) is None  # block 1: own, and read by the other
+    assert kv.recent.scratch == 2 and kv.views[0].pool_k.shape[0] == 3
+
+
 def test_bare_cuda_device_is_resolved(monkeypatch):
     """The cache compares its compute device with its tensors' devices; a bare "cuda" must become
     "cuda:<current>" first (it once sent a GPU-tier 4-bit cache down the gather path)."""

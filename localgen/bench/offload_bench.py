@@ -132,7 +132,10 @@ def run_localgen(cfg, store, policy, batch: int, prompt_len: int, gen_len: int, 
     llm = LLM.from_parts(cfg, store, None, ecfg, device=device, dtype=dtype, name="bench",
                          policy=policy, offload_dir=offload_dir, gpu_memory=gpu_memory)
     _log(f"  built in {time.perf_counter() - t0:.1f} s; {policy.describe()}")
-    generate_random(llm, min(batch, policy.bls), 8, 2, seed=1)  # warm up (allocator, kernels)
+    if getattr(llm.engine.runner, "graphs", None) is not None:  # capture the measured shapes' graph
+        generate_random(llm, batch, prompt_len, 2, seed=1)
+    else:
+        generate_random(llm, min(batch, policy.bls), 8, 2, seed=1)  # warm up (allocator, kernels)
     _log("  warmed up")
     pre, dec = generate_random(llm, batch, prompt_len, gen_len)
     _log(f"  generated: prefill {pre:.2f} s, decode {dec:.2f} s")

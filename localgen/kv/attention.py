@@ -73,6 +73,11 @@ class AttentionMetadata:
     context_lens_list: list[int]
     # the CPU decode path's per-step gather plan (CpuDecodePlan), built by the first layer
     cpu_decode: "CpuDecodePlan | None" = None
+    # the offload cache's per-step plan (runtime/offload/kv.py), built by the first layer
+    tier_plan: object = None
+    # ``[num_seqs]`` int64: each sequence's row of a 4-bit cache's fp recent-block pool, set by
+    # a decode step replayed as a CUDA graph (runtime/cuda_graphs.py); None elsewhere
+    pool_rows: torch.Tensor | None = None
 
 
 @dataclass

@@ -35,33 +35,57 @@ def context_buckets(max_model_len: int, smallest: int = 512) -> list[int]:
 
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph
+    graph: "torch.cuda.CUDAGraph | _Eager"
     batch: int
     max_context: int
-    device_inputs: torch.Tensor  # flat: ids, positions, slots, ctx ([batch] each), table
+    device_inputs: torch.Tensor  # flat: ids, positions, slots, ctx, pool rows ([batch] each), table
     staging: np.ndarray  # its pinned host twin, written through numpy (no torch op per field)
     staging_t: torch.Tensor  # the same pinned memory as a tensor, the copy's source
     meta: AttentionMetadata
     logits: torch.Tensor
 
 
+class _Eager:
+    """A stand-in for a captured graph that runs the same static-shape step eagerly (``capture``
+    off: CPU tests of everything but the capture itself)."""
+
+    def __init__(self, forward, logits: torch.Tensor):
+        self.forward, self.logits = forward, logits
+
+    def replay(self) -> None:
+        self.logits.copy_(self.forward())
+
+
 class GraphedModelRunner(ModelRunner):
-    """ModelRunner whose decode steps replay CUDA graphs (captured lazily per bucket pair)."""
+    """ModelRunner whose decode steps replay CUDA graphs (captured lazily per bucket pair).
+
+    A cache with a recent-block pool (``runtime.offload.kv.TieredKVCache``) gives each step's pool
+    rows (``graph_pool_rows``) and may refuse a step, which then runs eagerly. ``capture=False``
+    runs the static steps without capturing them."""
 
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, max_num_seqs: int,
-                 max_model_len: int):
+                 max_model_len: int, capture: bool = True):
         super().__init__(model, kv_cache)
         self.batch_buckets = [b for b in BATCH_BUCKETS if b < max_num_seqs] + [max_num_seqs]
         self.ctx_buckets = context_buckets(max_model_len)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = None  # one memory pool shared by all graphs
+        self.capture = capture
+        recent = getattr(kv_cache, "recent", None)
+        self.scratch_row = recent.scratch if recent is not None else 0  # padded rows' pool row
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
-        if is_prefill:
-            return super().run(seqs, is_prefill)
+        out = None if is_prefill else self.decode(seqs)
+        return out if out is not None else super().run(seqs, is_prefill)
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """float32 logits ``[len(seqs), vocab]`` of a decode step replayed from its graph; None
+        when the cache wants this step run eagerly."""
         g = self.graph_for(seqs)
-        self._fill(g, seqs)
+        if not self._fill(g, seqs):
+            return None
         g.graph.replay()
         return g.logits[:len(seqs)]
 
@@ -73,14 +97,21 @@ class GraphedModelRunner(ModelRunner):
         c = self.ctx_buckets[bisect.bisect_left(self.ctx_buckets, longest)]
         return self.graphs.get((b, c)) or self._capture(b, c)
 
-    def _fill(self, g: _Graph, seqs: list[Sequence]) -> None:
+    def _fill(self, g: _Graph, seqs: list[Sequence]) -> bool:
         """Write the step's inputs into the graph's pinned staging buffer, then one asynchronous
         host-to-device copy into the static buffers. Rows past ``len(seqs)`` are padding: they
-        write their K/V into the cache's scratch block and attend to that one slot."""
+        write their K/V into the cache's scratch block (and pool row) and attend to that one
+        slot. False (nothing copied) when the cache refuses the step's pool rows."""
         n, bs, b, st = len(seqs), self.kv.block_size, g.batch, g.staging
+        rows = [0] * n
+        pool_rows = getattr(self.kv, "graph_pool_rows", None)
+        if pool_rows is not None:
+            rows = pool_rows([s.block_table for s in seqs], [s.num_tokens for s in seqs])
+            if rows is None:
+                return False
         scratch = self.kv.scratch_block
-        ids, pos, slots, ctx = st[:b], st[b:2 * b], st[2 * b:3 * b], st[3 * b:4 * b]
-        table = st[4 * b:].reshape(b, -1)
+        ids, pos, slots, ctx, prow = (st[i * b:(i + 1) * b] for i in range(5))
+        table = st[5 * b:].reshape(b, -1)
         for i, s in enumerate(seqs):
             p = s.num_tokens - 1
             ids[i], pos[i], ctx[i] = s.token_ids[-1], p, s.num_tokens
@@ -88,32 +119,52 @@ class GraphedModelRunner(ModelRunner):
             nb = len(s.block_table)
             table[i, :nb] = s.block_table
             table[i, nb:] = scratch
+        prow[:n] = rows
         if n < b:
             ids[n:], pos[n:], slots[n:], ctx[n:], table[n:] = 0, 0, scratch * bs, 1, scratch
+            prow[n:] = self.scratch_row
         g.device_inputs.copy_(g.staging_t, non_blocking=True)
+        if not self.capture:  # an eager step may read host-side lengths (the CPU reference path)
+            g.meta.context_lens_list = ctx.tolist()
+            g.meta.cpu_decode = g.meta.tier_plan = None
+        return True
 
     def _capture(self, batch: int, max_context: int) -> _Graph:
         dev, bs = self.device, self.kv.block_size
         width = -(-max_context // bs)
         # one flat buffer, every field a contiguous view of it (no unpacking kernels in the
-        # graph): ids, positions, slots, context lens ([batch] each), then the [batch, width]
-        # block table
-        inputs = torch.zeros(batch * (4 + width), dtype=torch.long, device=dev)
-        cols = [inputs[i * batch:(i + 1) * batch] for i in range(4)]
-        tables = inputs[4 * batch:].view(batch, width)
+        # graph): ids, positions, slots, context lens, pool rows ([batch] each), then the
+        # [batch, width] block table
+        inputs = torch.zeros(batch * (5 + width), dtype=torch.long, device=dev)
+        cols = [inputs[i * batch:(i + 1) * batch] for i in range(5)]
+        tables = inputs[5 * batch:].view(batch, width)
         cols[2].fill_(self.kv.scratch_block * bs)
         cols[3].fill_(1)
+        cols[4].fill_(self.scratch_row)
         tables.fill_(self.kv.scratch_block)
-        staging_t = inputs.cpu().pin_memory()
         meta = AttentionMetadata(
             is_prefill=False, slot_mapping=cols[2], block_tables=tables, context_lens=cols[3],
             query_lens=[1] * batch,
             context_lens_list=[max_context] * batch,  # fixes the kernel's split count
+            pool_rows=cols[4] if hasattr(self.kv, "graph_pool_rows") else None,
         )
 
         def forward():
             return self.model.logits(self.model.forward(cols[0], cols[1], self.kv.views, meta))
 
+        if self.capture:
+            staging_t = inputs.cpu().pin_memory()
+            graph, logits = self._record(forward)
+        else:
+            staging_t = inputs.clone()
+            logits = forward()
+            graph = _Eager(forward, logits)
+        g = _Graph(graph, batch, max_context, inputs, staging_t.numpy(), staging_t, meta, logits)
+        self.graphs[(batch, max_context)] = g
+        return g
+
+    def _record(self, forward) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        dev = self.device
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
@@ -123,6 +174,4 @@ class GraphedModelRunner(ModelRunner):
         with torch.cuda.graph(graph, pool=self.pool):
             logits = forward()
         self.pool = graph.pool()
-        g = _Graph(graph, batch, max_context, inputs, staging_t.numpy(), staging_t, meta, logits)
-        self.graphs[(batch, max_context)] = g
-        return g
+        return graph, logits

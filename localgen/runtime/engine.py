@@ -40,15 +40,15 @@ class EngineConfig:
 class Engine:
     def __init__(self, model: CausalLM, tokenizer, config: EngineConfig | None = None,
                  eos_token_ids: tuple[int, ...] = (), runner_factory=None):
-        """``runner_factory(model, config, max_useful_tokens)``, when given, builds the model
-        runner and its KV cache (``runner.kv``: num_blocks, block_size, nbytes) instead of the
-        plain ModelRunner over a PagedKVCache (the offloading runtime, runtime/offload)."""
+        """``runner_factory(model, config, max_model_len)``, when given, builds the model runner
+        and its KV cache (``runner.kv``: num_blocks, block_size, nbytes) instead of the plain
+        ModelRunner over a PagedKVCache (the offloading runtime, runtime/offload)."""
         self.model, self.tokenizer = model, tokenizer
         self.config = config = config or EngineConfig()
         mcfg = model.cfg
         self.max_model_len = min(mcfg.max_position_embeddings, config.max_model_len or 1 << 62)
         if runner_factory is not None:
-            self.runner = runner_factory(model, config, config.max_num_seqs * self.max_model_len)
+            self.runner = runner_factory(model, config, self.max_model_len)
             self.kv_cache = self.runner.kv
             num_blocks = self.kv_cache.num_blocks
         else:

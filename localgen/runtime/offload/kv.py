@@ -41,7 +41,6 @@ A layer that is on the compute device and uncompressed gets the plain ``LayerKV`
 from __future__ import annotations
 
 import os
-from collections import Counter, OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -49,9 +48,10 @@ import torch
 
 from localgen.kernels import paged_attention_ref as ref
 from localgen.kernels.quant_ref import GROUP_SIZE, QuantizedKV, dequantize_int4, quantize_int4
-from localgen.kv.attention import AttentionMetadata, LayerKV, fresh_prefill_attention
+from localgen.kv.attention import AttentionMetadata, LayerKV, _runs, fresh_prefill_attention
 from localgen.models.config import ModelConfig
 from localgen.runtime.offload.memory import Layout, host_empty
+from localgen.runtime.offload.recent import RecentIndex, own_blocks
 from localgen.runtime.offload.timers import Timers
 
 
@@ -125,8 +125,8 @@ class TierKV:
 
     def __init__(self, tensors: dict[str, torch.Tensor], tier: str, compress: bool,
                  compute_device: torch.device, dtype: torch.dtype, cpu_compute: bool, timers: Timers,
-                 rotation: torch.Tensor | None = None, recent_blocks: int = 0,
-                 plans: "_PlanCache | None" = None, prefill_temp_per_token: int = 0):
+                 rotation: torch.Tensor | None = None, recent: RecentIndex | None = None,
+                 prefill_temp_per_token: int = 0):
         self.t, self.tier, self.compress = tensors, tier, compress
         self.device = resolve_device(compute_device)
         self.dtype, self.cpu_compute, self.timers = dtype, cpu_compute, timers
@@ -135,18 +135,24 @@ class TierKV:
         self.block_size, self.kv_heads = key.shape[1], key.shape[2]
         self.head_dim = key.shape[3] * (2 if compress else 1)
         self.set_rotation(rotation)
-        self.recent_blocks = recent_blocks if compress else 0
-        # the pool: block id -> row of pool_k/pool_v ([rows, block_size, kv_heads, head_dim],
-        # compute dtype, store device), grown on demand up to recent_blocks rows; iteration
-        # order = least recently written first
-        self.pool_rows: OrderedDict[int, int] = OrderedDict()
+        # the pool: rows ``recent.rows`` assigns, plus the scratch row ``recent.scratch``
+        # ([capacity + 1, block_size, kv_heads, head_dim], compute dtype, store device)
+        self.recent = recent if compress and recent is not None and recent.capacity else None
+        self.recent_blocks = self.recent.capacity if self.recent else 0  # 0 turns the pool off
         self.pool_k = self.pool_v = None
-        self._free: list[int] = []
-        self.plans = plans if plans is not None else _PlanCache()
+        if self.recent:
+            shape = (self.recent.capacity + 1, self.block_size, self.kv_heads, self.head_dim)
+            self.pool_k, self.pool_v = (torch.zeros(shape, dtype=dtype, device=self.store_device)
+                                        for _ in range(2))
         self.mapped: bool | None = None  # decided on first use (``_zero_copy``)
         self._kernels: bool | None = None  # decided on first use (``_int4_kernels``)
         self.stored: "torch.cuda.Event | None" = None  # a side-stream store still in flight
         self.prefill_temp_per_token = prefill_temp_per_token  # ``prefill_temp_bytes_per_token``
+
+    @property
+    def pool_rows(self):
+        """Block id -> pool row (the cache's shared ``RecentIndex``)."""
+        return self.recent.rows if self.recent else {}
 
     def set_rotation(self, rotation: torch.Tensor | None) -> None:
         """Use ``rotation`` (``[head_dim, head_dim]`` orthogonal, or None) from now on; only
@@ -230,7 +236,8 @@ class TierKV:
                 return out if self.rot is None else _rotate(out, self.rot_t).to(out.dtype)
         if self._int4_kernels() and not meta.is_prefill:
             with self.timers.section("compute"):
-                out = self._decode_int4(q, k, v, meta, scale)
+                out = (self._decode_int4(q, k, v, meta, scale) if meta.pool_rows is None
+                       else self._decode_int4_static(q, k, v, meta, scale))
                 return out if self.rot is None else _rotate(out, self.rot_t).to(out.dtype)
         self._store(k, v, meta.slot_mapping)
         on_cpu = (self.cpu_compute and not meta.is_prefill and self.tier != "gpu"
@@ -243,7 +250,7 @@ class TierKV:
             with self.timers.section("compute"):
                 out = fresh_prefill_attention(q, k, v, meta.query_lens, scale)
                 return out if self.rot is None else _rotate(out, self.rot_t).to(out.dtype)
-        plan = self.plans.get(meta, self.block_size)
+        plan = self._plan(meta)
         kc, vc = self._blocks("k", plan.ids, where), self._blocks("v", plan.ids, where)
         if on_cpu:
             with self.timers.section("gtoc"):
@@ -343,7 +350,7 @@ class TierKV:
         reference path (``_attend_recent``), which it falls back to when a sequence gets no pool
         row or shares its last block."""
         self._store(k, v, meta.slot_mapping)  # the Triton quantize-and-write
-        plan = self.plans.get(meta, self.block_size)
+        plan = self._plan(meta)
         own = None
         if self.recent_blocks:
             if plan.decode is None:
@@ -352,16 +359,33 @@ class TierKV:
             if min(rows) < 0:
                 return self._decode_int4_reference(q, k, v, meta, scale, plan, (rows, init))
             dev = self.store_device
-            if init:  # rows (re)made mid-block start from the block's 4-bit values
-                ri = plan.tensor("init_rows", [rows[i] for i in init], dev)
-                ids = torch.tensor([plan.decode[0][i] for i in init])
-                self.pool_k[ri], self.pool_v[ri] = self._blocks("k", ids, dev), self._blocks("v", ids, dev)
+            if init:
+                self.fill_rows([rows[i] for i in init], [plan.decode[0][i] for i in init])
             r_t = plan.tensor("rows", rows, dev)
             self._pool_put(r_t, plan.tensor("offs", plan.decode[1], dev), k, v)
             own = dict(own_k=self.pool_k, own_v=self.pool_v, own_rows=r_t)
         return _triton_kernels()[0].paged_decode_attention_int4(
             q, self._packed("k"), self._packed("v"), meta.block_tables, meta.context_lens, scale,
             max_context_len=max(meta.context_lens_list), **(own or {}))
+
+    def _decode_int4_static(self, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """``_decode_int4`` inside a CUDA graph: the pool rows come with the step
+        (``meta.pool_rows``, assigned before the replay by ``TieredKVCache.graph_pool_rows``),
+        every shape is fixed and nothing runs on the host."""
+        self._store(k, v, meta.slot_mapping)
+        own = {}
+        if self.recent_blocks:
+            self._pool_put(meta.pool_rows, (meta.context_lens - 1) % self.block_size, k, v)
+            own = dict(own_k=self.pool_k, own_v=self.pool_v, own_rows=meta.pool_rows)
+        return _triton_kernels()[0].paged_decode_attention_int4(
+            q, self._packed("k"), self._packed("v"), meta.block_tables, meta.context_lens, scale,
+            max_context_len=max(meta.context_lens_list), **own)
+
+    def fill_rows(self, rows: list[int], block_ids: list[int]) -> None:
+        """Pool rows made while their block already holds slots start from its 4-bit values."""
+        dev = self.store_device
+        ri, ids = torch.tensor(rows, device=dev), torch.tensor(block_ids)
+        self.pool_k[ri], self.pool_v[ri] = self._blocks("k", ids, dev), self._blocks("v", ids, dev)
 
     def _decode_int4_reference(self, q, k, v, meta, scale, plan, assigned):
         """The gather path for the rare steps the kernel does not take (K/V already written)."""
@@ -380,7 +404,9 @@ class TierKV:
         cache), so a row is read whole, with no per-slot mask. ``assigned``: this step's
         ``_assign_rows`` result when the caller already made it (it must run once a step)."""
         if plan.decode is None:
-            out = self._attend_recent_general(q, k, v, kc, vc, plan, meta, scale, where)
+            fresh = meta.is_prefill and meta.context_lens_list == list(meta.query_lens)
+            attend = self._attend_recent_fresh if fresh else self._attend_recent_general
+            out = attend(q, k, v, kc, vc, plan, meta, scale, where)
             self._keep_recent(plan, meta, k, v, kc, vc)
             return out
         offs = plan.decode[1]
@@ -409,35 +435,66 @@ class TierKV:
                 kc[li], vc[li] = self.pool_k[r_t].to(where), self.pool_v[r_t].to(where)
         return ref.paged_decode_attention(q, kc, vc, plan.local_on(where), meta.context_lens.to(where), scale)
 
-    def _own_region(self, i: int, row: list[int], ctx: int, ql: int, start: int, kc, vc, local,
-                    k: torch.Tensor, v: torch.Tensor, where: torch.device):
+    def _own_region(self, i: int, r: int | None, row: list[int], ctx: int, ql: int, start: int, kc,
+                    vc, local, k: torch.Tensor, v: torch.Tensor, where: torch.device):
         """Sequence ``i``'s own-block region in fp: positions ``bs * (a // bs) .. ctx-1`` (a = its
         first query position) as ``[n, kv_heads, head_dim]`` K and V on ``where``: the first own
-        block's slots written before this step from its pool row if it has one (else their 4-bit
-        values), then this step's new tokens ``k/v[start:start+ql]`` as given."""
+        block's slots written before this step from its pool row ``r`` (as the step found it) if it
+        has one (else their 4-bit values), then this step's new tokens ``k/v[start:start+ql]``."""
         bs, a = self.block_size, ctx - ql
         j0 = a // bs
         new_k, new_v = k[start:start + ql].to(where, self.dtype), v[start:start + ql].to(where, self.dtype)
         n0 = a - j0 * bs  # earlier slots of the first own block
         if n0 == 0:
             return new_k, new_v
-        r = self.pool_rows.get(row[j0])
         if r is not None:
             pk, pv = self.pool_k[r, :n0].to(where), self.pool_v[r, :n0].to(where)
         else:
             pk, pv = kc[local[i][j0], :n0], vc[local[i][j0], :n0]
         return torch.cat([pk, new_k]), torch.cat([pv, new_v])
 
+    def _attend_recent_fresh(self, q, k, v, kc, vc, plan, meta, scale, where):
+        """Whole prompts (nothing cached before them): ``_attend_recent_general``'s masked
+        attention with no pool row to read, each run of equal-length prompts in one SDPA call
+        (a prefill of 4 x 512 tokens is one call per layer, not one per sequence)."""
+        bs, num_heads = self.block_size, q.shape[1]
+        out, start = torch.empty_like(q), 0
+        for i, j in _runs(list(meta.query_lens)):
+            n, L = j - i, meta.query_lens[i]
+            end = start + n * L
+            ids = torch.tensor([row[:-(-L // bs)] for row in plan.local[i:j]], device=where)
+            k4 = kc[ids].flatten(1, 2)[:, :L]  # [n, L, kvh, d]: the 4-bit values just written
+            v4 = vc[ids].flatten(1, 2)[:, :L]
+            kf = k[start:end].to(where, self.dtype).view(n, L, *k.shape[1:])
+            vf = v[start:end].to(where, self.dtype).view(n, L, *v.shape[1:])
+            keys = torch.cat([k4, kf], 1).transpose(1, 2).to(q.dtype)  # [n, kvh, 2L, d]
+            vals = torch.cat([v4, vf], 1).transpose(1, 2).to(q.dtype)
+            p = torch.arange(L, device=where)[:, None]
+            own = (p // bs) * bs  # first position of each query's own block
+            t = torch.arange(L, device=where)[None, :]
+            mask = torch.cat([t < own, (t >= own) & (t <= p)], dim=1)  # [L, 2L]
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[start:end].view(n, L, num_heads, -1).transpose(1, 2), keys, vals, attn_mask=mask,
+                scale=scale, enable_gqa=self.kv_heads != num_heads)
+            out[start:end] = o.transpose(1, 2).reshape(n * L, num_heads, -1)
+            start = end
+        return out
+
     def _attend_recent_general(self, q, k, v, kc, vc, plan, meta, scale, where):
         """Any batch (prefill, several queries per sequence, shared own blocks): per sequence, one
         SDPA over its 4-bit context followed by its own-block region in fp, masked so that a query
         at position p sees 4-bit keys before its block and fp keys of its block up to p."""
         bs, num_heads = self.block_size, q.shape[1]
+        if plan.prior is None:  # the rows as the step found them: later layers see the same
+            assert plan.assigned is None, "pool rows read after the step assigned them"
+            plan.prior = [self.pool_rows.get(row[(ctx - ql) // bs]) for row, ctx, ql
+                          in zip(plan.tables, meta.context_lens_list, meta.query_lens)]
+        prior = plan.prior
         outs, start = [], 0
         for i, (row, ctx, ql) in enumerate(zip(plan.tables, meta.context_lens_list, meta.query_lens)):
             a = ctx - ql
             s0 = (a // bs) * bs
-            fk, fv = self._own_region(i, row, ctx, ql, start, kc, vc, plan.local, k, v, where)
+            fk, fv = self._own_region(i, prior[i], row, ctx, ql, start, kc, vc, plan.local, k, v, where)
             ids = torch.tensor(plan.local[i][:-(-ctx // bs)], device=where)
             keys = torch.cat([kc[ids].flatten(0, 1)[:ctx], fk]).transpose(0, 1)  # [kvh, 2ctx - s0, d]
             vals = torch.cat([vc[ids].flatten(0, 1)[:ctx], fv]).transpose(0, 1)
@@ -481,62 +538,18 @@ class TierKV:
         self.pool_v[rows, offs] = v.to(self.store_device, self.dtype)
 
     def _assign_rows(self, plan: "_StepPlan", meta) -> tuple[list[int], list[int]]:
-        """Pool bookkeeping of a step (Python only): drop the rows of blocks each sequence has
-        moved past, find or make the row of each sequence's last block. Returns (row per sequence,
-        -1 where the pool is full of this step's rows; indices of the sequences whose row is new
-        while their block already holds earlier slots, to be filled from the 4-bit values)."""
-        bs = self.block_size
-        rows, need, taken = [], [], set()
-        for i, (row, ctx, ql) in enumerate(zip(plan.tables, meta.context_lens_list, meta.query_lens)):
-            a, j = ctx - ql, (ctx - 1) // bs
-            lo = a // bs - (1 if a % bs == 0 and a else 0)  # a block just left is done, too
-            for jj in range(lo, j):
-                r = self.pool_rows.pop(row[jj], None)
-                if r is not None:
-                    self._free.append(r)
-            r = self.pool_rows.pop(row[j], None)  # existing rows first, so none is evicted below
-            if r is None:
-                need.append(i)
-                r = -1
-            else:
-                self.pool_rows[row[j]] = r  # most recently written
-                taken.add(row[j])
-            rows.append(r)
-        init = []
-        for i in need:
-            row, ctx, ql = plan.tables[i], meta.context_lens_list[i], meta.query_lens[i]
-            j = (ctx - 1) // bs
-            r = self._new_row(taken)
-            if r >= 0:
-                self.pool_rows[row[j]] = r
-                taken.add(row[j])
-                rows[i] = r
-                if ctx - ql > j * bs:  # the block already holds slots from earlier steps
-                    init.append(i)
-        return rows, init
+        """This step's pool rows (``RecentIndex.assign``), decided once by the first layer that
+        asks and kept on the step's plan for the others."""
+        if plan.assigned is None:
+            plan.assigned = self.recent.assign(plan.tables, meta.context_lens_list, meta.query_lens,
+                                               self.block_size)
+        return plan.assigned
 
-    def _new_row(self, taken: set[int]) -> int:
-        """A free pool row (growing the pool, else evicting the least recently written block
-        unless it is in ``taken``); -1 when none can be had."""
-        if self.pool_k is None:
-            self._grow(min(8, self.recent_blocks))
-        if not self._free:
-            if self.pool_k.shape[0] < self.recent_blocks:
-                self._grow(min(2 * self.pool_k.shape[0], self.recent_blocks))
-            elif self.pool_rows and next(iter(self.pool_rows)) not in taken:
-                self._free.append(self.pool_rows.pop(next(iter(self.pool_rows))))
-            else:
-                return -1
-        return self._free.pop()
-
-    def _grow(self, n: int) -> None:
-        shape = (n, self.block_size, self.kv_heads, self.head_dim)
-        old = 0 if self.pool_k is None else self.pool_k.shape[0]
-        new = [torch.zeros(shape, dtype=self.dtype, device=self.store_device) for _ in range(2)]
-        if old:
-            new[0][:old], new[1][:old] = self.pool_k, self.pool_v
-        self.pool_k, self.pool_v = new
-        self._free += range(old, n)
+    def _plan(self, meta: AttentionMetadata) -> "_StepPlan":
+        """The step's plan, built by the first layer that asks and kept on ``meta``."""
+        if meta.tier_plan is None:
+            meta.tier_plan = _StepPlan(meta, self.block_size)
+        return meta.tier_plan
 
 
 _STORE_STREAMS: dict = {}
@@ -589,7 +602,9 @@ class _StepPlan:
     the blocks to gather (``ids``, sorted, CPU int64), each sequence's table remapped onto them
     (``local``), and for a decode step whose own (last) blocks are not shared, ``decode`` =
     (own block id, offset of the new token in it) per sequence, with ``decode_local`` (the own
-    blocks' local indices) and ``decode_dst`` (the new tokens' flat local slots)."""
+    blocks' local indices) and ``decode_dst`` (the new tokens' flat local slots); ``assigned``:
+    the step's pool rows once the first layer has asked (``TierKV._assign_rows``), and ``prior``
+    the rows the step found (read by every layer of a general step)."""
 
     def __init__(self, meta: AttentionMetadata, bs: int):
         self.tables = meta.block_tables.tolist()
@@ -603,10 +618,11 @@ class _StepPlan:
         self._on: dict[torch.device, torch.Tensor] = {}
         self._tensors: dict = {}
         self.decode = None
+        self.assigned: tuple[list[int], list[int]] | None = None
+        self.prior: list[int | None] | None = None  # pool rows before ``assigned`` (general steps)
         if not meta.is_prefill and all(ql == 1 for ql in meta.query_lens):
-            own = [row[(c - 1) // bs] for row, c in zip(self.tables, meta.context_lens_list)]
-            mine = set(own)
-            if len(uniq) == len(used) or all(n == 1 for b, n in Counter(used).items() if b in mine):
+            own = own_blocks(self.tables, meta.context_lens_list, bs)
+            if own is not None:
                 offs = [(c - 1) % bs for c in meta.context_lens_list]
                 self.decode = (own, offs)
                 self.decode_local = [pos[b] for b in own]
@@ -629,24 +645,6 @@ class _StepPlan:
         return t
 
 
-class _PlanCache:
-    """The plans of the last few steps' metadata objects, shared by all layers of a cache (the
-    block schedule interleaves the GPU batches of a block, so a few are live at once)."""
-
-    def __init__(self, size: int = 16):
-        self.size, self.entries = size, OrderedDict()
-
-    def get(self, meta: AttentionMetadata, bs: int) -> _StepPlan:
-        hit = self.entries.get(id(meta))
-        if hit is not None and hit[0] is meta:
-            return hit[1]
-        plan = _StepPlan(meta, bs)
-        self.entries[id(meta)] = (meta, plan)  # holding meta keeps its id from being reused
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
-        return plan
-
-
 class TieredKVCache:
     """K/V of every layer on the tier ``tiers[i]`` gives; ``views[i]`` is what layer i attends with.
 
@@ -666,12 +664,16 @@ class TieredKVCache:
                  recent_blocks: int | None = None):
         self.num_blocks, self.block_size, self.tiers = num_blocks, block_size, list(tiers)
         self.device = resolve_device(device)
-        lay = Layout(_kv_items(cfg, num_blocks, block_size, dtype, compress))
+        # one block past the allocator's range: padded rows of a CUDA-graph batch write there
+        lay = Layout(_kv_items(cfg, num_blocks + 1, block_size, dtype, compress))
+        self.scratch_block = num_blocks
         if recent_blocks is None:
             recent_blocks = DEFAULT_RECENT_BLOCKS
         self.recent_blocks = min(recent_blocks, num_blocks) if compress else 0
-        # the pool of a disk layer lives in host memory
-        self.pool_bytes = self.recent_blocks * block_size * cfg.num_kv_heads * cfg.head_dim * 2 * dtype.itemsize
+        self.recent = RecentIndex(self.recent_blocks) if self.recent_blocks else None
+        # the pool of a disk layer lives in host memory; its rows plus the scratch row
+        self.pool_bytes = ((self.recent_blocks + 1) * block_size * cfg.num_kv_heads * cfg.head_dim * 2
+                           * dtype.itemsize if self.recent_blocks else 0)
         self.layer_bytes = lay.nbytes
         self.views: list = []
         self.maps: list = []
@@ -679,7 +681,6 @@ class TieredKVCache:
             raise ValueError("the policy puts KV cache on disk (cd > 0): give an offload dir")
         self.rotate = compress if rotate is None else rotate
         rot = kv_rotation(cfg.head_dim) if self.rotate else None
-        plans = _PlanCache()  # one per step, shared by the layers
         temp = prefill_temp_bytes_per_token(cfg, dtype)
         for i, tier in enumerate(self.tiers):
             if tier == "gpu":
@@ -698,7 +699,31 @@ class TieredKVCache:
                 self.views.append(LayerKV(t["k"], t["v"]))
             else:
                 self.views.append(TierKV(t, tier, compress, self.device, dtype, cpu_compute, timers, rot,
-                                         self.recent_blocks, plans, temp))
+                                         self.recent, temp))
+
+    def graphable(self) -> bool:
+        """Whether a decode step can be replayed as a CUDA graph: every layer on the GPU tier and,
+        for a 4-bit cache, written and read by the Triton kernels (no host work per layer)."""
+        return (self.device.type == "cuda" and all(t == "gpu" for t in self.tiers)
+                and all(isinstance(v, LayerKV) or v._int4_kernels() for v in self.views))
+
+    def graph_pool_rows(self, tables: list[list[int]], context_lens: list[int]) -> list[int] | None:
+        """The pool row of each sequence of a decode step about to be replayed as a CUDA graph
+        (``runtime.cuda_graphs``), assigned on the host once for all layers; rows made while their
+        block already holds earlier slots are filled in every layer first, from the 4-bit values
+        (eagerly, before the replay). Rows are unused (0) without a pool. None when the step must
+        run eagerly: an own block another sequence also reads, or more sequences than rows."""
+        if self.recent is None:
+            return [0] * len(tables)
+        bs = self.block_size
+        if own_blocks(tables, context_lens, bs) is None:
+            return None
+        rows, init = self.recent.assign(tables, context_lens, [1] * len(tables), bs)
+        if init:  # before any fallback: the eager path will find these rows made
+            ids = [tables[i][(context_lens[i] - 1) // bs] for i in init]
+            for view in self.views:
+                view.fill_rows([rows[i] for i in init], ids)
+        return rows if min(rows) >= 0 else None
 
     def bytes_on(self, tier: str) -> int:
         """Bytes held on ``tier``: the stored K/V, plus the recent-block pools at full capacity

@@ -132,6 +132,9 @@ class LayerWeights:
     def bytes_on(self, tier: str) -> int:
         return sum(l.nbytes for l, t in zip(self.layouts, self.tiers) if t == tier)
 
+    def all_on(self, tier: str) -> bool:
+        return all(t == tier for t in self.tiers)
+
     def staging_bytes(self) -> dict[str, int]:
         return {"gpu": sum(b.numel() for b in self.dev_stage), "cpu": sum(b.numel() for b in self.host_stage)}
 
