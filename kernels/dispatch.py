@@ -164,7 +164,11 @@ class Int4Linear:
     def dense(self) -> torch.Tensor:
         if self._dense is not None:
             return self._dense
-        w = dequantize_weight(self.qw, self.dtype)
+        if self.qw.packed.is_cuda or _interpreting():  # one Triton launch, not six torch passes
+            from .dequant import dequantize_weight as dequantize_triton
+            w = dequantize_triton(self.qw, self.dtype)
+        else:
+            w = dequantize_weight(self.qw, self.dtype)
         if self.cache_dense:
             self._dense = w
         return w

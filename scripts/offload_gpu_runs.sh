@@ -22,6 +22,8 @@
 #   cpuattn_probe : localgen profile's CPU-attention probe on the host (compare: the runtime's 4.86 GFLOP/s)
 #   gemm_cublas : scripts/gemm_variants.py: the int4 flat GEMM beside cuBLAS on the dense weight, fp16 and bf16
 #   profile  : the hardware profile (localgen profile's probes) of this machine, as JSON
+#   gemm_table16 : the same, float16 only
+#   llama7b_w4g : the graphed 4-bit policy alone (4x4, everything on the GPU)
 #   gemm_table : M1/M2 inflection points (FlashDecoding++ §5) of Llama-2-7B's and SmolLM2's [N, K], fp16 and bf16
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -46,6 +48,8 @@ for stage in "$@"; do
         --policy 8,2,100,0,100,0,100,0,w4,kv4 --policy 16,1,100,0,100,0,100,0,w4,kv4 \
         --policy 8,2,92,8,100,0,100,0,w4,kv4 --peer-batches '' \
         --out "$OUT/offload_llama7b_graph_$TAG.json" 2>&1 | tee "$OUT/offload_llama7b_graph_$TAG.txt" ;;
+    llama7b_w4g) timeout 200 $B --preset llama-2-7b --gpu-memory 6GiB --policy 4,4,100,0,100,0,100,0,w4,kv4 \
+        --peer-batches '' --out "$OUT/offload_llama7b_w4g_$TAG.json" 2>&1 | tee "$OUT/offload_llama7b_w4g_$TAG.txt" ;;
     llama7b_w4cpu) for g in 1 0; do LOCALGEN_INT4_GEMM=$g timeout 150 $B --preset llama-2-7b --gpu-memory 6GiB \
         --policy 16,8,100,0,0,100,100,0,w4 --peer-batches '' --out "$OUT/offload_llama7b_w4cpu_gemm$g.json" \
         2>&1 | tee "$OUT/offload_llama7b_w4cpu_gemm$g.txt"; done ;;
@@ -75,7 +79,8 @@ for stage in "$@"; do
     profile) timeout 300 python3 -c "import sys; from localgen.profiler.probes import run_profile; hw = run_profile('/tmp/lg_prof', progress=lambda n, i, t: print(n, i, t, flush=True)); print(hw.to_json()); hw.save(sys.argv[1])" "$OUT/profile_$TAG.json" 2>&1 | tee "$OUT/profile_$TAG.txt" ;;
   gemm_cublas) for dt in float16 bfloat16; do timeout 150 python3 scripts/gemm_variants.py --dtype $dt \
         --out "$OUT/gemm_variants_${dt}_$TAG.json" 2>&1 | tee "$OUT/gemm_variants_${dt}_$TAG.txt"; done ;;
-  gemm_table) for dt in float16 bfloat16; do timeout 200 python3 -m localgen.kernels.dispatch --dtype $dt \
+  gemm_table|gemm_table16) dts="float16 bfloat16"; [ $stage = gemm_table16 ] && dts=float16
+      for dt in $dts; do timeout 200 python3 -m localgen.kernels.dispatch --dtype $dt \
         --shapes 4096x4096,11008x4096,4096x11008,12288x4096,22016x4096,960x576,576x576,3072x576,576x1536 \
         --out "$OUT/gemm_$dt.json" 2>&1 | tee "$OUT/gemm_$dt.txt"; done ;;
   esac

@@ -199,6 +199,25 @@ def test_int4_linear_every_impl(seed, layout, dtype, monkeypatch):
     assert lin._dense is None  # as_linear never keeps a dense copy
 
 
+@pytest.mark.parametrize("layout", ["n64", "k32", "q4_1"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k", [(128, 96), (70, 160), (192, 64)])
+def test_dequant_kernel_equals_the_reference(seed, layout, dtype, n, k):
+    """The Triton dequantization (the "torch" impl's first half on CUDA) against the torch twin:
+    equal up to the last bit of ``dtype`` (the kernel may fuse the multiply-add), shapes that cut
+    the kernel's tiles and a last, shorter group (N = 70 with g = 64), into NaN-free output."""
+    from localgen.kernels.dequant import dequantize_weight
+    from localgen.kernels.quant_ref import dequantize_weight as reference
+
+    if layout == "q4_1" and k % 32:
+        pytest.skip("Q4_1 blocks are 32 wide")
+    t = random_q4_1(n, k) if layout == "q4_1" else weight(layout, n, k)
+    got, ref = dequantize_weight(t, dtype), reference(t, dtype)
+    assert got.shape == (n, k) and got.dtype == dtype and torch.isfinite(got).all()
+    ulp = torch.finfo(dtype).eps * ref.float().abs().clamp_min(1e-3)
+    assert ((got.float() - ref.float()).abs() <= ulp).all(), f"seed={seed}"
+
+
 # ---- the call site: offloaded layers ------------------------------------------------------------
 
 def _layer_weights(device_type_packed: bool, monkeypatch, layers):
