@@ -20,7 +20,8 @@ Recent block uncompressed (on by default with ``compress_cache``; KIVI, Liu et a
 keeps the most recent tokens in full precision, here at block granularity): every token is stored
 4-bit as above, and in addition the fp values of each running sequence's last (partly filled)
 block are kept in a small write-through pool (``recent_blocks`` blocks per layer, on the tier's
-device, least recently written evicted first). A query reads the keys/values of its own block
+device, least recently written evicted first; ``recent.RecentIndex`` assigns the rows once per step
+for every layer). A query reads the keys/values of its own block
 (the block holding its position) in full precision and every earlier block 4-bit, in prefill
 exactly as in decode: a prompt scored in one prefill sees what token-by-token decoding would see.
 A block without a pool entry (evicted, or filled from the prefix cache) falls back to its 4-bit
@@ -119,8 +120,10 @@ class TierKV:
     ``rotation``: an orthogonal ``[head_dim, head_dim]`` matrix (``kv_rotation``) or None. When
     given, ``write`` stores ``kR``/``vR`` and ``attend`` rotates q by R and its output by ``R^T``,
     so results equal attention over the unrotated cache up to the (smaller) quantization error.
-    ``recent_blocks`` (compressed only; 0 = off): capacity of the fp pool of recently written
-    blocks through which each query reads its own block in full precision (module docstring).
+    ``recent`` (compressed only; None = off): the cache's ``RecentIndex``, which assigns this
+    layer's rows of the fp pool of recently written blocks through which each query reads its
+    own block in full precision (module docstring); ``recent_blocks`` (0 turns the pool off) is
+    its capacity.
     """
 
     def __init__(self, tensors: dict[str, torch.Tensor], tier: str, compress: bool,
