@@ -23,7 +23,7 @@ from gpu_selftest import _alias_kernels  # noqa: E402  (localgen.kernels -> kern
 
 
 def profile_policy(preset: str, spec: str, device: str, gpu_memory, prompt_len: int, steps: int,
-                   rows: int) -> None:
+                   rows: int, phase: str = "decode") -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from localgen.api import LLM
@@ -45,15 +45,19 @@ def profile_policy(preset: str, spec: str, device: str, gpu_memory, prompt_len: 
           f"decode {dec / steps * 1e3:.1f} ms/step ({pol.bls * steps / dec:.1f} tok/s)", flush=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     add_random_requests(llm, pol.bls, prompt_len, steps + 1, seed=3)
-    llm.step()  # prefill outside the profile
+    if phase == "decode":
+        llm.step()  # prefill outside the profile
     with profile(activities=acts) as prof:
         t0 = time.perf_counter()
         while llm.has_unfinished():
             llm.step()
+            if phase == "prefill":
+                break
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    print(f"   profiled decode: {wall / steps * 1e3:.1f} ms/step", flush=True)
+    per = wall * 1e3 if phase == "prefill" else wall / steps * 1e3
+    print(f"   profiled {phase}: {per:.1f} ms{'' if phase == 'prefill' else '/step'}", flush=True)
     dev_key = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=dev_key, row_limit=rows), flush=True)
     if device.startswith("cuda"):
@@ -71,6 +75,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--phase", choices=("decode", "prefill"), default="decode",
+                    help="profile the decode steps (default) or the prefill step")
     a = ap.parse_args(argv)
     _alias_kernels()
     from localgen.bench.offload_bench import parse_size
@@ -78,7 +84,7 @@ def main(argv=None) -> int:
     cap = parse_size(a.gpu_memory) if a.gpu_memory else None
     for spec in a.policy:
         try:
-            profile_policy(a.preset, spec, a.device, cap, a.prompt_len, a.steps, a.rows)
+            profile_policy(a.preset, spec, a.device, cap, a.prompt_len, a.steps, a.rows, a.phase)
         except Exception as e:  # noqa: BLE001  (report and go on with the next policy)
             print(f"   {spec}: {e!r}"[:400], flush=True)
         if torch.cuda.is_available():
