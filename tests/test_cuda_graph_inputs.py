@@ -1,5 +1,6 @@
 """The decode graph's input staging (runtime/cuda_graphs.py), checked on the CPU: the flat buffer
-of ids, positions, slots, context lengths, pool rows and block tables the captured graph reads."""
+of ids, positions, slots, context lengths, pool rows and slots, and block tables the captured
+graph reads."""
 
 from types import SimpleNamespace
 
@@ -12,7 +13,7 @@ from localgen.runtime.sequence import Sequence
 
 
 def _graph(batch: int, width: int) -> _Graph:
-    staging_t = torch.full((batch * (5 + width),), -7, dtype=torch.long)  # poisoned
+    staging_t = torch.full((batch * (6 + width),), -7, dtype=torch.long)  # poisoned
     return _Graph(None, batch, width * 16, torch.zeros_like(staging_t), staging_t.numpy(),
                   staging_t, None, None)
 
@@ -39,13 +40,14 @@ def test_fill_writes_each_field_and_pads_unused_rows():
     assert asked == [([[5, 8], [2]], [20, 3])]
     got = g.device_inputs
     b4 = 4
-    ids, pos, slots, ctx, rows = (got[i * b4:(i + 1) * b4].tolist() for i in range(5))
-    table = got[5 * b4:].view(4, 3).tolist()
+    ids, pos, slots, ctx, rows, pool_slots = (got[i * b4:(i + 1) * b4].tolist() for i in range(6))
+    table = got[6 * b4:].view(4, 3).tolist()
     assert ids == [19, 3, 0, 0]
     assert pos == [19, 2, 0, 0]
     assert slots == [8 * 16 + 3, 2 * 16 + 2, 99 * 16, 99 * 16]
     assert ctx == [20, 3, 1, 1]
     assert rows == [6, 2, 7, 7]  # padded rows: the scratch row
+    assert pool_slots == [6 * 16 + 3, 2 * 16 + 2, 7 * 16, 7 * 16]  # row * block_size + offset
     assert table == [[5, 8, 99], [2, 99, 99], [99, 99, 99], [99, 99, 99]]
     # a step the cache refuses leaves the buffers alone (it runs eagerly)
     assert not runner._fill(g, [b])
@@ -55,5 +57,5 @@ def test_fill_writes_each_field_and_pads_unused_rows():
     assert runner._fill(g, [b])
     assert g.device_inputs[:4].tolist() == [3, 0, 0, 0]
     assert g.device_inputs[4 * b4:5 * b4].tolist() == [5, 7, 7, 7]
-    assert g.device_inputs[5 * b4:].view(4, 3)[1].tolist() == [99, 99, 99]
+    assert g.device_inputs[6 * b4:].view(4, 3)[1].tolist() == [99, 99, 99]
     assert np.all(g.staging == g.device_inputs.numpy())

@@ -75,9 +75,11 @@ class AttentionMetadata:
     cpu_decode: "CpuDecodePlan | None" = None
     # the offload cache's per-step plan (runtime/offload/kv.py), built by the first layer
     tier_plan: object = None
-    # ``[num_seqs]`` int64: each sequence's row of a 4-bit cache's fp recent-block pool, set by
-    # a decode step replayed as a CUDA graph (runtime/cuda_graphs.py); None elsewhere
+    # ``[num_seqs]`` int64, set by a decode step replayed as a CUDA graph (runtime/cuda_graphs.py),
+    # None elsewhere: each sequence's row of a 4-bit cache's fp recent-block pool, and the flat
+    # pool slot (row * block_size + offset) its new token goes to
     pool_rows: torch.Tensor | None = None
+    pool_slots: torch.Tensor | None = None
 
 
 @dataclass
@@ -128,7 +130,7 @@ def _attend_fresh_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
             attn_mask=_causal_chunk_mask(a, e, q.device)).transpose(1, 2)
 
 
-def _runs(keys: list) -> Iterator[tuple[int, int]]:
+def equal_runs(keys: list) -> Iterator[tuple[int, int]]:
     """``(i, j)`` index ranges of the consecutive equal items of ``keys``."""
     i = 0
     while i < len(keys):
@@ -147,7 +149,7 @@ def fresh_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     runs of equal-length prompts attend together. Returns ``[num_tokens, num_heads, head_dim]``."""
     out = torch.empty_like(q)
     start = 0
-    for i, j in _runs(query_lens):
+    for i, j in equal_runs(query_lens):
         end = start + (j - i) * query_lens[i]
         _attend_fresh_run(q[start:end], k[start:end], v[start:end], out[start:end], j - i,
                           query_lens[i], scale, query_chunk)
@@ -169,7 +171,7 @@ def cpu_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv:
     out = torch.empty_like(q)
     lens = list(zip(meta.context_lens_list, meta.query_lens))
     start = 0
-    for i, j in _runs(lens):
+    for i, j in equal_runs(lens):
         ctx, ql = lens[i]
         if ctx == ql:  # a run of fresh prompts of one length: batched, chunked calls
             end = start + (j - i) * ql

@@ -22,6 +22,7 @@ from localgen.runtime.executor import ModelRunner
 from localgen.runtime.sequence import Sequence
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+COLUMNS = 6  # [batch] columns of a graph's flat input buffer before the block table
 
 
 def context_buckets(max_model_len: int, smallest: int = 512) -> list[int]:
@@ -38,7 +39,8 @@ class _Graph:
     graph: "torch.cuda.CUDAGraph | _Eager"
     batch: int
     max_context: int
-    device_inputs: torch.Tensor  # flat: ids, positions, slots, ctx, pool rows ([batch] each), table
+    # flat: ids, positions, slots, ctx, pool rows, pool slots ([batch] each), block table
+    device_inputs: torch.Tensor
     staging: np.ndarray  # its pinned host twin, written through numpy (no torch op per field)
     staging_t: torch.Tensor  # the same pinned memory as a tensor, the copy's source
     meta: AttentionMetadata
@@ -110,8 +112,8 @@ class GraphedModelRunner(ModelRunner):
             if rows is None:
                 return False
         scratch = self.kv.scratch_block
-        ids, pos, slots, ctx, prow = (st[i * b:(i + 1) * b] for i in range(5))
-        table = st[5 * b:].reshape(b, -1)
+        ids, pos, slots, ctx, prow, pslot = (st[i * b:(i + 1) * b] for i in range(COLUMNS))
+        table = st[COLUMNS * b:].reshape(b, -1)
         for i, s in enumerate(seqs):
             p = s.num_tokens - 1
             ids[i], pos[i], ctx[i] = s.token_ids[-1], p, s.num_tokens
@@ -123,6 +125,7 @@ class GraphedModelRunner(ModelRunner):
         if n < b:
             ids[n:], pos[n:], slots[n:], ctx[n:], table[n:] = 0, 0, scratch * bs, 1, scratch
             prow[n:] = self.scratch_row
+        pslot[:] = prow * bs + (ctx - 1) % bs  # once a step, not once a layer
         g.device_inputs.copy_(g.staging_t, non_blocking=True)
         if not self.capture:  # an eager step may read host-side lengths (the CPU reference path)
             g.meta.context_lens_list = ctx.tolist()
@@ -133,21 +136,23 @@ class GraphedModelRunner(ModelRunner):
         dev, bs = self.device, self.kv.block_size
         width = -(-max_context // bs)
         # one flat buffer, every field a contiguous view of it (no unpacking kernels in the
-        # graph): ids, positions, slots, context lens, pool rows ([batch] each), then the
-        # [batch, width] block table
-        inputs = torch.zeros(batch * (5 + width), dtype=torch.long, device=dev)
-        cols = [inputs[i * batch:(i + 1) * batch] for i in range(5)]
-        tables = inputs[5 * batch:].view(batch, width)
+        # graph): ids, positions, slots, context lens, pool rows, pool slots ([batch] each),
+        # then the [batch, width] block table
+        inputs = torch.zeros(batch * (COLUMNS + width), dtype=torch.long, device=dev)
+        cols = [inputs[i * batch:(i + 1) * batch] for i in range(COLUMNS)]
+        tables = inputs[COLUMNS * batch:].view(batch, width)
         cols[2].fill_(self.kv.scratch_block * bs)
         cols[3].fill_(1)
         cols[4].fill_(self.scratch_row)
+        cols[5].fill_(self.scratch_row * bs)
         tables.fill_(self.kv.scratch_block)
         meta = AttentionMetadata(
             is_prefill=False, slot_mapping=cols[2], block_tables=tables, context_lens=cols[3],
             query_lens=[1] * batch,
             context_lens_list=[max_context] * batch,  # fixes the kernel's split count
-            pool_rows=cols[4] if hasattr(self.kv, "graph_pool_rows") else None,
         )
+        if hasattr(self.kv, "graph_pool_rows"):
+            meta.pool_rows, meta.pool_slots = cols[4], cols[5]
 
         def forward():
             return self.model.logits(self.model.forward(cols[0], cols[1], self.kv.views, meta))

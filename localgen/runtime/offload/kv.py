@@ -49,7 +49,7 @@ import torch
 
 from localgen.kernels import paged_attention_ref as ref
 from localgen.kernels.quant_ref import GROUP_SIZE, QuantizedKV, dequantize_int4, quantize_int4
-from localgen.kv.attention import AttentionMetadata, LayerKV, _runs, fresh_prefill_attention
+from localgen.kv.attention import AttentionMetadata, LayerKV, equal_runs, fresh_prefill_attention
 from localgen.models.config import ModelConfig
 from localgen.runtime.offload.memory import Layout, host_empty
 from localgen.runtime.offload.recent import RecentIndex, own_blocks
@@ -364,22 +364,25 @@ class TierKV:
             dev = self.store_device
             if init:
                 self.fill_rows([rows[i] for i in init], [plan.decode[0][i] for i in init])
-            r_t = plan.tensor("rows", rows, dev)
-            self._pool_put(r_t, plan.tensor("offs", plan.decode[1], dev), k, v)
-            own = dict(own_k=self.pool_k, own_v=self.pool_v, own_rows=r_t)
-        return _triton_kernels()[0].paged_decode_attention_int4(
-            q, self._packed("k"), self._packed("v"), meta.block_tables, meta.context_lens, scale,
-            max_context_len=max(meta.context_lens_list), **(own or {}))
+            self._pool_put(plan.tensor("pool_slots", self._pool_slots(rows, plan.decode[1]), dev), k, v)
+            own = plan.tensor("rows", rows, dev)
+        return self._int4_attention(q, meta, scale, own)
 
     def _decode_int4_static(self, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """``_decode_int4`` inside a CUDA graph: the pool rows come with the step
-        (``meta.pool_rows``, assigned before the replay by ``TieredKVCache.graph_pool_rows``),
-        every shape is fixed and nothing runs on the host."""
+        """``_decode_int4`` inside a CUDA graph: the pool rows and flat pool slots come with the
+        step (``meta.pool_rows``/``pool_slots``, assigned before the replay by
+        ``TieredKVCache.graph_pool_rows``), every shape is fixed and nothing runs on the host."""
         self._store(k, v, meta.slot_mapping)
-        own = {}
-        if self.recent_blocks:
-            self._pool_put(meta.pool_rows, (meta.context_lens - 1) % self.block_size, k, v)
-            own = dict(own_k=self.pool_k, own_v=self.pool_v, own_rows=meta.pool_rows)
+        if not self.recent_blocks:
+            return self._int4_attention(q, meta, scale, None)
+        self._pool_put(meta.pool_slots, k, v)
+        return self._int4_attention(q, meta, scale, meta.pool_rows)
+
+    def _int4_attention(self, q, meta: AttentionMetadata, scale: float,
+                        own_rows: torch.Tensor | None) -> torch.Tensor:
+        """The int4 paged-decode kernel over this layer's cache; with ``own_rows`` (a pool row per
+        sequence) each sequence reads its own block in fp from the pool."""
+        own = {} if own_rows is None else dict(own_k=self.pool_k, own_v=self.pool_v, own_rows=own_rows)
         return _triton_kernels()[0].paged_decode_attention_int4(
             q, self._packed("k"), self._packed("v"), meta.block_tables, meta.context_lens, scale,
             max_context_len=max(meta.context_lens_list), **own)
@@ -410,19 +413,17 @@ class TierKV:
             fresh = meta.is_prefill and meta.context_lens_list == list(meta.query_lens)
             attend = self._attend_recent_fresh if fresh else self._attend_recent_general
             out = attend(q, k, v, kc, vc, plan, meta, scale, where)
-            self._keep_recent(plan, meta, k, v, kc, vc)
+            self._keep_recent(plan, meta, k, v)
             return out
         offs = plan.decode[1]
         rows, init = assigned or self._assign_rows(plan, meta)
         dev = self.store_device
-        if init:  # rows (re)made mid-block start from the block's 4-bit values
-            ri = plan.tensor("init_rows", [rows[i] for i in init], dev)
-            li = plan.tensor("init_local", [plan.decode_local[i] for i in init], where)  # same order
-            self.pool_k[ri], self.pool_v[ri] = kc[li].to(dev), vc[li].to(dev)
+        if init:
+            self.fill_rows([rows[i] for i in init], [plan.decode[0][i] for i in init])
         have = [i for i, r in enumerate(rows) if r >= 0]
         if len(have) == len(rows):  # the usual case: this step's token into the pool, the rows out
             r_t = plan.tensor("rows", rows, dev)
-            self._pool_put(r_t, plan.tensor("offs", offs, dev), k, v)
+            self._pool_put(plan.tensor("pool_slots", self._pool_slots(rows, offs), dev), k, v)
             li = plan.tensor("own_local", plan.decode_local, where)
             kc[li], vc[li] = self.pool_k[r_t].to(where), self.pool_v[r_t].to(where)
         else:  # more sequences than pool rows: those without one read only this token in fp
@@ -430,10 +431,11 @@ class TierKV:
             kc.view(-1, *kc.shape[2:]).index_copy_(0, d_t, k.to(where, self.dtype))
             vc.view(-1, *vc.shape[2:]).index_copy_(0, d_t, v.to(where, self.dtype))
             if have:
-                r_t = plan.tensor("rows", [rows[i] for i in have], dev)
-                o_t = plan.tensor("offs", [offs[i] for i in have], dev)
+                r_have = [rows[i] for i in have]
+                r_t = plan.tensor("rows", r_have, dev)
+                slots = self._pool_slots(r_have, [offs[i] for i in have])
                 t_t = plan.tensor("have", have, k.device)
-                self._pool_put(r_t, o_t, k[t_t], v[t_t])
+                self._pool_put(plan.tensor("pool_slots", slots, dev), k[t_t], v[t_t])
                 li = plan.tensor("own_local", [plan.decode_local[i] for i in have], where)
                 kc[li], vc[li] = self.pool_k[r_t].to(where), self.pool_v[r_t].to(where)
         return ref.paged_decode_attention(q, kc, vc, plan.local_on(where), meta.context_lens.to(where), scale)
@@ -462,7 +464,7 @@ class TierKV:
         (a prefill of 4 x 512 tokens is one call per layer, not one per sequence)."""
         bs, num_heads = self.block_size, q.shape[1]
         out, start = torch.empty_like(q), 0
-        for i, j in _runs(list(meta.query_lens)):
+        for i, j in equal_runs(list(meta.query_lens)):
             n, L = j - i, meta.query_lens[i]
             end = start + n * L
             ids = torch.tensor([row[:-(-L // bs)] for row in plan.local[i:j]], device=where)
@@ -513,32 +515,33 @@ class TierKV:
             start += ql
         return torch.cat(outs)
 
-    def _keep_recent(self, plan: "_StepPlan", meta, k: torch.Tensor, v: torch.Tensor, kc, vc) -> None:
+    def _keep_recent(self, plan: "_StepPlan", meta, k: torch.Tensor, v: torch.Tensor) -> None:
         """After a general step: pool this step's tokens of each sequence's last block."""
         bs, start, dev = self.block_size, 0, self.store_device
         rows, init = self._assign_rows(plan, meta)
-        init = set(init)
-        r_l, o_l, t_l = [], [], []
-        for i, (r, ctx, ql) in enumerate(zip(rows, meta.context_lens_list, meta.query_lens)):
+        if init:
+            self.fill_rows([rows[i] for i in init],
+                           [plan.tables[i][(meta.context_lens_list[i] - 1) // bs] for i in init])
+        slots, t_l = [], []
+        for r, ctx, ql in zip(rows, meta.context_lens_list, meta.query_lens):
             j = (ctx - 1) // bs
             first = max(ctx - ql, j * bs)
             if r >= 0:
-                if i in init:
-                    li = plan.local[i][j]
-                    self.pool_k[r], self.pool_v[r] = kc[li].to(dev), vc[li].to(dev)
-                r_l += [r] * (ctx - first)
-                o_l += range(first - j * bs, ctx - j * bs)
+                slots += range(r * bs + first - j * bs, r * bs + ctx - j * bs)
                 t_l += range(start + first - (ctx - ql), start + ql)
             start += ql
-        if r_l:
-            r_t, o_t = plan.tensor("keep_rows", r_l, dev), plan.tensor("keep_offs", o_l, dev)
+        if slots:
             t_t = plan.tensor("keep_toks", t_l, k.device)
-            self._pool_put(r_t, o_t, k[t_t], v[t_t])
+            self._pool_put(plan.tensor("keep_slots", slots, dev), k[t_t], v[t_t])
 
-    def _pool_put(self, rows: torch.Tensor, offs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write fp K/V ``[n, kv_heads, head_dim]`` into pool rows ``rows`` at slots ``offs``."""
-        self.pool_k[rows, offs] = k.to(self.store_device, self.dtype)
-        self.pool_v[rows, offs] = v.to(self.store_device, self.dtype)
+    def _pool_slots(self, rows: list[int], offs: list[int]) -> list[int]:
+        """Flat pool slots ``row * block_size + offset`` (the cache's own slot-mapping form)."""
+        return [r * self.block_size + o for r, o in zip(rows, offs)]
+
+    def _pool_put(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write fp K/V ``[n, kv_heads, head_dim]`` into the pool at flat slots ``slots``."""
+        for pool, x in ((self.pool_k, k), (self.pool_v, v)):
+            pool.view(-1, *pool.shape[2:])[slots] = x.to(self.store_device, self.dtype)
 
     def _assign_rows(self, plan: "_StepPlan", meta) -> tuple[list[int], list[int]]:
         """This step's pool rows (``RecentIndex.assign``), decided once by the first layer that

@@ -12,20 +12,16 @@ by ``cg/cc/cd`` (``kv.TieredKVCache``).
 
 from __future__ import annotations
 
-import math
 import os
-import warnings
 
 import torch
 
 from localgen.hostmem import keep_freed_host_memory
-from localgen.kv.attention import LayerKV
 from localgen.kv.cache import free_memory_bytes
 from localgen.models.config import ModelConfig
 from localgen.models.model import family_of, read_weights
 from localgen.models.rope import inv_frequencies, rope_cos_sin
 from localgen.policy.policy import Policy
-from localgen.quant.int4 import Int4Tensor
 from localgen.runtime.cuda_graphs import GraphedModelRunner
 from localgen.runtime.executor import ModelRunner
 from localgen.runtime.offload.kv import TieredKVCache, kv_layer_bytes
