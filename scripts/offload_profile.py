@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from gpu_selftest import _alias_kernels  # noqa: E402  (localgen.kernels -> kern
 
 
 def profile_policy(preset: str, spec: str, device: str, gpu_memory, prompt_len: int, steps: int,
-                   rows: int, phase: str = "decode") -> None:
+                   rows: int, phase: str = "decode", sync_debug: bool = False) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from localgen.api import LLM
@@ -62,7 +63,40 @@ def profile_policy(preset: str, spec: str, device: str, gpu_memory, prompt_len: 
     print(prof.key_averages().table(sort_by=dev_key, row_limit=rows), flush=True)
     if device.startswith("cuda"):
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows), flush=True)
+    if sync_debug and device.startswith("cuda"):
+        add_random_requests(llm, pol.bls, prompt_len, 3, seed=4)
+        for what in ("prefill", "decode"):
+            sites = sync_sites(llm.step)
+            print(f"   host syncs in one {what} step: {sum(sites.values())}", flush=True)
+            for site, n in sites.most_common(12):
+                print(f"     {n:5d}  {site}", flush=True)
+        while llm.has_unfinished():
+            llm.step()
     llm.engine.model.layers.close()
+
+
+def sync_sites(fn) -> Counter:
+    """Run ``fn`` with torch's CUDA sync debug mode on; count each synchronizing call by its
+    innermost project frames (file:line, innermost first)."""
+    import traceback
+    import warnings
+
+    sites: Counter = Counter()
+
+    def record(*_args, **_kw):
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if "localgen" in f.filename or "/kernels/" in f.filename]
+        sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-4:]))] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record  # restored when the block exits
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sites
 
 
 def main(argv=None) -> int:
@@ -77,6 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--phase", choices=("decode", "prefill"), default="decode",
                     help="profile the decode steps (default) or the prefill step")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="also list where a prefill and a decode step synchronize with the GPU")
     a = ap.parse_args(argv)
     _alias_kernels()
     from localgen.bench.offload_bench import parse_size
@@ -84,7 +120,7 @@ def main(argv=None) -> int:
     cap = parse_size(a.gpu_memory) if a.gpu_memory else None
     for spec in a.policy:
         try:
-            profile_policy(a.preset, spec, a.device, cap, a.prompt_len, a.steps, a.rows, a.phase)
+            profile_policy(a.preset, spec, a.device, cap, a.prompt_len, a.steps, a.rows, a.phase, a.sync_debug)
         except Exception as e:  # noqa: BLE001  (report and go on with the next policy)
             print(f"   {spec}: {e!r}"[:400], flush=True)
         if torch.cuda.is_available():

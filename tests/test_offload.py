@@ -285,6 +285,29 @@ def test_graph_decode_gives_the_eager_tokens(dirs, monkeypatch, compress):
     assert [b for b, _ in sorted(runner.graphs.graphs)] == [1, 4]
 
 
+@pytest.mark.parametrize("name", ["all_gpu_tier", "cpu_attention", "int4"])
+def test_fused_layers_give_the_torch_tokens(dirs, monkeypatch, name):
+    """The offload schedule's layers through the fused Triton kernels (add+RMSNorm, rope from
+    positions, silu*mul; what CUDA runs, here under TRITON_INTERPRET=1) give the torch layer's
+    greedy tokens, for a GPU-tier, a CPU-attention and a 4-bit placement."""
+    pytest.importorskip("triton")
+    from localgen.models import llama
+    from localgen.runtime.offload import kv as offload_kv
+
+    monkeypatch.setattr(offload_kv, "INT4_KERNEL_DEVICES", ("cuda", "cpu"))
+    pol = PLACEMENTS.get(name) or P(compress_weight=True, compress_cache=True, gbs=2, ngb=2)
+    runs, calls = {}, []
+    fused_layer = llama.layer_step
+    for fused in (False, True):
+        monkeypatch.setattr(llama, "fused_enabled", lambda h, on=fused: on)
+        monkeypatch.setattr(llama, "layer_step", lambda *a: calls.append(1) or fused_layer(*a))
+        llm = LLM.load(str(dirs["llama_4l"]), device="cpu", kv_cache_memory=KV, block_size=4,
+                       max_num_seqs=4, policy=pol, offload_dir=str(dirs["llama_4l"] / "off"))
+        runs[fused] = staggered(llm, prompts())
+        assert bool(calls) == fused
+    assert runs[True] == runs[False]
+
+
 def _at_once(llm: LLM, ps) -> list[list[int]]:
     ids = [llm.add_request(Request(prompt_token_ids=p, sampling=GREEDY)) for p in ps]
     done = {}

@@ -132,7 +132,16 @@ def _gate_up(w: dict, x: torch.Tensor):
 
 def layer(cfg: ModelConfig, w: dict, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
           kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
-    """One decoder layer: pre-norm attention then pre-norm gated MLP, both residual."""
+    """One decoder layer: pre-norm attention then pre-norm gated MLP, both residual.
+
+    ``rope``: (cos, sin) tables, or ``RotaryPositions`` where the fused kernels serve ``h``
+    (``fused_enabled``); they then run the layer (``layer_step``, its residual added back here: a
+    runtime that keeps each layer's output whole, as the offload schedule does, pays one add)."""
+    if fused_enabled(h):
+        x, residual = layer_step(cfg, w, h, None, rope, kv, meta)
+        return residual + x
+    if isinstance(rope, RotaryPositions):
+        rope = rope.cos_sin(h.dtype)
     if not meta.is_prefill and not h.is_cuda:
         mats = _cpu_decode_mats(cfg, w, h, kv)
         if mats is not None:

@@ -55,6 +55,14 @@ class RotaryPositions:
         return rope_cos_sin(self.inv_freq, self.positions, dtype)
 
 
+def step_rope(inv_freq: torch.Tensor | None, positions: torch.Tensor, dtype: torch.dtype, fused: bool):
+    """A step's rope in the form its layers take: ``RotaryPositions`` where the fused kernels run
+    (``fused``; they form cos/sin in-kernel), else cos/sin tables; None without rotary (OPT)."""
+    if inv_freq is None:
+        return None
+    return RotaryPositions(positions, inv_freq) if fused else rope_cos_sin(inv_freq, positions, dtype)
+
+
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
     """cos/sin ``[num_tokens, head_dim]`` for int positions ``[num_tokens]``."""
     freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]

@@ -20,7 +20,7 @@ from localgen.hostmem import keep_freed_host_memory
 from localgen.kv.cache import free_memory_bytes
 from localgen.models.config import ModelConfig
 from localgen.models.model import family_of, read_weights
-from localgen.models.rope import inv_frequencies, rope_cos_sin
+from localgen.models.rope import inv_frequencies, step_rope
 from localgen.policy.policy import Policy
 from localgen.runtime.cuda_graphs import GraphedModelRunner
 from localgen.runtime.executor import ModelRunner
@@ -72,6 +72,10 @@ class OffloadedLM:
         self.layers = LayerWeights(None, tiers, dtype, self.device, offload_dir, self.timers,
                                    layer_source=layer_source, num_layers=cfg.num_layers)
 
+    def fused(self, h: torch.Tensor) -> bool:
+        """Whether the layers run as fused Triton kernels (Llama family on CUDA with triton)."""
+        return getattr(self.family, "fused_enabled", lambda _h: False)(h)
+
     def weight_bytes(self) -> int:
         g = sum(t.numel() * t.element_size() for t in self.global_w.values())
         return g + sum(l.nbytes for l in self.layers.layouts)
@@ -89,7 +93,7 @@ class OffloadedLM:
     def forward(self, token_ids, positions, kv_caches, meta) -> torch.Tensor:
         """One batch through all layers (streaming each layer once); ``CausalLM.forward``'s contract."""
         h = self.family.embed(self.cfg, self.global_w, token_ids, positions).to(self.dtype)
-        rope = rope_cos_sin(self.inv_freq, positions, self.dtype) if self.inv_freq is not None else None
+        rope = step_rope(self.inv_freq, positions, self.dtype, self.fused(h))
         for j, kv in enumerate(kv_caches):
             self.layers.prefetch(j + 1)
             h = self.family.layer(self.cfg, self.layers.get(j), h, rope, kv, meta)
@@ -169,8 +173,9 @@ class OffloadRunner(ModelRunner):
             for b in batches:
                 ids, pos, meta = self.prepare(b, is_prefill)
                 metas.append(meta)
-                ropes.append(rope_cos_sin(m.inv_freq, pos, m.dtype) if m.inv_freq is not None else None)
-                hs.append(self._store_act(m.family.embed(cfg, m.global_w, ids, pos).to(m.dtype)))
+                h = m.family.embed(cfg, m.global_w, ids, pos).to(m.dtype)
+                ropes.append(step_rope(m.inv_freq, pos, m.dtype, m.fused(h)))
+                hs.append(self._store_act(h))
         overlap = not self.timers.enabled  # timed runs measure each term alone
         if overlap:
             m.layers.prefetch(0)
