@@ -448,3 +448,20 @@ def test_side_store_room_check(monkeypatch):
     assert kv_mod._room_for(k, v, torch.device("cuda"), later)
     allocated[0] += 2
     assert not kv_mod._room_for(k, v, torch.device("cuda", 0), later)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_block_dequantization_kernel_matches_reference(head_dim):
+    """Gathered 4-bit K/V blocks through the Triton dequantizer (TRITON_INTERPRET=1 here) equal
+    ``dequantize_int4`` to the last bit of fp16, including head_dim 80's short last group."""
+    pytest.importorskip("triton")
+    from localgen.kernels.quant_ref import dequantize_int4, quantize_int4
+    from localgen.runtime.offload.kv import _dequantize_blocks
+
+    x = torch.randn(5, 4, 2, head_dim) * 3
+    p, s, z = quantize_int4(x, 64, dim=-1)
+    ids = torch.tensor([3, 0, 4])
+    got = _dequantize_blocks(p[ids], s[ids], z[ids], torch.float16)
+    want = dequantize_int4(p[ids], s[ids], z[ids], 64, dim=-1, dtype=torch.float16)
+    assert got.shape == (3, 4, 2, head_dim)
+    assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * 2 ** -10

@@ -36,6 +36,7 @@ from typing import Literal
 import numpy as np
 
 from localgen.models.config import ModelConfig
+from localgen.policy.gemm_times import GemmTimes, gemm_times
 from localgen.policy.policy import FRACTIONS, Policy
 from localgen.profiler.hardware import HardwareProfile
 
@@ -220,6 +221,23 @@ class CostModel:
         total = sum(map(sum, subs))
         return min(subs, key=lambda m: m[0] / 2 / sum(m))[0] / total
 
+    def linear_shapes(self) -> list[tuple[int, int]]:
+        """``(N, K)`` of each matrix of a layer as localgen multiplies it (Llama: q/k/v and
+        gate/up fused, ``llama.fuse_weights``; OPT: one matrix each)."""
+        c = self.cfg
+        h, q, kv, h2 = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
+        if c.family == "llama":
+            return [(q + 2 * kv, h), (h, q), (2 * h2, h), (h, h2)]
+        return [(q, h), (kv, h), (kv, h), (h, q), (h2, h), (h, h2)]
+
+    def int4_gemm_times(self) -> GemmTimes | None:
+        """The GPU's measured int4 GEMM timings covering this layer, under localgen's runtime
+        (``gemm_times``); None otherwise (FlexGen's dequantize-then-GEMM is modeled instead)."""
+        if self.runtime != "localgen" or not self.hw.has_gpu:
+            return None
+        gt = gemm_times(self.hw.gpu_name, "float16") or gemm_times(self.hw.gpu_name, "bfloat16")
+        return gt if gt is not None and gt.covers(self.linear_shapes()) else None
+
     def total_weight_bytes(self, compress_weight: bool = False) -> float:
         """All parameters (embeddings, norms, biases included) in stored bytes."""
         return self.cfg.num_parameters() * self.wl.dtype_bytes * self._cw(compress_weight)
@@ -259,14 +277,22 @@ class CostModel:
 
     # -- terms ----------------------------------------------------------------------------------
     def terms(self, gbs: int, num_gpu_batches: int, compress_weight: bool = False,
-              compress_cache: bool = False, cpu_cache_compute: bool = False) -> Terms:
-        """Affine cost and memory terms (App. A.3) for this batch shape and options."""
+              compress_cache: bool = False, cpu_cache_compute: bool = False,
+              graphed: bool = False) -> Terms:
+        """Affine cost and memory terms (App. A.3) for this batch shape and options.
+
+        ``graphed``: decode runs all ``bls`` sequences of a step as one batch (localgen's CUDA
+        graphs, taken when weights, cache and activations are all on the GPU), so each layer's
+        weights are read once a step, not once per GPU batch. Under localgen's runtime with 4-bit
+        weights and a measured GEMM table for this GPU (``int4_gemm_times``), the layer's GEMMs
+        take the table's time at M = gbs (decode; bls when graphed) and gbs * s (prefill), with no
+        separate dequantization pass."""
         c, wl, hw = self.cfg, self.wl, self.hw
         gpu = hw.has_gpu
         cpu_cache_compute = cpu_cache_compute and gpu  # no GPU: all attention is on the CPU already
         s, n, B = wl.prompt_len, wl.gen_len, wl.dtype_bytes
         bls = gbs * num_gpu_batches
-        h1, q, kv, nh, l = c.hidden_size, c.q_size, c.kv_size, c.num_heads, c.num_layers
+        h1, q, kv, l = c.hidden_size, c.q_size, c.kv_size, c.num_layers
         r = compressed_ratio(dtype_bytes=B)
         cw, ck = (r if compress_weight else 1.0), (r if compress_cache else 1.0)
         W = self.layer_weight_elems()
@@ -297,8 +323,14 @@ class CostModel:
         ctog_cc, gtoc_cc = (ctog, gtoc) if in_place else (ctog_cache, gtoc_cache)
 
         deq_w = self._elementwise_time(wi16 * (1 + r), gpu) if compress_weight else 0.0
-        comp_p = (self._matmul_time(2 * W * s * bls, num_gpu_batches * wi16, hw.mm_flops)
-                  + 4 * s * s * q * bls / hw.bmm_flops + deq_w
+        reads = 1 if graphed else num_gpu_batches  # weight passes of a decode step
+        mm_p = self._matmul_time(2 * W * s * bls, num_gpu_batches * wi16, hw.mm_flops) + deq_w
+        mm_g = self._matmul_time(2 * W * bls, reads * wi16, hw.mm_flops_gen) + deq_w
+        gt = self.int4_gemm_times() if compress_weight else None
+        if gt is not None:
+            mm_p = num_gpu_batches * gt.layer_seconds(self.linear_shapes(), gbs * s)
+            mm_g = reads * gt.layer_seconds(self.linear_shapes(), bls // reads)
+        comp_p = (mm_p + 4 * s * s * q * bls / hw.bmm_flops
                   + (self._elementwise_time(kv_p / ck * (1 + r), gpu) if compress_cache else 0.0))
         prefill = {
             "ctog": _affine(wc=wi / ctog, wd=wi / ctog, hc=hid_p / ctog, hd=hid_p / ctog),
@@ -308,22 +340,27 @@ class CostModel:
             "comp": _affine(comp_p),
         }
 
-        mm_g = self._matmul_time(2 * W * bls, num_gpu_batches * wi16, hw.mm_flops_gen) + deq_w
         deq_kv = kv16 * (1 + r) if compress_cache else 0.0
+        gpu_attn = kv16 / hw.bmm_flops_gen + self._elementwise_time(deq_kv, True) if gpu else 0.0
+        kernel_attn = self.runtime == "localgen" and gpu and bool(hw.gpu_mem_bdw)
+        if kernel_attn:  # the paged-decode kernels read the GPU-tier cache as stored, in place
+            # (4-bit: dequantized in registers), memory-bound; FlexGen's bmm + dequant pass otherwise
+            gpu_attn = kv16 * ck / hw.gpu_mem_bdw
         if cpu_cache_compute:
             qkv_out = (q + 2 * kv) * B * bls  # q,k,v down; attention output (q) up
-            gpu_attn = kv16 / hw.bmm_flops_gen + self._elementwise_time(deq_kv, True)
             cpu_attn = kv16 / self.cpu_attn_flops(gbs) + self._elementwise_time(deq_kv, False)
             ctog_g = _affine(wc=wi / ctog, wd=wi / ctog, hc=hid_g / ctog, hd=hid_g / ctog,
                              cc=q * B * bls / ctog, cd=q * B * bls / ctog)
             gtoc_g = _affine(hc=hid_g / gtoc, hd=hid_g / gtoc, cc=qkv_out / gtoc, cd=qkv_out / gtoc)
             comp_g = _affine(mm_g, cg=gpu_attn, cc=cpu_attn, cd=cpu_attn)
         else:
-            attn = (kv16 / hw.bmm_flops_gen if gpu else kv16 / hw.cpu_flops) + self._elementwise_time(deq_kv, gpu)
+            attn = gpu_attn if gpu else kv16 / hw.cpu_flops + self._elementwise_time(deq_kv, False)
+            # localgen gathers (and dequantizes) an off-GPU cache before the kernel reads it
+            off_gpu = self._elementwise_time(deq_kv, True) if kernel_attn else 0.0
             ctog_g = _affine(wc=wi / ctog, wd=wi / ctog, hc=hid_g / ctog, hd=hid_g / ctog,
                              cc=kv_read / ctog_cc, cd=kv_read / ctog_cache)
             gtoc_g = _affine(hc=hid_g / gtoc, hd=hid_g / gtoc, cc=kv_new / gtoc_cc, cd=kv_new / gtoc_cache)
-            comp_g = _affine(mm_g + attn)
+            comp_g = _affine(mm_g + attn, cc=off_gpu, cd=off_gpu)
         decode = {
             "ctog": ctog_g,
             "gtoc": gtoc_g,
@@ -401,10 +438,15 @@ class CostModel:
         return rows
 
     # -- evaluation -----------------------------------------------------------------------------
+    def graphed(self, policy: Policy) -> bool:
+        """Whether localgen decodes ``policy`` as CUDA graphs (everything on the GPU)."""
+        return (self.runtime == "localgen" and self.hw.has_gpu
+                and min(policy.wg, policy.cg, policy.hg) >= 1 - 1e-9)
+
     def predict(self, policy: Policy) -> Prediction:
         """Predicted times, throughput and peak memory of ``policy`` (App. A.3 T, peak memory)."""
         t = self.terms(policy.gbs, policy.num_gpu_batches, policy.compress_weight,
-                       policy.compress_cache, policy.cpu_cache_compute)
+                       policy.compress_cache, policy.cpu_cache_compute, self.graphed(policy))
         return evaluate_terms(t, np.array(policy.fractions()))
 
 

@@ -17,7 +17,8 @@ from typing import Iterable, Literal
 import numpy as np
 
 from localgen.models.config import ModelConfig
-from localgen.policy.cost_model import CC, CD, HC, HD, NVARS, WC, WD, WG, TERMS, CostModel, Prediction, Terms, Workload, evaluate_terms
+from localgen.policy.cost_model import (CC, CD, CG, HC, HD, HG, NVARS, WC, WD, WG, CostModel, Prediction, Terms,
+                                        Workload, evaluate_terms)
 from localgen.policy.policy import Policy
 from localgen.profiler.hardware import HardwareProfile
 
@@ -187,6 +188,7 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
     wg_min = cm.min_gpu_weight_share() if tensor else 0.0
     off_min = cm.min_offload_weight_share() if tensor else 0.0
     found: list[tuple[float, tuple, Terms, np.ndarray, dict | None]] = []
+    graphs = runtime == "localgen" and hw.has_gpu  # all-GPU policies decode as CUDA graphs
     counter = [0]
     for opts in _options(hw, compression):
         for gbs in gbs_choices:
@@ -200,6 +202,8 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
                 feasible_any = True
                 thr = evaluate_terms(terms, x).throughput
                 found.append((thr, (gbs, nb, opts), terms, x, over))
+                if graphs:
+                    found += _all_gpu_graphed(cm, gbs, nb, opts, latency_bound)
                 if early_stop and thr < prev:
                     break  # FlexGen solve(): stop growing the block once throughput drops
                 prev = thr
@@ -214,6 +218,17 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
     picked = [found[0]] + _distinct_runners_up(found, num_alternatives)
     cands = [_finish(f, latency_bound) for f in picked]
     return SearchResult(cands[0], cands[1:], counter[0])
+
+
+def _all_gpu_graphed(cm: CostModel, gbs: int, nb: int, opts: tuple, latency_bound) -> list:
+    """The all-GPU policy of this shape as localgen runs it (decode as CUDA graphs: each layer's
+    weights read once a step); [] when it does not fit."""
+    terms = cm.terms(gbs, nb, *opts, graphed=True)
+    over = {WG: (1.0, 1.0), CG: (1.0, 1.0), HG: (1.0, 1.0)}
+    x = solve_lp(terms, latency_bound, bounds_override=over)
+    if x is None:
+        return []
+    return [(evaluate_terms(terms, x).throughput, (gbs, nb, opts), terms, x, over)]
 
 
 def _solve_granular(terms: Terms, latency_bound, wg_min: float, counter: list, off_min: float = 0.0):

@@ -216,6 +216,8 @@ class TierKV:
                 with self.timers.section("ctog"):
                     p, s, z = (x.to(device, non_blocking=True) for x in (p, s, z))
             with self.timers.section("compute"):
+                if self._int4_kernels() and device == self.store_device:
+                    return _dequantize_blocks(p, s, z, self.dtype)
                 return dequantize_int4(p, s, z, GROUP_SIZE, dim=-1, dtype=self.dtype)
         with self.timers.section(term):
             x = self.t[name][ids]
@@ -254,7 +256,8 @@ class TierKV:
                 out = fresh_prefill_attention(q, k, v, meta.query_lens, scale)
                 return out if self.rot is None else _rotate(out, self.rot_t).to(out.dtype)
         plan = self._plan(meta)
-        kc, vc = self._blocks("k", plan.ids, where), self._blocks("v", plan.ids, where)
+        ids = plan.ids_on(self.store_device)
+        kc, vc = self._blocks("k", ids, where), self._blocks("v", ids, where)
         if on_cpu:
             with self.timers.section("gtoc"):
                 qc = q.to(where)
@@ -395,7 +398,8 @@ class TierKV:
 
     def _decode_int4_reference(self, q, k, v, meta, scale, plan, assigned):
         """The gather path for the rare steps the kernel does not take (K/V already written)."""
-        kc, vc = self._blocks("k", plan.ids, self.device), self._blocks("v", plan.ids, self.device)
+        ids = plan.ids_on(self.store_device)
+        kc, vc = self._blocks("k", ids, self.device), self._blocks("v", ids, self.device)
         return self._attend_recent(q, k, v, kc, vc, plan, meta, scale, self.device, assigned)
 
     # -- the recent-block pool ---------------------------------------------------------------------
@@ -467,17 +471,14 @@ class TierKV:
         for i, j in equal_runs(list(meta.query_lens)):
             n, L = j - i, meta.query_lens[i]
             end = start + n * L
-            ids = torch.tensor([row[:-(-L // bs)] for row in plan.local[i:j]], device=where)
+            ids = plan.tensor(f"fresh{i}", [row[:-(-L // bs)] for row in plan.local[i:j]], where)
             k4 = kc[ids].flatten(1, 2)[:, :L]  # [n, L, kvh, d]: the 4-bit values just written
             v4 = vc[ids].flatten(1, 2)[:, :L]
             kf = k[start:end].to(where, self.dtype).view(n, L, *k.shape[1:])
             vf = v[start:end].to(where, self.dtype).view(n, L, *v.shape[1:])
             keys = torch.cat([k4, kf], 1).transpose(1, 2).to(q.dtype)  # [n, kvh, 2L, d]
             vals = torch.cat([v4, vf], 1).transpose(1, 2).to(q.dtype)
-            p = torch.arange(L, device=where)[:, None]
-            own = (p // bs) * bs  # first position of each query's own block
-            t = torch.arange(L, device=where)[None, :]
-            mask = torch.cat([t < own, (t >= own) & (t <= p)], dim=1)  # [L, 2L]
+            mask = plan.fresh_mask(L, bs, where)
             o = torch.nn.functional.scaled_dot_product_attention(
                 q[start:end].view(n, L, num_heads, -1).transpose(1, 2), keys, vals, attn_mask=mask,
                 scale=scale, enable_gqa=self.kv_heads != num_heads)
@@ -598,6 +599,18 @@ def _triton_kernels():
     return mods if mods else None
 
 
+def _dequantize_blocks(p: torch.Tensor, s: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered 4-bit K or V blocks (``[..., head_dim // 2]`` codes, ``[..., groups]`` scale/min)
+    dequantized in one Triton launch (``kernels.dequant``; groups along the last dim are its
+    ``dim`` 1 layout) instead of ``dequantize_int4``'s six torch passes over a float32 copy."""
+    from localgen.kernels.dequant import dequantize_weight
+    from localgen.kernels.quant_ref import QuantizedWeight
+
+    flat = QuantizedWeight(p.reshape(-1, p.shape[-1]), s.reshape(-1, s.shape[-1]),
+                           z.reshape(-1, z.shape[-1]), GROUP_SIZE, dim=1)
+    return dequantize_weight(flat, dtype).view(*p.shape[:-1], 2 * p.shape[-1])
+
+
 def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """``x @ r`` in ``r``'s dtype (the compute dtype); the result in that dtype."""
     return (x if x.dtype == r.dtype else x.to(r.dtype)) @ r
@@ -621,7 +634,7 @@ class _StepPlan:
         pos = {b: i for i, b in enumerate(uniq)}
         self.ids = torch.tensor(uniq, dtype=torch.long)
         self.local = [[pos.get(b, 0) for b in row] for row in self.tables]
-        self._on: dict[torch.device, torch.Tensor] = {}
+        self._on: dict = {}  # device-side copies made once a step, by device (and key)
         self._tensors: dict = {}
         self.decode = None
         self.assigned: tuple[list[int], list[int]] | None = None
@@ -643,6 +656,25 @@ class _StepPlan:
         t = torch.tensor(values, dtype=torch.long, device=device)
         self._tensors[(key, device)] = (values, t)
         return t
+
+    def ids_on(self, device: torch.device) -> torch.Tensor:
+        """``ids`` on ``device``, copied once a step (each layer's gather reads them)."""
+        key = ("ids", device)
+        if key not in self._on:
+            self._on[key] = self.ids.to(device)
+        return self._on[key]
+
+    def fresh_mask(self, L: int, bs: int, device: torch.device) -> torch.Tensor:
+        """``[L, 2L]`` mask of a whole prompt of ``L`` tokens over its 4-bit keys then its fp
+        keys: query p sees 4-bit keys before its own block and fp keys of its block up to p
+        (``TierKV._attend_recent_fresh``); made once a step."""
+        key = ("fresh_mask", L, device)
+        if key not in self._on:
+            p = torch.arange(L, device=device)[:, None]
+            own = (p // bs) * bs  # first position of each query's own block
+            t = torch.arange(L, device=device)[None, :]
+            self._on[key] = torch.cat([t < own, (t >= own) & (t <= p)], dim=1)
+        return self._on[key]
 
     def local_on(self, device: torch.device) -> torch.Tensor:
         t = self._on.get(device)
