@@ -208,3 +208,48 @@ def test_peak_memory_counts_the_recent_block_pool(monkeypatch, cache):
     no_pool = CostModel(cfg, hw, wl).predict(fp16).peak_mem
     monkeypatch.undo()
     assert CostModel(cfg, hw, wl).predict(fp16).peak_mem == no_pool
+
+
+def test_gemm_times_interpolate_the_measured_points():
+    """Best implementation per M, linear between measured M, flat below, last slope above."""
+    from localgen.policy.gemm_times import GemmTimes
+
+    gt = GemmTimes.from_json({"timings": [{"N": 8, "K": 4, "us": {
+        "1": {"flat": 10.0, "torch": 30.0}, "16": {"flat": 12.0, "torch": 30.0},
+        "64": {"flat": 40.0, "torch": 32.0}}}]})
+    assert gt.seconds(8, 4, 1) == pytest.approx(10e-6)
+    assert gt.seconds(8, 4, 0.5) == pytest.approx(10e-6)
+    assert gt.seconds(8, 4, 8.5) == pytest.approx(11e-6)  # halfway from 1 (10 us) to 16 (12 us)
+    assert gt.seconds(8, 4, 40) == pytest.approx(22e-6)  # 12 + (32 - 12) * 24 / 48
+    assert gt.seconds(8, 4, 112) == pytest.approx(52e-6)  # 32 + (32 - 12) * 48 / 48
+    assert gt.covers([(8, 4)]) and not gt.covers([(8, 4), (4, 8)])
+    with pytest.raises(KeyError):
+        gt.seconds(4, 8, 1)
+
+
+def test_localgen_int4_gemms_from_the_measured_table(monkeypatch):
+    """Under localgen's runtime a 4-bit layer's decode GEMMs cost the table's time at M = gbs per
+    GPU batch (at M = bls once when graphed) and no FlexGen dequantization pass; FlexGen's runtime
+    keeps dequantize-then-GEMM."""
+    from localgen.policy import cost_model as cmod
+    from localgen.policy.gemm_times import GemmTimes
+
+    cfg = preset_config("llama-2-7b")
+    shapes = CostModel(cfg, round_hw(), Workload(4, 3)).linear_shapes()
+    assert shapes == [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)]
+    us = {"1": {"flat": 1.0}, "8": {"flat": 2.0}, "64": {"flat": 9.0}}  # per matrix
+    table = GemmTimes.from_json({"timings": [{"N": n, "K": k, "us": us} for n, k in shapes]})
+    monkeypatch.setattr(cmod, "gemm_times", lambda name, dtype: table if name == "gpu" else None)
+    hw = round_hw(gpu_mem_bdw=1e12, mm_flops_gen=1e20)
+    wl = Workload(4, 3)
+    pol = Policy(gbs=8, num_gpu_batches=2, compress_weight=True)
+    local, flexgen = CostModel(cfg, hw, wl, runtime="localgen"), CostModel(cfg, hw, wl)
+    attn = lambda m: m.terms(8, 2, True)  # noqa: E731
+    t_eager = attn(local).decode["comp"][-1]
+    t_graph = local.terms(8, 2, True, graphed=True).decode["comp"][-1]
+    kv_attn = 2 * cfg.kv_size * 2 * (4 + 1.5) * 16 / 1e12  # fp16 cache read in place
+    assert t_eager == pytest.approx(2 * 4 * 2e-6 + kv_attn)  # two GPU batches of M = 8
+    assert t_graph == pytest.approx(4 * (2 + (9 - 2) * 8 / 56) * 1e-6 + kv_attn)  # M = 16 once
+    assert local.graphed(pol) and local.predict(pol).decode_terms["comp"] == pytest.approx(t_graph)
+    deq = 2 * local.layer_weight_elems() * (1 + compressed_ratio()) / 1e12
+    assert attn(flexgen).decode["comp"][-1] > deq  # FlexGen's dequantization pass stays

@@ -178,3 +178,22 @@ def test_nothing_fits():
     hw.disk_mem, hw.cpu_mem = 10**9, 10**9
     with pytest.raises(NoFeasiblePolicyError):
         search(preset_config("opt-175b"), hw, Workload(512, 32))
+
+
+def test_localgen_search_offers_graphed_all_gpu_policies():
+    """Under localgen's runtime an all-GPU policy decodes as CUDA graphs (weights read once a
+    step): on the H100 profile capped at 6 GiB, 4-bit Llama-2-7B fits all on the GPU, the search
+    returns such a policy, and its prediction is the graphed one ``predict`` gives, above the
+    eager form of the same shape."""
+    import dataclasses
+
+    hw = dataclasses.replace(load_profile("h100"), gpu_mem=6 * 2**30)
+    cfg, wl = preset_config("llama-2-7b"), Workload(512, 32)
+    res = search(cfg, hw, wl, compression="on", runtime="localgen")
+    p = res.policy
+    assert min(p.wg, p.cg, p.hg) == 1.0
+    cm = CostModel(cfg, hw, wl, runtime="localgen")
+    assert res.throughput == pytest.approx(cm.predict(p).throughput)
+    eager = cm.terms(p.gbs, p.num_gpu_batches, True, True, p.cpu_cache_compute)
+    assert eager.decode["comp"][-1] > cm.terms(p.gbs, p.num_gpu_batches, True, True,
+                                               p.cpu_cache_compute, graphed=True).decode["comp"][-1]
