@@ -156,9 +156,12 @@ class CostModel:
     Table 2 within 0.84-1.3x and the paper's placements for OPT-175B (no weights on the GPU, ~half in
     RAM, cache on disk) and roughly for OPT-30B and OPT-6.7B; docs/results/policy_table2.md
     (``python -m localgen.policy.table2``) has the table and the remaining differences.
-    ``runtime`` picks how an uncompressed CPU-held KV cache crosses PCIe: "flexgen" (default; the
-    paper's runtime, Table 2) copies it from pageable memory; "localgen" keeps it pinned and the
-    GPU kernels read and write it in place (``runtime/offload/kv.py``), at the pinned bandwidth.
+    ``runtime`` picks whose runtime is priced: "flexgen" (default; the paper's, Table 2) copies an
+    uncompressed CPU-held KV cache from pageable memory, dequantizes 4-bit weights before every
+    GEMM and attends with bmm. "localgen" keeps that cache pinned and the GPU kernels read and
+    write it in place (``runtime/offload/kv.py``), at the pinned bandwidth; its 4-bit GEMMs take
+    the GPU's measured dispatch timings (``gemm_times``); its paged-decode kernels read the cache
+    as stored; and an all-GPU policy decodes as CUDA graphs (``terms(graphed=True)``).
     Raises ValueError for an unknown model family, form or runtime.
     """
 
