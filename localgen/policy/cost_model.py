@@ -325,14 +325,15 @@ class CostModel:
         in_place = self.runtime == "localgen" and not compress_cache
         ctog_cc, gtoc_cc = (ctog, gtoc) if in_place else (ctog_cache, gtoc_cache)
 
-        deq_w = self._elementwise_time(wi16 * (1 + r), gpu) if compress_weight else 0.0
         reads = 1 if graphed else num_gpu_batches  # weight passes of a decode step
-        mm_p = self._matmul_time(2 * W * s * bls, num_gpu_batches * wi16, hw.mm_flops) + deq_w
-        mm_g = self._matmul_time(2 * W * bls, reads * wi16, hw.mm_flops_gen) + deq_w
         gt = self.int4_gemm_times() if compress_weight else None
-        if gt is not None:
+        if gt is not None:  # localgen's measured int4 GEMMs (dequantization included)
             mm_p = num_gpu_batches * gt.layer_seconds(self.linear_shapes(), gbs * s)
             mm_g = reads * gt.layer_seconds(self.linear_shapes(), bls // reads)
+        else:  # FlexGen: dequantize, then the GEMM
+            deq_w = self._elementwise_time(wi16 * (1 + r), gpu) if compress_weight else 0.0
+            mm_p = self._matmul_time(2 * W * s * bls, num_gpu_batches * wi16, hw.mm_flops) + deq_w
+            mm_g = self._matmul_time(2 * W * bls, reads * wi16, hw.mm_flops_gen) + deq_w
         comp_p = (mm_p + 4 * s * s * q * bls / hw.bmm_flops
                   + (self._elementwise_time(kv_p / ck * (1 + r), gpu) if compress_cache else 0.0))
         prefill = {

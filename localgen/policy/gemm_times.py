@@ -12,9 +12,8 @@ torch (the policy package stays light).
 from __future__ import annotations
 
 import functools
-import json
 
-from localgen.profiler.hardware import _profiles_dir
+from localgen.profiler.hardware import gemm_profile_dicts
 
 US = 1e-6
 
@@ -62,14 +61,11 @@ class GemmTimes:
 
 @functools.lru_cache(maxsize=None)
 def gemm_times(device_name: str | None, dtype: str = "float16") -> GemmTimes | None:
-    """The shipped timings for ``device_name`` (as CUDA names it) and ``dtype``, merged over the
-    matching files; None when no file matches."""
+    """The timings for ``device_name`` (as CUDA names it) and ``dtype``, merged over the
+    dispatcher's files (``gemm_profile_dicts``); None when no file matches."""
     if not device_name:
         return None
     merged: dict = {}
-    for p in sorted(_profiles_dir().iterdir(), key=lambda p: p.name):
-        if p.name.startswith("gemm_") and p.name.endswith(".json"):
-            d = json.loads(p.read_text())
-            if d.get("device_name") == device_name and d.get("dtype", "bfloat16") == dtype:
-                merged.update(GemmTimes.from_json(d).best)
+    for d in gemm_profile_dicts(device_name, dtype):
+        merged.update(GemmTimes.from_json(d).best)
     return GemmTimes(merged) if merged else None

@@ -149,6 +149,27 @@ def load_profile(name: str | os.PathLike | None = None) -> HardwareProfile:
     )
 
 
+GEMM_TABLE_ENV = "LOCALGEN_GEMM_TABLE"  # a table file to use instead of the shipped profiles
+
+
+def gemm_profile_dicts(device_name: str, dtype: str) -> list[dict]:
+    """The int4 GEMM dispatch profiles (JSON dicts, ``kernels.dispatch.GemmDispatchTable``'s
+    form) for one GPU and compute dtype: the file ``$LOCALGEN_GEMM_TABLE`` if set, else every
+    shipped ``gemm_*.json`` whose ``device_name`` and ``dtype`` match, in name order. Read
+    without torch, for the dispatcher and the cost model alike."""
+    env = os.environ.get(GEMM_TABLE_ENV)
+    if env:
+        with open(env) as f:
+            return [json.load(f)]
+    out = []
+    for p in sorted(_profiles_dir().iterdir(), key=lambda p: p.name):
+        if p.name.startswith("gemm_") and p.name.endswith(".json"):
+            d = json.loads(p.read_text())
+            if d.get("device_name") == device_name and d.get("dtype", "bfloat16") == dtype:
+                out.append(d)
+    return out
+
+
 def _profiles_dir():
     """``localgen.profiles`` when installed; the repo's ``profiles/`` folder in a source checkout."""
     from importlib import resources

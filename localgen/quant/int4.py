@@ -22,19 +22,17 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
 import os
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 
 import torch
 
 from localgen.kernels.dispatch import GemmDispatchTable, Int4Linear
 from localgen.kernels.quant_ref import GROUP_SIZE, dequantize_int4, quantize_int4
+from localgen.profiler.hardware import GEMM_TABLE_ENV, gemm_profile_dicts
 
 __all__ = ["GROUP_SIZE", "Int4Tensor", "quantize", "dequantize", "max_abs_error", "keeps_packed",
-           "gemm_table", "as_linear"]
+           "gemm_table", "as_linear", "GEMM_TABLE_ENV"]
 
 
 @dataclass
@@ -87,7 +85,6 @@ def max_abs_error(t: Int4Tensor) -> torch.Tensor:
 
 # -- linears on CUDA (FlashDecoding++ §5 heuristic dataflow) ------------------------------------
 
-GEMM_TABLE_ENV = "LOCALGEN_GEMM_TABLE"  # a table file to use instead of the shipped profiles
 
 
 def keeps_packed(device_type: str, triton_ok: bool | None = None) -> bool:
@@ -101,32 +98,13 @@ def keeps_packed(device_type: str, triton_ok: bool | None = None) -> bool:
     return device_type == "cuda" and triton_ok
 
 
-def _profiles_dir():
-    """``localgen.profiles`` when installed; the repo's ``profiles/`` folder in a source checkout."""
-    try:
-        return resources.files("localgen.profiles")
-    except ModuleNotFoundError:
-        return Path(__file__).resolve().parents[2] / "profiles"
-
-
 @functools.lru_cache(maxsize=None)
 def gemm_table(device_name: str, dtype: str = "bfloat16") -> GemmDispatchTable:
     """The M1/M2 table for one GPU and compute dtype: the file ``$LOCALGEN_GEMM_TABLE`` if set,
     else every ``profiles/gemm_*.json`` whose ``device_name`` and ``dtype`` match (entries
     merged); shapes no file holds use ``dispatch.DEFAULT_POINTS`` (M1=16, M2=2048)."""
     table = GemmDispatchTable(device_name=device_name, dtype=dtype)
-    env = os.environ.get(GEMM_TABLE_ENV)
-    if env:
-        with open(env) as f:
-            paths = [json.load(f)]
-    else:
-        paths = []
-        for p in sorted(_profiles_dir().iterdir(), key=lambda p: p.name):
-            if p.name.startswith("gemm_") and p.name.endswith(".json"):
-                d = json.loads(p.read_text())
-                if d.get("device_name") == device_name and d.get("dtype", "bfloat16") == dtype:
-                    paths.append(d)
-    for d in paths:
+    for d in gemm_profile_dicts(device_name, dtype):
         t = GemmDispatchTable.from_json(d)
         table.entries.update(t.entries)
         table.default = t.default

@@ -366,7 +366,7 @@ class TierKV:
                 return self._decode_int4_reference(q, k, v, meta, scale, plan, (rows, init))
             dev = self.store_device
             if init:
-                self.fill_rows([rows[i] for i in init], [plan.decode[0][i] for i in init])
+                self._fill_new_rows(plan, [rows[i] for i in init], [plan.decode[0][i] for i in init])
             self._pool_put(plan.tensor("pool_slots", self._pool_slots(rows, plan.decode[1]), dev), k, v)
             own = plan.tensor("rows", rows, dev)
         return self._int4_attention(q, meta, scale, own)
@@ -390,11 +390,16 @@ class TierKV:
             q, self._packed("k"), self._packed("v"), meta.block_tables, meta.context_lens, scale,
             max_context_len=max(meta.context_lens_list), **own)
 
-    def fill_rows(self, rows: list[int], block_ids: list[int]) -> None:
-        """Pool rows made while their block already holds slots start from its 4-bit values."""
+    def fill_rows(self, rows: torch.Tensor, block_ids: torch.Tensor) -> None:
+        """Pool rows made while their block already holds slots start from its 4-bit values
+        (``rows``, ``block_ids``: int64 on the store device)."""
         dev = self.store_device
-        ri, ids = torch.tensor(rows, device=dev), torch.tensor(block_ids)
-        self.pool_k[ri], self.pool_v[ri] = self._blocks("k", ids, dev), self._blocks("v", ids, dev)
+        self.pool_k[rows], self.pool_v[rows] = self._blocks("k", block_ids, dev), self._blocks("v", block_ids, dev)
+
+    def _fill_new_rows(self, plan: "_StepPlan", rows: list[int], block_ids: list[int]) -> None:
+        """``fill_rows`` for this step's new rows, their index tensors copied once a step."""
+        dev = self.store_device
+        self.fill_rows(plan.tensor("init_rows", rows, dev), plan.tensor("init_ids", block_ids, dev))
 
     def _decode_int4_reference(self, q, k, v, meta, scale, plan, assigned):
         """The gather path for the rare steps the kernel does not take (K/V already written)."""
@@ -423,7 +428,7 @@ class TierKV:
         rows, init = assigned or self._assign_rows(plan, meta)
         dev = self.store_device
         if init:
-            self.fill_rows([rows[i] for i in init], [plan.decode[0][i] for i in init])
+            self._fill_new_rows(plan, [rows[i] for i in init], [plan.decode[0][i] for i in init])
         have = [i for i, r in enumerate(rows) if r >= 0]
         if len(have) == len(rows):  # the usual case: this step's token into the pool, the rows out
             r_t = plan.tensor("rows", rows, dev)
@@ -478,7 +483,7 @@ class TierKV:
             vf = v[start:end].to(where, self.dtype).view(n, L, *v.shape[1:])
             keys = torch.cat([k4, kf], 1).transpose(1, 2).to(q.dtype)  # [n, kvh, 2L, d]
             vals = torch.cat([v4, vf], 1).transpose(1, 2).to(q.dtype)
-            mask = plan.fresh_mask(L, bs, where)
+            mask = plan.recent_mask(0, L, bs, where)
             o = torch.nn.functional.scaled_dot_product_attention(
                 q[start:end].view(n, L, num_heads, -1).transpose(1, 2), keys, vals, attn_mask=mask,
                 scale=scale, enable_gqa=self.kv_heads != num_heads)
@@ -499,16 +504,11 @@ class TierKV:
         outs, start = [], 0
         for i, (row, ctx, ql) in enumerate(zip(plan.tables, meta.context_lens_list, meta.query_lens)):
             a = ctx - ql
-            s0 = (a // bs) * bs
             fk, fv = self._own_region(i, prior[i], row, ctx, ql, start, kc, vc, plan.local, k, v, where)
-            ids = torch.tensor(plan.local[i][:-(-ctx // bs)], device=where)
-            keys = torch.cat([kc[ids].flatten(0, 1)[:ctx], fk]).transpose(0, 1)  # [kvh, 2ctx - s0, d]
+            ids = plan.tensor(f"ctx{i}", plan.local[i][:-(-ctx // bs)], where)
+            keys = torch.cat([kc[ids].flatten(0, 1)[:ctx], fk]).transpose(0, 1)  # [kvh, 2ctx - s0, d], s0 = the own region's first slot
             vals = torch.cat([vc[ids].flatten(0, 1)[:ctx], fv]).transpose(0, 1)
-            qpos = torch.arange(a, ctx, device=where)[:, None]
-            own = (qpos // bs) * bs  # first position of each query's own block
-            jq = torch.arange(ctx, device=where)[None, :]
-            jf = torch.arange(s0, ctx, device=where)[None, :]
-            mask = torch.cat([jq < own, (jf >= own) & (jf <= qpos)], dim=1)
+            mask = plan.recent_mask(a, ctx, bs, where)
             o = torch.nn.functional.scaled_dot_product_attention(
                 q[start:start + ql].transpose(0, 1), keys.to(q.dtype), vals.to(q.dtype),
                 attn_mask=mask, scale=scale, enable_gqa=self.kv_heads != num_heads)
@@ -521,8 +521,8 @@ class TierKV:
         bs, start, dev = self.block_size, 0, self.store_device
         rows, init = self._assign_rows(plan, meta)
         if init:
-            self.fill_rows([rows[i] for i in init],
-                           [plan.tables[i][(meta.context_lens_list[i] - 1) // bs] for i in init])
+            self._fill_new_rows(plan, [rows[i] for i in init],
+                                [plan.tables[i][(meta.context_lens_list[i] - 1) // bs] for i in init])
         slots, t_l = [], []
         for r, ctx, ql in zip(rows, meta.context_lens_list, meta.query_lens):
             j = (ctx - 1) // bs
@@ -657,30 +657,33 @@ class _StepPlan:
         self._tensors[(key, device)] = (values, t)
         return t
 
-    def ids_on(self, device: torch.device) -> torch.Tensor:
-        """``ids`` on ``device``, copied once a step (each layer's gather reads them)."""
-        key = ("ids", device)
+    def _once(self, key: tuple, make):
+        """``make()`` the first time a layer of the step asks for ``key``, then the same tensor."""
         if key not in self._on:
-            self._on[key] = self.ids.to(device)
+            self._on[key] = make()
         return self._on[key]
 
-    def fresh_mask(self, L: int, bs: int, device: torch.device) -> torch.Tensor:
-        """``[L, 2L]`` mask of a whole prompt of ``L`` tokens over its 4-bit keys then its fp
-        keys: query p sees 4-bit keys before its own block and fp keys of its block up to p
-        (``TierKV._attend_recent_fresh``); made once a step."""
-        key = ("fresh_mask", L, device)
-        if key not in self._on:
-            p = torch.arange(L, device=device)[:, None]
-            own = (p // bs) * bs  # first position of each query's own block
-            t = torch.arange(L, device=device)[None, :]
-            self._on[key] = torch.cat([t < own, (t >= own) & (t <= p)], dim=1)
-        return self._on[key]
+    def ids_on(self, device: torch.device) -> torch.Tensor:
+        """``ids`` on ``device`` (each layer's gather reads them)."""
+        return self._once(("ids", device), lambda: self.ids.to(device))
 
     def local_on(self, device: torch.device) -> torch.Tensor:
-        t = self._on.get(device)
-        if t is None:
-            t = self._on[device] = torch.tensor(self.local, dtype=torch.long, device=device)
-        return t
+        return self._once(("local", device),
+                          lambda: torch.tensor(self.local, dtype=torch.long, device=device))
+
+    def recent_mask(self, a: int, ctx: int, bs: int, device: torch.device) -> torch.Tensor:
+        """Mask of queries at positions ``a .. ctx-1`` over a sequence's 4-bit keys ``0 .. ctx-1``
+        followed by its fp keys ``s0 .. ctx-1`` (``s0`` the first slot of the first query's
+        block): query p sees 4-bit keys before its own block and fp keys of its block up to p
+        (``TierKV._attend_recent_*``). A whole prompt of L tokens: ``[L, 2L]``."""
+        def make():
+            qpos = torch.arange(a, ctx, device=device)[:, None]
+            own = (qpos // bs) * bs  # first position of each query's own block
+            jq = torch.arange(ctx, device=device)[None, :]
+            jf = torch.arange((a // bs) * bs, ctx, device=device)[None, :]
+            return torch.cat([jq < own, (jf >= own) & (jf <= qpos)], dim=1)
+
+        return self._once(("recent_mask", a, ctx, device), make)
 
 
 class TieredKVCache:
@@ -758,9 +761,14 @@ class TieredKVCache:
             return None
         rows, init = self.recent.assign(tables, context_lens, [1] * len(tables), bs)
         if init:  # before any fallback: the eager path will find these rows made
+            r = [rows[i] for i in init]
             ids = [tables[i][(context_lens[i] - 1) // bs] for i in init]
+            on: dict = {}  # the index tensors once per device, not once per layer
             for view in self.views:
-                view.fill_rows([rows[i] for i in init], ids)
+                dev = view.store_device
+                if dev not in on:
+                    on[dev] = (torch.tensor(r, device=dev), torch.tensor(ids, device=dev))
+                view.fill_rows(*on[dev])
         return rows if min(rows) >= 0 else None
 
     def bytes_on(self, tier: str) -> int:
