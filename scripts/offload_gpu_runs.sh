@@ -21,6 +21,8 @@
 #   profile_w4 : scripts/offload_profile.py on Llama-2-7B, 6 GiB: where a 4-bit decode step spends its time
 #   profile_w4_prefill : the same for the prefill step
 #   profile_w4_sync : the prefill profile, then where a prefill and a decode step synchronize with the GPU
+#   profile_w4_mem : the prefill profile capped at 6 GiB and uncapped, then the decode one (the allocator's
+#              retries and cudaMalloc/cudaFree counts printed with each: what a capped GPU costs)
 #   cpuattn_probe : localgen profile's CPU-attention probe on the host (compare: the runtime's 4.86 GFLOP/s)
 #   gemm_cublas : scripts/gemm_variants.py: the int4 flat GEMM beside cuBLAS on the dense weight, fp16 and bf16
 #   profile  : the hardware profile (localgen profile's probes) of this machine, as JSON
@@ -81,6 +83,11 @@ for stage in "$@"; do
         --policy 4,4,100,0,100,0,100,0,w4,kv4 --phase prefill --rows 30 2>&1 | tee "$OUT/offload_profile_w4_prefill_$TAG.txt" ;;
     profile_w4_sync) timeout 200 python3 scripts/offload_profile.py --preset llama-2-7b --gpu-memory 6GiB \
         --policy 4,4,100,0,100,0,100,0,w4,kv4 --phase prefill --rows 30 --sync-debug 2>&1 | tee "$OUT/offload_profile_w4_sync_$TAG.txt" ;;
+    profile_w4_mem) for cap in 6GiB none; do timeout 200 python3 scripts/offload_profile.py --preset llama-2-7b \
+        $([ $cap = none ] || echo --gpu-memory $cap) --policy 4,4,100,0,100,0,100,0,w4,kv4 --phase prefill --rows 30 \
+        2>&1 | tee "$OUT/offload_profile_w4_prefill_${cap}_$TAG.txt"; done
+        timeout 200 python3 scripts/offload_profile.py --preset llama-2-7b --gpu-memory 6GiB \
+        --policy 4,4,100,0,100,0,100,0,w4,kv4 --rows 40 2>&1 | tee "$OUT/offload_profile_w4_decode_$TAG.txt" ;;
     cpuattn_probe) timeout 120 python3 -c "from localgen.profiler import probes; [print('cpu attention probe', s, round(probes.probe_cpu_attention(s) / 1e9, 2), 'GB/s of fp16 K/V') for s in ((16, 32, 128, 544), (8, 32, 128, 544))]" 2>&1 | tee "$OUT/cpuattn_probe.txt" ;;
     profile) timeout 300 python3 -c "import sys; from localgen.profiler.probes import run_profile; hw = run_profile('/tmp/lg_prof', progress=lambda n, i, t: print(n, i, t, flush=True)); print(hw.to_json()); hw.save(sys.argv[1])" "$OUT/profile_$TAG.json" 2>&1 | tee "$OUT/profile_$TAG.txt" ;;
   gemm_cublas) for dt in float16 bfloat16; do timeout 150 python3 scripts/gemm_variants.py --dtype $dt \

@@ -48,6 +48,9 @@ def profile_policy(preset: str, spec: str, device: str, gpu_memory, prompt_len: 
     add_random_requests(llm, pol.bls, prompt_len, steps + 1, seed=3)
     if phase == "decode":
         llm.step()  # prefill outside the profile
+    before = alloc_counts(device)
+    if before:
+        torch.cuda.reset_peak_memory_stats()
     with profile(activities=acts) as prof:
         t0 = time.perf_counter()
         while llm.has_unfinished():
@@ -59,6 +62,11 @@ def profile_policy(preset: str, spec: str, device: str, gpu_memory, prompt_len: 
         wall = time.perf_counter() - t0
     per = wall * 1e3 if phase == "prefill" else wall / steps * 1e3
     print(f"   profiled {phase}: {per:.1f} ms{'' if phase == 'prefill' else '/step'}", flush=True)
+    after = alloc_counts(device)
+    if after:
+        print("   allocator during it: " + ", ".join(f"{k} {after[k] - before[k]}" for k in after)
+              + f"; peak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, reserved "
+              f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB", flush=True)
     dev_key = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=dev_key, row_limit=rows), flush=True)
     if device.startswith("cuda"):
@@ -73,6 +81,16 @@ def profile_policy(preset: str, spec: str, device: str, gpu_memory, prompt_len: 
         while llm.has_unfinished():
             llm.step()
     llm.engine.model.layers.close()
+
+
+def alloc_counts(device: str) -> dict[str, int]:
+    """The caching allocator's counters that mean a device synchronization (a retry frees cached
+    blocks; device allocs and frees call cudaMalloc/cudaFree), or {} off CUDA."""
+    if not device.startswith("cuda"):
+        return {}
+    st = torch.cuda.memory_stats()
+    return {k: st.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free",
+                                       "num_sync_all_streams")}
 
 
 def sync_sites(fn) -> Counter:

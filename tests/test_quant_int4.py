@@ -82,3 +82,24 @@ def test_q4_1_import_of_embedded_model_matches_gguf_dequant():
                  "model.layers.1.mlp.down_proj.weight"):
         q = gguf_int4(store, name)
         assert q is not None and torch.equal(dequantize(q), store.get(name))  # permutation undone too
+
+
+@pytest.mark.parametrize("dim,group", [(0, 64), (1, 32)])
+def test_cat_rows_dequantizes_to_the_concatenation(dim, group):
+    """Fusing q/k/v (or gate/up) of a 4-bit layer keeps every code: the stacked matrix
+    dequantizes to the stacked dequantized matrices, bit for bit."""
+    from localgen.quant.int4 import cat_rows
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    mats = [quantize(torch.randn(n, 96, generator=g), group, dim=dim) for n in (128, 64, 64)]
+    fused = cat_rows(mats)
+    assert fused.shape == (256, 96)
+    assert torch.equal(dequantize(fused), torch.cat([dequantize(m) for m in mats]))
+
+
+def test_cat_rows_refuses_groups_across_the_seam():
+    from localgen.quant.int4 import cat_rows
+
+    a, b = quantize(torch.randn(96, 64), 64, dim=0), quantize(torch.randn(64, 64), 64, dim=0)
+    assert cat_rows([a, b]) is None  # 96 rows: the second group would hold rows of both
+    assert cat_rows([quantize(torch.randn(64, 64), 64, dim=0), quantize(torch.randn(64, 64), 32, dim=1)]) is None

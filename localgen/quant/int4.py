@@ -31,7 +31,7 @@ from localgen.kernels.dispatch import GemmDispatchTable, Int4Linear
 from localgen.kernels.quant_ref import GROUP_SIZE, dequantize_int4, quantize_int4
 from localgen.profiler.hardware import GEMM_TABLE_ENV, gemm_profile_dicts
 
-__all__ = ["GROUP_SIZE", "Int4Tensor", "quantize", "dequantize", "max_abs_error", "keeps_packed",
+__all__ = ["GROUP_SIZE", "Int4Tensor", "quantize", "dequantize", "cat_rows", "max_abs_error", "keeps_packed",
            "gemm_table", "as_linear", "GEMM_TABLE_ENV"]
 
 
@@ -70,6 +70,21 @@ def quantize(x: torch.Tensor, group_size: int = GROUP_SIZE, dim: int = 0) -> Int
 def dequantize(t: Int4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q * scale + min`` in ``dtype`` (computed in float32), shape ``t.shape``."""
     return dequantize_int4(t.packed, t.scale, t.min, t.group_size, dim=t.dim, dtype=dtype)
+
+
+def cat_rows(ts: list[Int4Tensor]) -> Int4Tensor | None:
+    """The 2-D matrices ``ts`` stacked along their rows (dim 0, the output channels) without
+    touching a code: the result dequantizes to ``torch.cat`` of theirs. Possible when all share
+    ``group_size`` and ``dim`` and no group straddles two matrices (``dim`` 1: groups lie within a
+    row; ``dim`` 0: every row count a multiple of ``group_size``); otherwise None."""
+    g, dim = ts[0].group_size, ts[0].dim
+    if any(len(t.shape) != 2 or t.group_size != g or t.dim != dim or t.shape[1] != ts[0].shape[1]
+           for t in ts):
+        return None
+    if dim == 0 and any(t.shape[0] % g for t in ts):
+        return None
+    parts = [torch.cat([getattr(t, f) for t in ts]) for f in ("packed", "scale", "min")]
+    return Int4Tensor(*parts, g, dim, (sum(t.shape[0] for t in ts), ts[0].shape[1]))
 
 
 def max_abs_error(t: Int4Tensor) -> torch.Tensor:

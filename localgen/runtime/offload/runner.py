@@ -54,6 +54,7 @@ class OffloadedLM:
         self.global_w = read_weights(store, self.family.global_weight_names(cfg), gopt, dtype, self.device)
         tiers = assign_tiers([1] * cfg.num_layers, (policy.wg, policy.wc, policy.wd))
         native = gguf_native and policy.compress_weight and hasattr(store, "reader")
+        fuse = getattr(self.family, "fuse_weights", lambda _cfg, w: w)
 
         def layer_source(i: int):
             names = self.family.layer_weight_names(cfg, i)
@@ -61,13 +62,13 @@ class OffloadedLM:
             # quantize where it is fast: on the GPU when there is one
             qdev = self.device if (policy.compress_weight and self.device.type == "cuda") else torch.device("cpu")
             w = read_weights(store, names, self.family.OPTIONAL, read_dtype, qdev)
-            if not policy.compress_weight:
-                return w
-            pre = {}
-            if native:
-                from localgen.quant.gguf_import import gguf_int4
-                pre = {k: q for k in w if (q := gguf_int4(store, names[k])) is not None}
-            return compress_layer(w, pre)
+            if policy.compress_weight:
+                pre = {}
+                if native:
+                    from localgen.quant.gguf_import import gguf_int4
+                    pre = {k: q for k in w if (q := gguf_int4(store, names[k])) is not None}
+                w = compress_layer(w, pre)
+            return fuse(cfg, w)  # q/k/v and gate/up as one matrix each: fewer, longer GEMMs
 
         self.layers = LayerWeights(None, tiers, dtype, self.device, offload_dir, self.timers,
                                    layer_source=layer_source, num_layers=cfg.num_layers)
