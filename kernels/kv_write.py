@@ -65,14 +65,15 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 @triton.jit
-def _quant_store(x_ptr, stride_xt, stride_xh, p_ptr, s_ptr, z_ptr, t64, slot,
+def _quant_store(x_ptr, stride_xt, stride_xh, p_ptr, s_ptr, z_ptr, t64, slot, h0,
                  stride_ps, stride_ph, stride_ss, stride_sh,
                  KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NG: tl.constexpr,
                  G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Quantize one token's ``[KV_HEADS, HEAD_DIM]`` row of K or V (as ``[BLOCK_H, BLOCK_G, G]``
-    groups) and store packed codes, scale and min at ``slot``; the ops mirror
-    ``quant_ref.quantize_int4`` one for one so the result is bit-identical."""
-    h = tl.arange(0, BLOCK_H)
+    """Quantize heads ``h0 .. h0 + BLOCK_H - 1`` of one token's ``[KV_HEADS, HEAD_DIM]`` row of
+    K or V (as ``[BLOCK_H, BLOCK_G, G]`` groups) and store packed codes, scale and min at
+    ``slot``; the ops mirror ``quant_ref.quantize_int4`` one for one so the result is
+    bit-identical."""
+    h = h0 + tl.arange(0, BLOCK_H)
     grp = tl.arange(0, BLOCK_G)
     d = grp[None, :, None] * G + tl.arange(0, G)[None, None, :]
     mask = (h < KV_HEADS)[:, None, None] & (d < HEAD_DIM)
@@ -116,11 +117,12 @@ def _write_kv_int4_kernel(k_ptr, v_ptr, kp_ptr, ks_ptr, kz_ptr, vp_ptr, vs_ptr, 
                           KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NG: tl.constexpr,
                           G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr):
     t = tl.program_id(0)
+    h0 = tl.program_id(1) * BLOCK_H
     slot = tl.load(slot_ptr + t).to(tl.int64)
     t64 = t.to(tl.int64)
-    _quant_store(k_ptr, stride_kt, stride_kh, kp_ptr, ks_ptr, kz_ptr, t64, slot, stride_ps,
+    _quant_store(k_ptr, stride_kt, stride_kh, kp_ptr, ks_ptr, kz_ptr, t64, slot, h0, stride_ps,
                  stride_ph, stride_ss, stride_sh, KV_HEADS, HEAD_DIM, NG, G, BLOCK_H, BLOCK_G)
-    _quant_store(v_ptr, stride_vt, stride_vh, vp_ptr, vs_ptr, vz_ptr, t64, slot, stride_ps,
+    _quant_store(v_ptr, stride_vt, stride_vh, vp_ptr, vs_ptr, vz_ptr, t64, slot, h0, stride_ps,
                  stride_ph, stride_ss, stride_sh, KV_HEADS, HEAD_DIM, NG, G, BLOCK_H, BLOCK_G)
 
 
@@ -160,14 +162,22 @@ def write_kv_int4(k_cache: QuantizedKV, v_cache: QuantizedKV, k: torch.Tensor, v
         return
     k, v = _unit_last(k), _unit_last(v)
     kp = k_cache.packed
-    _write_kv_int4_kernel[(n,)](k, v, *caches, slot_mapping,
-                                k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                                kp.stride(1), kp.stride(2), k_cache.scale.stride(1),
-                                k_cache.scale.stride(2),
-                                KV_HEADS=kv_heads, HEAD_DIM=head_dim, NG=ng, G=g,
-                                BLOCK_H=triton.next_power_of_2(kv_heads),
-                                BLOCK_G=triton.next_power_of_2(ng),
-                                num_warps=1 if kv_heads * head_dim <= 512 else 4)
+    block_h = _heads_per_program(n, kv_heads)
+    _write_kv_int4_kernel[(n, -(-kv_heads // block_h))](
+        k, v, *caches, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kp.stride(1), kp.stride(2), k_cache.scale.stride(1), k_cache.scale.stride(2),
+        KV_HEADS=kv_heads, HEAD_DIM=head_dim, NG=ng, G=g, BLOCK_H=block_h,
+        BLOCK_G=triton.next_power_of_2(ng), num_warps=1 if block_h * head_dim <= 512 else 4)
+
+
+def _heads_per_program(num_tokens: int, kv_heads: int, programs: int = 1024) -> int:
+    """KV heads one program quantizes: all of a token's when there are tokens enough to fill the
+    GPU (prefill), fewer when there are not (a decode step's 16 tokens of Llama-2-7B's 32 heads
+    were 16 programs on 132 SMs; at one head each, 512)."""
+    per = triton.next_power_of_2(kv_heads)
+    while per > 1 and num_tokens * -(-kv_heads // per) < programs:
+        per //= 2
+    return per
 
 
 __all__ = ["write_kv", "write_kv_int4"]

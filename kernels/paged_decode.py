@@ -118,8 +118,13 @@ def _load_q4_tile(c_ptr, s_ptr, z_ptr, rows, srows, tok_mask,
 
 @triton.jit
 def _dot(a, b, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
-    """``a @ b`` with float32 accumulation; operands cast to DOT_DTYPE (the model dtype)."""
-    if IEEE:
+    """``a @ b`` with float32 accumulation; operands cast to DOT_DTYPE (the model dtype). Under
+    16 rows (tensor cores' least M; a decode program of one query head, MHA) as float32
+    multiply-adds on the CUDA cores, operands uncast: nothing padded, no tensor-core layout
+    shuffles."""
+    if a.shape[0] < 16:
+        r = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+    elif IEEE:
         r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         r = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), out_dtype=tl.float32)
@@ -565,7 +570,8 @@ def decode_config(num_seqs: int, num_kv_heads: int, max_context_len: int, head_d
         pps = 2 if (base <= 8 and max_context_len > 4096) else 4
     else:
         pps = 2
-    return dict(block_n=128, num_warps=4, num_stages=2, programs_per_sm=pps, fused=True)
+    return dict(block_n=128, num_warps=4, num_stages=2, programs_per_sm=pps, fused=True,
+                min_block_h=16)
 
 
 _COUNTERS: dict = {}
@@ -584,7 +590,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 def _launch(q, k, v, block_tables, context_lens, scale, *, quant_group, phi, bounds, num_splits,
             max_context_len, block_n, num_warps, num_stages, return_flags, out, fused=None,
-            own=None):
+            own=None, block_h=None):
     """Shared launcher; ``k``/``v`` are plain caches or QuantizedKV; ``own`` = (pool K, pool V,
     row per sequence) for the int4 cache's fp own blocks, or None."""
     if q.dim() != 3:
@@ -612,6 +618,9 @@ def _launch(q, k, v, block_tables, context_lens, scale, *, quant_group, phi, bou
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
     num_stages = cfg["num_stages"] if num_stages is None else num_stages
     fused = cfg["fused"] if fused is None else fused
+    block_h = _pow2(gqa, cfg["min_block_h"]) if block_h is None else _pow2(block_h, 1)
+    if block_h < gqa:
+        raise ValueError(f"block_h {block_h} holds fewer rows than the {gqa} query heads of a KV head")
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, kv_heads, max_context_len, q.device, block_n,
                                        programs_per_sm=cfg["programs_per_sm"])
@@ -665,7 +674,6 @@ def _launch(q, k, v, block_tables, context_lens, scale, *, quant_group, phi, bou
     interp = _interpreting()
     ieee = q.dtype == torch.float32 or (interp and q.dtype == torch.bfloat16)
     dot_dtype = _dot_dtype(q.dtype)
-    block_h = _pow2(gqa)
     block_d = _pow2(head_dim)
     block_s = _pow2(ms, 1)
     qk_scale = float(scale) * LOG2E
@@ -704,7 +712,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: int | None = None, max_context_len: int | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, fused: bool | None = None,
-                           return_flags: bool = False, out: torch.Tensor | None = None):
+                           return_flags: bool = False, out: torch.Tensor | None = None,
+                           block_h: int | None = None):
     """Paged decode attention (FlashDecoding split-KV), the Triton twin of
     ``paged_attention_ref.paged_decode_attention``.
 
@@ -717,13 +726,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     default to ``decode_config`` by shape (``num_splits`` needs ``max_context_len``, else reads
     ``context_lens.max()``: one host sync). ``fused``: the last split of each (sequence, KV
     head) combines the partials in the same launch (a per-device ticket counter; do not run two
-    fused calls concurrently on one device). Returns ``[num_seqs, num_heads, head_dim]`` in q's
-    dtype, and with ``return_flags`` also the int32 ``[num_seqs, num_heads]`` recompute flags.
+    fused calls concurrently on one device). ``block_h``: query rows per program (rounded up to
+    a power of two, at least the GQA group); below 16 the dots run on the CUDA cores, at 16 and
+    above on the tensor cores (default: ``decode_config``). Returns ``[num_seqs, num_heads,
+    head_dim]`` in q's dtype, and with ``return_flags`` also the int32 ``[num_seqs, num_heads]``
+    recompute flags. Raises ValueError when ``block_h`` is below the GQA group.
     """
     return _launch(q, k_cache, v_cache, block_tables, context_lens, scale, quant_group=None,
                    phi=phi, bounds=bounds, num_splits=num_splits, max_context_len=max_context_len,
                    block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                   return_flags=return_flags, out=out, fused=fused)
+                   return_flags=return_flags, out=out, fused=fused, block_h=block_h)
 
 
 def paged_decode_attention_int4(q: torch.Tensor, k_cache: QuantizedKV, v_cache: QuantizedKV,
@@ -734,6 +746,7 @@ def paged_decode_attention_int4(q: torch.Tensor, k_cache: QuantizedKV, v_cache: 
                                 block_n: int | None = None, num_warps: int | None = None,
                                 num_stages: int | None = None, fused: bool | None = None,
                                 return_flags: bool = False, out: torch.Tensor | None = None,
+                                block_h: int | None = None,
                                 own_k: torch.Tensor | None = None, own_v: torch.Tensor | None = None,
                                 own_rows: torch.Tensor | None = None):
     """Decode attention over a 4-bit KV cache (FlexGen §5: group-wise asymmetric, groups of
@@ -760,7 +773,7 @@ def paged_decode_attention_int4(q: torch.Tensor, k_cache: QuantizedKV, v_cache: 
                    quant_group=k_cache.group_size, phi=phi, bounds=bounds, num_splits=num_splits,
                    max_context_len=max_context_len, block_n=block_n, num_warps=num_warps,
                    num_stages=num_stages, return_flags=return_flags, out=out, fused=fused,
-                   own=None if own_k is None else (own_k, own_v, own_rows))
+                   own=None if own_k is None else (own_k, own_v, own_rows), block_h=block_h)
 
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_int4", "choose_num_splits",

@@ -91,6 +91,31 @@ def test_decode_matches_float64(seed, dtype, heads, kv_heads, head_dim, softmax)
     assert int(flags.sum()) == 0, f"seed={seed}: no row should need recompute"
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (8, 2, 80), (8, 8, 128)])
+@pytest.mark.parametrize("softmax", ["sync", "async"])
+@pytest.mark.parametrize("cache", ["bf16", "int4"])
+def test_decode_on_cuda_cores_matches_float64(seed, heads, kv_heads, head_dim, softmax, cache):
+    """``block_h`` below 16 (one program per KV head's few query heads, MHA's one): the dots run
+    as CUDA-core multiply-adds instead of padded tensor-core tiles; same results, both caches."""
+    lens = [1, random.randint(2, 40), random.randint(41, 120)]
+    q, k, v, bt, cl = decode_case(torch.bfloat16, heads, kv_heads, head_dim, lens)
+    scale, kw = head_dim ** -0.5, {}
+    if cache == "int4":
+        k, v = qr.quantize_kv(k), qr.quantize_kv(v)
+        kd, vd = qr.dequantize_kv(k, torch.float64), qr.dequantize_kv(v, torch.float64)
+        fn = paged_decode_attention_int4
+    else:
+        kd, vd, fn = k.double(), v.double(), paged_decode_attention
+    want = ref.paged_decode_attention(q.double(), kd, vd, bt, cl, scale)
+    got = fn(q, k, v, bt, cl, scale, phi=0.0 if softmax == "async" else None, block_h=heads // kv_heads,
+             num_splits=random.choice([1, 3]), block_n=16, fused=random.choice([True, False]),
+             out=poisoned(q))
+    assert rel_err(got, want) < 1e-2, f"seed={seed} err={rel_err(got, want)}"
+    if heads > kv_heads:
+        with pytest.raises(ValueError, match="block_h"):
+            fn(q, k, v, bt, cl, scale, block_h=heads // kv_heads // 2)
+
+
 def test_decode_default_splits_and_block_n(seed):
     q, k, v, bt, cl = decode_case(torch.bfloat16, 8, 2, 64, [300, 7])
     want = ref.paged_decode_attention(q.double(), k.double(), v.double(), bt, cl, 0.125)
@@ -395,8 +420,16 @@ def _clone_int4(c):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("kv_heads,head_dim,group", [(1, 64, 64), (3, 80, 64), (8, 128, 32)])
-def test_write_kv_int4_kernel_bit_identical(seed, dtype, kv_heads, head_dim, group):
+@pytest.mark.parametrize("heads_per_program", [None, 2])
+def test_write_kv_int4_kernel_bit_identical(seed, dtype, kv_heads, head_dim, group, heads_per_program,
+                                            monkeypatch):
+    """Bit-identical to the torch twin, with the heads of a token split over programs as the
+    size rule picks (12 tokens: one head each) or two a program (a last program half masked)."""
+    from localgen.kernels import kv_write
     from localgen.kernels.kv_write import write_kv_int4
+
+    if heads_per_program:
+        monkeypatch.setattr(kv_write, "_heads_per_program", lambda *_a: heads_per_program)
 
     nb, n = 3, 12
     # k/v as strided views of a fused qkv row; per-(token, head) ranges vary
