@@ -66,13 +66,15 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 @triton.jit
 def _quant_store(x_ptr, stride_xt, stride_xh, p_ptr, s_ptr, z_ptr, t64, slot, h0,
-                 stride_ps, stride_ph, stride_ss, stride_sh,
+                 stride_ps, stride_ph, stride_ss, stride_sh, e_ptr, stride_et, stride_eh,
                  KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NG: tl.constexpr,
-                 G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr):
+                 G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr,
+                 ECHO: tl.constexpr):
     """Quantize heads ``h0 .. h0 + BLOCK_H - 1`` of one token's ``[KV_HEADS, HEAD_DIM]`` row of
     K or V (as ``[BLOCK_H, BLOCK_G, G]`` groups) and store packed codes, scale and min at
     ``slot``; the ops mirror ``quant_ref.quantize_int4`` one for one so the result is
-    bit-identical."""
+    bit-identical. ECHO: also store ``code * scale + min`` (what the cache now holds) at the
+    token's row of ``e_ptr``."""
     h = h0 + tl.arange(0, BLOCK_H)
     grp = tl.arange(0, BLOCK_G)
     d = grp[None, :, None] * G + tl.arange(0, G)[None, None, :]
@@ -108,26 +110,34 @@ def _quant_store(x_ptr, stride_xt, stride_xh, p_ptr, s_ptr, z_ptr, t64, slot, h0
     so = slot * stride_ss + h[:, None] * stride_sh + grp[None, :]
     tl.store(s_ptr + so, scale, mask=gmask)
     tl.store(z_ptr + so, mn, mask=gmask)
+    if ECHO:
+        deq = q.to(tl.float32) * s32[:, :, None] + mn.to(tl.float32)[:, :, None]
+        tl.store(e_ptr + t64 * stride_et + h[:, None, None] * stride_eh + d,
+                 deq.to(e_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _write_kv_int4_kernel(k_ptr, v_ptr, kp_ptr, ks_ptr, kz_ptr, vp_ptr, vs_ptr, vz_ptr, slot_ptr,
-                          stride_kt, stride_kh, stride_vt, stride_vh,
-                          stride_ps, stride_ph, stride_ss, stride_sh,
+                          ek_ptr, ev_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                          stride_ps, stride_ph, stride_ss, stride_sh, stride_et, stride_eh,
                           KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NG: tl.constexpr,
-                          G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr):
+                          G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr,
+                          ECHO: tl.constexpr):
     t = tl.program_id(0)
     h0 = tl.program_id(1) * BLOCK_H
     slot = tl.load(slot_ptr + t).to(tl.int64)
     t64 = t.to(tl.int64)
     _quant_store(k_ptr, stride_kt, stride_kh, kp_ptr, ks_ptr, kz_ptr, t64, slot, h0, stride_ps,
-                 stride_ph, stride_ss, stride_sh, KV_HEADS, HEAD_DIM, NG, G, BLOCK_H, BLOCK_G)
+                 stride_ph, stride_ss, stride_sh, ek_ptr, stride_et, stride_eh,
+                 KV_HEADS, HEAD_DIM, NG, G, BLOCK_H, BLOCK_G, ECHO)
     _quant_store(v_ptr, stride_vt, stride_vh, vp_ptr, vs_ptr, vz_ptr, t64, slot, h0, stride_ps,
-                 stride_ph, stride_ss, stride_sh, KV_HEADS, HEAD_DIM, NG, G, BLOCK_H, BLOCK_G)
+                 stride_ph, stride_ss, stride_sh, ev_ptr, stride_et, stride_eh,
+                 KV_HEADS, HEAD_DIM, NG, G, BLOCK_H, BLOCK_G, ECHO)
 
 
 def write_kv_int4(k_cache: QuantizedKV, v_cache: QuantizedKV, k: torch.Tensor, v: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
+                  slot_mapping: torch.Tensor,
+                  dequantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Quantize ``k``/``v`` ``[num_tokens, num_kv_heads, head_dim]`` (bf16/fp16/fp32, any strides
     with a unit last dim) to the 4-bit group format (FlexGen §5: per group of ``g =
     cache.group_size`` elements along head_dim, fp16 min and ``scale = (max - min) / 15``, codes
@@ -135,8 +145,12 @@ def write_kv_int4(k_cache: QuantizedKV, v_cache: QuantizedKV, k: torch.Tensor, v
     ``[num_tokens]`` (``block * block_size + offset``) of contiguous caches: ``packed``
     ``[num_blocks, block_size, num_kv_heads, head_dim // 2]`` uint8, ``scale``/``min`` ``[...,
     ceil(head_dim / g)]`` fp16. One launch for K and V; bit-identical to
-    ``quant_ref.write_kv_int4``. Raises ValueError on mismatched shapes or dtypes, a group size
-    that is not a power of two >= 2 or differs between K and V, or a non-contiguous cache."""
+    ``quant_ref.write_kv_int4``. ``dequantized``: two contiguous ``[num_tokens, num_kv_heads,
+    head_dim]`` tensors that also receive the written values dequantized (``code * scale +
+    min``): a prefill that attends over its own 4-bit K/V reads them there instead of gathering
+    them back from the cache. Raises ValueError on mismatched shapes or dtypes, a group size
+    that is not a power of two >= 2 or differs between K and V, or a non-contiguous cache or
+    ``dequantized`` tensor."""
     n, kv_heads, head_dim = k.shape
     g = k_cache.group_size
     if g < 2 or g & (g - 1) or v_cache.group_size != g:
@@ -158,16 +172,22 @@ def write_kv_int4(k_cache: QuantizedKV, v_cache: QuantizedKV, k: torch.Tensor, v
                          "uint8 packed and float16 scale/min caches")
     if not all(c.is_contiguous() for c in caches):  # checked, never copied: pinned caches stay put
         raise ValueError("write_kv_int4 needs contiguous caches")
+    if dequantized is not None and any(e.shape != k.shape or not e.is_contiguous()
+                                       for e in dequantized):
+        raise ValueError(f"write_kv_int4: dequantized outputs must be contiguous {tuple(k.shape)}")
     if n == 0:
         return
     k, v = _unit_last(k), _unit_last(v)
     kp = k_cache.packed
+    ek, ev = dequantized if dequantized is not None else (k, v)  # unused without ECHO
     block_h = _heads_per_program(n, kv_heads)
     _write_kv_int4_kernel[(n, -(-kv_heads // block_h))](
-        k, v, *caches, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k, v, *caches, slot_mapping, ek, ev, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kp.stride(1), kp.stride(2), k_cache.scale.stride(1), k_cache.scale.stride(2),
+        ek.stride(0), ek.stride(1),
         KV_HEADS=kv_heads, HEAD_DIM=head_dim, NG=ng, G=g, BLOCK_H=block_h,
-        BLOCK_G=triton.next_power_of_2(ng), num_warps=1 if block_h * head_dim <= 512 else 4)
+        BLOCK_G=triton.next_power_of_2(ng), ECHO=dequantized is not None,
+        num_warps=1 if block_h * head_dim <= 512 else 4)
 
 
 def _heads_per_program(num_tokens: int, kv_heads: int, programs: int = 1024) -> int:

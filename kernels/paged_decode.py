@@ -122,7 +122,7 @@ def _dot(a, b, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
     16 rows (tensor cores' least M; a decode program of one query head, MHA) as float32
     multiply-adds on the CUDA cores, operands uncast: nothing padded, no tensor-core layout
     shuffles."""
-    if a.shape[0] < 16:
+    if a.shape[-2] < 16:  # the M of a (batched) matmul; 3-D operands always have 16+
         r = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
     elif IEEE:
         r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
@@ -553,7 +553,7 @@ def _dot_dtype(dtype: torch.dtype):
 
 
 def decode_config(num_seqs: int, num_kv_heads: int, max_context_len: int, head_dim: int,
-                  device: torch.device, quant: bool = False) -> dict:
+                  device: torch.device, quant: bool = False, gqa: int = 0) -> dict:
     """Launch parameters by shape: ``block_n`` (tokens per tile), ``num_warps``, ``num_stages``,
     ``programs_per_sm`` (split-KV target, ``choose_num_splits``) and ``fused`` (the last split
     combines the partials in-kernel: one launch). From the H200 sweep (scripts/decode_sweep.py,
@@ -561,7 +561,11 @@ def decode_config(num_seqs: int, num_kv_heads: int, max_context_len: int, head_d
     beat 32/64-token tiles, 8 warps and 3 stages at every measured shape; about two programs
     per SM (one 64 KiB K+V tile pair each in flight) is the best split target for bf16 below
     256 (sequence, KV head) programs and no split above; the int4 cache (a quarter of the bytes
-    per token) wants about four per SM."""
+    per token) wants about four per SM. The int4 cache under MHA (``gqa`` 1: one query head a
+    program) runs its dots on the CUDA cores in 64-token tiles with 2 warps: 68 us against the
+    tensor-core tiles' 88 us at Llama-2-7B's 16 x 32 heads x 544 tokens on an H100
+    (scripts/decode_shape_sweep.py, docs/results/decode_shape_sweep_h100.txt); with GQA the
+    CUDA-core dots lose everywhere measured (4 query heads: 2.3x to 5x slower)."""
     del head_dim, device  # one table for now (measured at head_dim 128, bf16)
     base = num_seqs * num_kv_heads
     if base >= 256:  # enough (sequence, KV head) programs without splitting
@@ -570,6 +574,9 @@ def decode_config(num_seqs: int, num_kv_heads: int, max_context_len: int, head_d
         pps = 2 if (base <= 8 and max_context_len > 4096) else 4
     else:
         pps = 2
+    if quant and gqa == 1:
+        return dict(block_n=64, num_warps=2, num_stages=2, programs_per_sm=pps, fused=True,
+                    min_block_h=1)
     return dict(block_n=128, num_warps=4, num_stages=2, programs_per_sm=pps, fused=True,
                 min_block_h=16)
 
@@ -613,7 +620,7 @@ def _launch(q, k, v, block_tables, context_lens, scale, *, quant_group, phi, bou
         block_tables = block_tables.contiguous()
     if max_context_len is None:
         max_context_len = int(context_lens.max()) if num_seqs else 0
-    cfg = decode_config(num_seqs, kv_heads, max_context_len, head_dim, q.device, quant)
+    cfg = decode_config(num_seqs, kv_heads, max_context_len, head_dim, q.device, quant, gqa)
     block_n = cfg["block_n"] if block_n is None else block_n
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
     num_stages = cfg["num_stages"] if num_stages is None else num_stages

@@ -468,6 +468,29 @@ def test_write_kv_int4_kernel_bit_identical(seed, dtype, kv_heads, head_dim, gro
     assert bool((got_v.scale.view(-1, kv_heads, got_v.scale.shape[-1])[slots[0]] == 0).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_heads,head_dim", [(3, 80), (4, 128)])
+def test_write_kv_int4_echoes_what_it_stored(seed, dtype, kv_heads, head_dim):
+    """``dequantized``: the values the cache now holds at the written slots, as the reference
+    dequantizer reads them back (a 4-bit prefill attends over these instead of a gather)."""
+    from localgen.kernels.kv_write import write_kv_int4
+
+    n, nb = 21, 3
+    k, v = (torch.randn(n, kv_heads, head_dim, dtype=dtype) * 4 for _ in range(2))
+    kc, vc = _garbage_int4_cache(nb, kv_heads, head_dim, 64), _garbage_int4_cache(nb, kv_heads, head_dim, 64)
+    slots = torch.randperm(nb * BS)[:n]
+    echo = (poisoned(k), poisoned(v))
+    write_kv_int4(kc, vc, k, v, slots, dequantized=echo)
+    for cache, e in ((kc, echo[0]), (vc, echo[1])):
+        stored = qr.dequantize_kv(cache, dtype).view(-1, kv_heads, head_dim)[slots]
+        if dtype == torch.float16:
+            assert torch.equal(e, stored), f"seed={seed}"
+        else:  # Triton's interpreter casts float32 to bf16 by truncation (the GPU rounds to even)
+            torch.testing.assert_close(e, stored, rtol=2 ** -7, atol=0, msg=f"seed={seed}")
+    with pytest.raises(ValueError, match="dequantized"):
+        write_kv_int4(kc, vc, k, v, slots, dequantized=(echo[0][:, :1], echo[1]))
+
+
 def test_write_kv_int4_kernel_validates(seed):
     from localgen.kernels.kv_write import write_kv_int4
 

@@ -174,16 +174,24 @@ class TierKV:
             k, v = _rotate(k, self.rot), _rotate(v, self.rot)
         self._store(k, v, slots)
 
-    def _store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    def _store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, echo: bool = False):
+        """Write k/v at ``slots``. ``echo`` (4-bit caches): also return what was stored,
+        dequantized, as ``(k4, v4)`` like k/v in the compute dtype on the compute device."""
         if self._int4_kernels():  # quantize and write in one Triton launch
             with self.timers.section("compute"):
-                _triton_kernels()[2].write_kv_int4(self._packed("k"), self._packed("v"), k, v, slots)
-            return
+                out = tuple(torch.empty(k.shape, dtype=self.dtype, device=k.device)
+                            for _ in range(2)) if echo else None
+                _triton_kernels()[2].write_kv_int4(self._packed("k"), self._packed("v"), k, v, slots,
+                                                   dequantized=out)
+            return out
         off = self.store_device != k.device
         slots = slots.to(self.store_device)
+        out = []
         for name, x in (("k", k), ("v", v)):
             parts = dict(zip(("#packed", "#scale", "#min"), quantize_int4(x, GROUP_SIZE, dim=-1))) \
                 if self.compress else {"": x.to(self.dtype)}
+            if echo:
+                out.append(dequantize_int4(*parts.values(), GROUP_SIZE, dim=-1, dtype=self.dtype))
             for suf, src in parts.items():
                 dst = self.t[name + suf]
                 if off:
@@ -191,6 +199,7 @@ class TierKV:
                         src = src.to(self.store_device)
                 with self.timers.section("ctod" if self.tier == "disk" else "compute"):
                     dst.view(-1, *dst.shape[2:]).index_copy_(0, slots, src.to(dst.dtype))
+        return tuple(out) if echo else None
 
     def _packed(self, name: str) -> QuantizedKV:
         return QuantizedKV(self.t[name + "#packed"], self.t[name + "#scale"], self.t[name + "#min"],
@@ -243,6 +252,10 @@ class TierKV:
             with self.timers.section("compute"):
                 out = (self._decode_int4(q, k, v, meta, scale) if meta.pool_rows is None
                        else self._decode_int4_static(q, k, v, meta, scale))
+                return out if self.rot is None else _rotate(out, self.rot_t).to(out.dtype)
+        if self.compress and _whole_prompts(meta):
+            out = self._fresh_int4_prefill(q, k, v, meta, scale)
+            with self.timers.section("compute"):
                 return out if self.rot is None else _rotate(out, self.rot_t).to(out.dtype)
         self._store(k, v, meta.slot_mapping)
         on_cpu = (self.cpu_compute and not meta.is_prefill and self.tier != "gpu"
@@ -345,8 +358,21 @@ class TierKV:
     def _fresh_prefill(self, meta: AttentionMetadata) -> bool:
         """A prefill of whole prompts (context = query for every sequence) on an uncompressed
         tier off the compute device."""
-        return (meta.is_prefill and not self.compress and self.store_device != self.device
-                and meta.context_lens_list == list(meta.query_lens))
+        return not self.compress and self.store_device != self.device and _whole_prompts(meta)
+
+    def _fresh_int4_prefill(self, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Whole prompts into a 4-bit cache: the write returns the 4-bit values it stored
+        (``_store(echo=True)``), and the prompts attend over those (plus their own blocks in fp
+        with the pool on): the same keys a gather from the cache would give, without the gather
+        (6 index kernels and a dequantization per layer and GPU batch, and their host time)."""
+        k4, v4 = self._store(k, v, meta.slot_mapping, echo=True)
+        with self.timers.section("compute"):
+            if not self.recent_blocks:
+                return fresh_prefill_attention(q, k4, v4, meta.query_lens, scale)
+            plan = self._plan(meta)
+            out = self._attend_recent_fresh(q, k, v, k4, v4, meta, scale)
+            self._keep_recent(plan, meta, k, v)
+            return out
 
     def _decode_int4(self, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """A decode step over the 4-bit cache in place: one launch quantizes and writes the new
@@ -419,9 +445,7 @@ class TierKV:
         cache), so a row is read whole, with no per-slot mask. ``assigned``: this step's
         ``_assign_rows`` result when the caller already made it (it must run once a step)."""
         if plan.decode is None:
-            fresh = meta.is_prefill and meta.context_lens_list == list(meta.query_lens)
-            attend = self._attend_recent_fresh if fresh else self._attend_recent_general
-            out = attend(q, k, v, kc, vc, plan, meta, scale, where)
+            out = self._attend_recent_general(q, k, v, kc, vc, plan, meta, scale, where)
             self._keep_recent(plan, meta, k, v)
             return out
         offs = plan.decode[1]
@@ -467,23 +491,21 @@ class TierKV:
             pk, pv = kc[local[i][j0], :n0], vc[local[i][j0], :n0]
         return torch.cat([pk, new_k]), torch.cat([pv, new_v])
 
-    def _attend_recent_fresh(self, q, k, v, kc, vc, plan, meta, scale, where):
+    def _attend_recent_fresh(self, q, k, v, k4, v4, meta, scale):
         """Whole prompts (nothing cached before them): ``_attend_recent_general``'s masked
-        attention with no pool row to read, each run of equal-length prompts in one SDPA call
-        (a prefill of 4 x 512 tokens is one call per layer, not one per sequence)."""
-        bs, num_heads = self.block_size, q.shape[1]
+        attention with no pool row to read, over ``k4``/``v4`` (the 4-bit values just stored,
+        token for token like k/v), each run of equal-length prompts in one SDPA call (a prefill
+        of 4 x 512 tokens is one call per layer, not one per sequence)."""
+        bs, num_heads, plan = self.block_size, q.shape[1], meta.tier_plan
         out, start = torch.empty_like(q), 0
         for i, j in equal_runs(list(meta.query_lens)):
             n, L = j - i, meta.query_lens[i]
             end = start + n * L
-            ids = plan.tensor(f"fresh{i}", [row[:-(-L // bs)] for row in plan.local[i:j]], where)
-            k4 = kc[ids].flatten(1, 2)[:, :L]  # [n, L, kvh, d]: the 4-bit values just written
-            v4 = vc[ids].flatten(1, 2)[:, :L]
-            kf = k[start:end].to(where, self.dtype).view(n, L, *k.shape[1:])
-            vf = v[start:end].to(where, self.dtype).view(n, L, *v.shape[1:])
-            keys = torch.cat([k4, kf], 1).transpose(1, 2).to(q.dtype)  # [n, kvh, 2L, d]
-            vals = torch.cat([v4, vf], 1).transpose(1, 2).to(q.dtype)
-            mask = plan.recent_mask(0, L, bs, where)
+            shape = (n, L, *k.shape[1:])
+            keys = torch.cat([k4[start:end].view(shape), k[start:end].to(self.dtype).view(shape)], 1)
+            vals = torch.cat([v4[start:end].view(shape), v[start:end].to(self.dtype).view(shape)], 1)
+            keys, vals = keys.transpose(1, 2).to(q.dtype), vals.transpose(1, 2).to(q.dtype)  # [n, kvh, 2L, d]
+            mask = plan.recent_mask(0, L, bs, q.device)
             o = torch.nn.functional.scaled_dot_product_attention(
                 q[start:end].view(n, L, num_heads, -1).transpose(1, 2), keys, vals, attn_mask=mask,
                 scale=scale, enable_gqa=self.kv_heads != num_heads)
@@ -569,6 +591,11 @@ def prefill_temp_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     hidden), the MLP's up/gate output, its activation and the down projection (3 intermediate +
     hidden). Llama-2-7B: 90 KB a token, 0.69 GiB for a 16 x 512 GPU batch."""
     return (cfg.q_size + 3 * cfg.intermediate_size + 2 * cfg.hidden_size) * dtype.itemsize
+
+
+def _whole_prompts(meta: AttentionMetadata) -> bool:
+    """A prefill step with nothing cached before any of its prompts (context = query)."""
+    return meta.is_prefill and meta.context_lens_list == list(meta.query_lens)
 
 
 def _room_for(k: torch.Tensor, v: torch.Tensor, device: torch.device, later: int = 0) -> bool:
