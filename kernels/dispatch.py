@@ -41,6 +41,10 @@ REFERENCE = "reference"  # off CUDA: dequantize + torch.matmul, the pure-torch t
 DEFAULT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 DEFAULT_POINTS = (16, 2048)
 NO_LIMIT = 1 << 30
+# a streamed (uncached) weight is dequantized this many bytes at a time for the dequantize +
+# matmul paths: a prefill GEMM then holds its output and one slice, not the whole dense matrix
+# (Llama-2-7B's fused gate/up: 64 MiB against 172 MiB, what fits a 4-bit model under a 6 GiB cap)
+DENSE_CHUNK_BYTES = 64 << 20
 
 
 def choose_impl(m: int, m1: int, m2: int) -> str:
@@ -164,14 +168,41 @@ class Int4Linear:
     def dense(self) -> torch.Tensor:
         if self._dense is not None:
             return self._dense
-        if self.qw.packed.is_cuda or _interpreting():  # one Triton launch, not six torch passes
-            from .dequant import dequantize_weight as dequantize_triton
-            w = dequantize_triton(self.qw, self.dtype)
-        else:
-            w = dequantize_weight(self.qw, self.dtype)
+        w = _dequantize(self.qw, self.dtype)
         if self.cache_dense:
             self._dense = w
         return w
+
+    def dense_rows(self, n0: int, n1: int) -> torch.Tensor:
+        """Rows ``n0 .. n1-1`` of the dense weight (``n0`` a multiple of ``row_align``)."""
+        q, g = self.qw, self.qw.group_size
+        if q.dim == 0:  # codes paired and grouped along N
+            part = QuantizedWeight(q.packed[n0 // 2:-(-n1 // 2)], q.scale[n0 // g:-(-n1 // g)],
+                                   q.min[n0 // g:-(-n1 // g)], g, 0)
+        else:
+            part = QuantizedWeight(q.packed[n0:n1], q.scale[n0:n1], q.min[n0:n1], g, 1)
+        return _dequantize(part, self.dtype)
+
+    @property
+    def row_align(self) -> int:
+        """Row slices start at multiples of this (whole groups and nibble pairs)."""
+        g = self.qw.group_size
+        return g if self.group_dim == 0 else 1
+
+    def _dense_matmul(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W.T`` through the dense weight: the cached one, else dequantized in row slices of
+        at most ``DENSE_CHUNK_BYTES``, each GEMM writing its columns of ``out`` in place."""
+        n, k = self.shape
+        align = self.row_align
+        rows = max(align, DENSE_CHUNK_BYTES // (k * x.element_size()) // align * align)
+        if self.cache_dense or rows >= n:
+            return torch.matmul(x, self.dense().to(x.dtype).t(), out=out)
+        if out is None:
+            out = x.new_empty(x.shape[0], n)
+        for n0 in range(0, n, rows):
+            n1 = min(n, n0 + rows)
+            torch.mm(x, self.dense_rows(n0, n1).to(x.dtype).t(), out=out[:, n0:n1])
+        return out
 
     def route(self, x2: torch.Tensor) -> str:
         """``route`` for this weight and a ``[M, K]`` input (under TRITON_INTERPRET=1 a CPU tensor
@@ -183,7 +214,7 @@ class Int4Linear:
     def run(self, impl: str, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x [M, K] @ W.T`` by ``impl`` (``out``: an ``[M, N]`` tensor to write into)."""
         if impl in ("torch", REFERENCE) or (not x.is_cuda and not _interpreting()):
-            return torch.matmul(x, self.dense().to(x.dtype).t(), out=out)
+            return self._dense_matmul(x, out)
         from .flat_gemm import _num_sms, choose_split_k, flat_gemm_int4
         block_m = 16 if impl == "flat" else 64
         n, k = self.shape
@@ -202,6 +233,13 @@ class Int4Linear:
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _dequantize(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    if qw.packed.is_cuda or _interpreting():  # one Triton launch, not six torch passes
+        from .dequant import dequantize_weight as dequantize_triton
+        return dequantize_triton(qw, dtype)
+    return dequantize_weight(qw, dtype)
 
 
 def cuda_timer(fns: Callable[[], object] | list[Callable[[], object]], warmup: int = 3,

@@ -351,6 +351,29 @@ def test_int4_linear_routes_all_impls(seed):
         assert rel_err(lin(x), want) < 1e-5, f"seed={seed} m={m}"
 
 
+@pytest.mark.parametrize("dim,group", [(0, 64), (1, 32)])
+def test_streamed_weight_dequantized_in_row_slices(seed, dim, group, monkeypatch):
+    """A streamed weight (``cache_dense=False``) over ``DENSE_CHUNK_BYTES`` goes through the
+    dequantize + matmul path a row slice at a time (the last slice short), each GEMM writing its
+    columns of the output in place: the same product as the whole dense weight."""
+    from localgen.kernels import dispatch
+
+    n, k = 200 if dim == 1 else 320, 96
+    qw = qr.quantize_weight(torch.randn(n, k), group, dim=dim)
+    lin = Int4Linear(qw, GemmDispatchTable({(n, k): (0, 0)}), dtype=torch.float32, cache_dense=False)
+    monkeypatch.setattr(dispatch, "DENSE_CHUNK_BYTES", 70 * k * 4)  # 70 rows -> 64 (dim 0) / 70
+    sliced = []
+    monkeypatch.setattr(Int4Linear, "dense", lambda self: pytest.fail("whole weight dequantized"))
+    real_rows = Int4Linear.dense_rows
+    monkeypatch.setattr(Int4Linear, "dense_rows",
+                        lambda self, a, b: sliced.append((a, b)) or real_rows(self, a, b))
+    x = torch.randn(5, k)
+    want = x.double() @ qr.dequantize_weight(qw, torch.float64).t()
+    assert rel_err(lin(x), want) < 1e-5, f"seed={seed}"
+    step = 64 if dim == 0 else 70
+    assert sliced == [(a, min(n, a + step)) for a in range(0, n, step)]
+
+
 # ---- the call site ------------------------------------------------------------------------------
 
 def test_call_site_observer_and_cpu_path(seed):
