@@ -7,13 +7,13 @@ num_kv_heads, head_dim]``; ``block_tables`` ``[num_seqs, max_blocks]`` (int64, p
 ignored); ``context_lens`` ``[num_seqs]``. One program owns the ``group = num_heads //
 num_kv_heads`` query heads of one KV head (GQA), so each K/V tile is read once for the group.
 
-Stage 1 (grid ``[num_seqs, num_kv_heads, num_splits]``): each program walks its slice of the
-sequence in tiles of ``BLOCK_N`` tokens and writes an unnormalized partial output ``acc``, its
-denominator ``l`` and its running max ``m`` (log2 units).
+Stage 1 (grid ``[num_kv_heads, num_seqs, num_splits]``, heads fastest): each program walks its
+slice of the sequence in tiles of ``BLOCK_N`` tokens and writes an unnormalized partial output
+``acc``, its denominator ``l`` and its running max ``m`` (log2 units).
   * synchronized: ``p = exp2(s - m_running)``; ``acc``/``l`` rescaled whenever the max grows.
   * asynchronized: ``p = exp2(s - phi)`` with one model-wide ``phi``: no rescaling anywhere, the
     partials combine by plain sums. The running max is kept only to detect unsafe rows.
-Stage 2 (grid ``[num_seqs, num_kv_heads]``): combine the splits. Synchronized: rescale by
+Stage 2 (grid ``[num_kv_heads, num_seqs]``): combine the splits. Synchronized: rescale by
 ``exp2(m_s - max_s m_s)``. Asynchronized: plain sums; if a row's max ``x - phi`` lies outside the
 safe range ``(a, b)`` its flag is set and the program recomputes its KV head's rows with the
 synchronized online softmax over the whole context (rare by calibration; always correct).
@@ -435,8 +435,11 @@ def _decode_stage1(q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, bt_ptr, 
     context and writes ``out`` itself (no partials). FUSED: after writing its partials, the
     program takes a ticket from the (sequence, KV head)'s counter; the last one to arrive
     combines the splits (``_finish``) and resets the counter, so no second launch is needed."""
-    seq = tl.program_id(0)
-    kvh = tl.program_id(1)
+    # KV heads vary fastest in the launch order: the programs running together read the same
+    # tokens' rows of every head (neighbouring bytes of the cache, and of the 4-bit scale/min
+    # rows, which are shorter than a memory sector per head)
+    kvh = tl.program_id(0)
+    seq = tl.program_id(1)
     split = tl.program_id(2)
     seq64 = seq.to(tl.int64)
     ctx = tl.load(cl_ptr + seq).to(tl.int32)
@@ -526,10 +529,10 @@ def _decode_stage2(q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, bt_ptr, 
                    QUANT: tl.constexpr, HALF_D: tl.constexpr, NG: tl.constexpr,
                    NG_P: tl.constexpr, HG: tl.constexpr, DOT_DTYPE: tl.constexpr,
                    IEEE: tl.constexpr, OWN_FP: tl.constexpr, OWN_N: tl.constexpr):
-    """Stage 2 (unfused path), grid ``[num_seqs, num_kv_heads]``: ``_finish``."""
+    """Stage 2 (unfused path), grid ``[num_kv_heads, num_seqs]``: ``_finish``."""
     _finish(q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, bt_ptr, cl_ptr,
             mid_o_ptr, mid_l_ptr, mid_m_ptr, out_ptr, flag_ptr, pk_ptr, pv_ptr, own_ptr,
-            tl.program_id(0).to(tl.int64), tl.program_id(1),
+            tl.program_id(1).to(tl.int64), tl.program_id(0),
             stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
             stride_sb, stride_st, stride_sh, stride_btb,
             stride_mb, stride_mh, stride_ms, stride_ob, stride_oh, stride_fb,
@@ -694,7 +697,7 @@ def _launch(q, k, v, block_tables, context_lens, scale, *, quant_group, phi, bou
     kv_strides = (kc.stride(0), kc.stride(1), kc.stride(2))
     mid_strides = (mid_l.stride(0), mid_l.stride(1), mid_l.stride(2)) if not one_split else (0, 0, 0)
     f_stride = flags.stride(0) if flags is not out else 0
-    _decode_stage1[(num_seqs, kv_heads, num_splits)](
+    _decode_stage1[(kv_heads, num_seqs, num_splits)](
         q, kc, ks, kz, vc, vs, vz, block_tables, context_lens, mid_o, mid_l, mid_m, out, flags,
         pk, pv, own_rows, count, q.stride(0), q.stride(1), *kv_strides, *s_strides,
         block_tables.stride(0), *mid_strides, out.stride(0), out.stride(1), f_stride, *p_strides,
@@ -702,7 +705,7 @@ def _launch(q, k, v, block_tables, context_lens, scale, *, quant_group, phi, bou
         num_splits, kv_heads, **common, FUSED=use_fused, ONE_SPLIT=one_split,
         num_warps=num_warps, num_stages=num_stages)
     if not one_split and not use_fused:
-        _decode_stage2[(num_seqs, kv_heads)](
+        _decode_stage2[(kv_heads, num_seqs)](
             q, kc, ks, kz, vc, vs, vz, block_tables, context_lens, mid_o, mid_l, mid_m, out, flags,
             pk, pv, own_rows, q.stride(0), q.stride(1), *kv_strides, *s_strides,
             block_tables.stride(0), *mid_strides, out.stride(0), out.stride(1), f_stride,
