@@ -95,6 +95,28 @@ def _load_kv_tile(c_ptr, rows, offs_d, tok_mask, d_mask):
 
 
 @triton.jit
+def _load_q4_tile(c_ptr, s_ptr, z_ptr, rows, srows, tok_mask,
+                  HALF_D: tl.constexpr, NG: tl.constexpr, NG_P: tl.constexpr, HG: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """4-bit K or V tile, dequantized in registers, split by parity of the head_dim index:
+    returns ``(lo, hi)`` float32 ``[BLOCK_N, NG_P * HG]``, column ``c`` holding elements ``2c``
+    (low nibbles) and ``2c + 1`` (high nibbles). The packed bytes are read as one coalesced
+    ``[BLOCK_N, NG_P, HG]`` uint8 tile (``HG = group / 2`` bytes per group, contiguous), each
+    group's fp16 scale/min once per token row and broadcast over the group."""
+    offs_g = tl.arange(0, NG_P)
+    offs_j = tl.arange(0, HG)
+    col = offs_g[:, None] * HG + offs_j[None, :]  # [NG_P, HG] byte index in the row
+    m3 = tok_mask[:, None, None] & (col < HALF_D)[None, :, :]
+    byte = tl.load(c_ptr + rows[:, None, None] + col[None, :, :], mask=m3, other=0).to(tl.int32)
+    gm = tok_mask[:, None] & (offs_g < NG)[None, :]
+    sc = tl.load(s_ptr + srows[:, None] + offs_g[None, :], mask=gm, other=0.0).to(tl.float32)
+    mn = tl.load(z_ptr + srows[:, None] + offs_g[None, :], mask=gm, other=0.0).to(tl.float32)
+    lo = (byte & 15).to(tl.float32) * sc[:, :, None] + mn[:, :, None]
+    hi = (byte >> 4).to(tl.float32) * sc[:, :, None] + mn[:, :, None]
+    return tl.reshape(lo, [BLOCK_N, NG_P * HG]), tl.reshape(hi, [BLOCK_N, NG_P * HG])
+
+
+@triton.jit
 def _dot(a, b, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
     """``a @ b`` with float32 accumulation; operands cast to DOT_DTYPE (the model dtype). Under
     16 rows (tensor cores' least M; a decode program of one query head, MHA) as float32
@@ -139,122 +161,37 @@ def _attend_range(q, q_odd, bt_row_ptr, lo, hi,
                   DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
     """Attend ``q`` to tokens ``[lo, hi)``. Returns (acc, acc_odd, l, m), m the running max of
     ``s = qk_scale * q.k`` (log2 units). Plain: ``acc`` ``[BLOCK_H, BLOCK_D]``. QUANT: ``acc``
-    and ``acc_odd`` ``[BLOCK_H, NG_P * HG]`` hold the even and odd output elements
-    (``_attend_range_q4``). Synchronized: acc and l are relative to m. Asynchronized: relative
-    to ``phi2``."""
-    if QUANT:
-        acc, acc_o, l, m = _attend_range_q4(
-            q, q_odd, bt_row_ptr, lo, hi, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr,
-            stride_kb, stride_kt, stride_sb, stride_st, qk_scale, phi2, BS, BLOCK_H, BLOCK_N,
-            ASYNC, HALF_D, NG, NG_P, HG, DOT_DTYPE, IEEE)
-    else:
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        acc_o = tl.zeros([BLOCK_H, 16], tl.float32)  # unused
-        for start in range(lo, hi, BLOCK_N):
-            tok = start + tl.arange(0, BLOCK_N)
-            tok_mask = tok < hi
-            rows = _token_rows(bt_row_ptr, tok, tok_mask, BS, stride_kb, stride_kt)
-            k = _load_kv_tile(k_ptr, rows, offs_d, tok_mask, d_mask)
-            v = _load_kv_tile(v_ptr, rows, offs_d, tok_mask, d_mask)  # issued before K is used
-            s = _dot(q, tl.trans(k), DOT_DTYPE, IEEE) * qk_scale  # [BLOCK_H, BLOCK_N]
-            s = tl.where(tok_mask[None, :], s, float("-inf"))
-            acc, acc_o, l, m = _online_update(s, v, v, acc, acc_o, l, m, phi2, ASYNC, False,
-                                              DOT_DTYPE, IEEE)
-    return acc, acc_o, l, m
-
-
-@triton.jit
-def _load_codes(c_ptr, s_ptr, z_ptr, rows, srows, tok_mask, HALF_D: tl.constexpr,
-                NG: tl.constexpr, NG_P: tl.constexpr, HG: tl.constexpr,
-                DOT_DTYPE: tl.constexpr):
-    """A 4-bit K or V tile as its codes, group-major: ``(lo, hi, scale, min)`` with ``lo``/``hi``
-    ``[NG_P, BLOCK_N, HG]`` the codes (exact small integers, in DOT_DTYPE) of head_dim elements
-    ``2c`` / ``2c + 1`` (column ``c`` of group ``g`` is byte ``g * HG + c`` of the row), and the
-    groups' fp16 scale and min as float32 ``[NG_P, BLOCK_N]``. Masked tokens and padded
-    groups read zeros."""
-    g = tl.arange(0, NG_P)
-    col = g[:, None] * HG + tl.arange(0, HG)[None, :]  # [NG_P, HG]
-    m3 = tok_mask[None, :, None] & (col < HALF_D)[:, None, :]
-    byte = tl.load(c_ptr + rows[None, :, None] + col[:, None, :], mask=m3, other=0).to(tl.int32)
-    lo = (byte & 15).to(tl.float32).to(DOT_DTYPE)
-    hi = (byte >> 4).to(tl.float32).to(DOT_DTYPE)
-    gm = (g < NG)[:, None] & tok_mask[None, :]
-    sc = tl.load(s_ptr + srows[None, :] + g[:, None], mask=gm, other=0.0).to(tl.float32)
-    mn = tl.load(z_ptr + srows[None, :] + g[:, None], mask=gm, other=0.0).to(tl.float32)
-    return lo, hi, sc, mn
-
-
-@triton.jit
-def _bdot(a, b, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
-    """Batched ``a @ b``: ``[G, M, K] @ [G, K, N] -> [G, M, N]`` float32 (``_dot`` per batch;
-    under 16 rows on the CUDA cores)."""
-    if a.shape[1] < 16:
-        r = tl.sum(a.to(tl.float32)[:, :, :, None] * b.to(tl.float32)[:, None, :, :], 2)
-    elif IEEE:
-        r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        r = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), out_dtype=tl.float32)
-    return r
-
-
-@triton.jit
-def _attend_range_q4(q, q_odd, bt_row_ptr, lo, hi, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr,
-                     stride_kb, stride_kt, stride_sb, stride_st, qk_scale, phi2,
-                     BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                     ASYNC: tl.constexpr, HALF_D: tl.constexpr, NG: tl.constexpr,
-                     NG_P: tl.constexpr, HG: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                     IEEE: tl.constexpr):
-    """``_attend_range`` over a 4-bit cache without dequantizing it element by element. With
-    ``x = c * s_g + m_g`` per group ``g`` (code c, the token's group scale s and min m):
-        q.k     = sum_g s_g (q_g . c_g) + m_g sum(q_g)
-        sum p v = sum_g (p * s_g) @ c_g + (p @ m_g)   (the min added to each element of g)
-    so the tensor cores take the codes as they are (exact in bf16/fp16) and the scale and min
-    apply once per token and group, on the scores and on p: per element only the nibble
-    unpacking is left. Accumulators are group-major ``[NG_P, BLOCK_H, HG]`` inside, returned as
-    ``_attend_range``'s ``[BLOCK_H, NG_P * HG]`` even/odd halves."""
-    qe = tl.permute(tl.reshape(q, [BLOCK_H, NG_P, HG]), (1, 0, 2))  # [NG_P, BLOCK_H, HG]
-    qo = tl.permute(tl.reshape(q_odd, [BLOCK_H, NG_P, HG]), (1, 0, 2))
-    if IEEE:
-        q_sum = tl.sum(qe.to(tl.float32) + qo.to(tl.float32), 2)  # [NG_P, BLOCK_H]
-    else:  # the sums of the values the dots multiply
-        q_sum = tl.sum(qe.to(DOT_DTYPE).to(tl.float32) + qo.to(DOT_DTYPE).to(tl.float32), 2)
+    and ``acc_odd`` ``[BLOCK_H, NG_P * HG]`` hold the even and odd output elements.
+    Synchronized: acc and l are relative to m. Asynchronized: relative to ``phi2``."""
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
-    acc_e = tl.zeros([NG_P, BLOCK_H, HG], tl.float32)
-    acc_o = tl.zeros([NG_P, BLOCK_H, HG], tl.float32)
+    if QUANT:
+        acc = tl.zeros([BLOCK_H, NG_P * HG], tl.float32)
+        acc_o = tl.zeros([BLOCK_H, NG_P * HG], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        acc_o = tl.zeros([BLOCK_H, 16], tl.float32)  # unused
     for start in range(lo, hi, BLOCK_N):
         tok = start + tl.arange(0, BLOCK_N)
         tok_mask = tok < hi
         rows = _token_rows(bt_row_ptr, tok, tok_mask, BS, stride_kb, stride_kt)
-        srows = _token_rows(bt_row_ptr, tok, tok_mask, BS, stride_sb, stride_st)
-        k_lo, k_hi, k_s, k_m = _load_codes(k_ptr, ks_ptr, kz_ptr, rows, srows, tok_mask, HALF_D,
-                                           NG, NG_P, HG, DOT_DTYPE)
-        v_lo, v_hi, v_s, v_m = _load_codes(v_ptr, vs_ptr, vz_ptr, rows, srows, tok_mask, HALF_D,
-                                           NG, NG_P, HG, DOT_DTYPE)
-        qc = (_bdot(qe, tl.permute(k_lo, (0, 2, 1)), DOT_DTYPE, IEEE)
-              + _bdot(qo, tl.permute(k_hi, (0, 2, 1)), DOT_DTYPE, IEEE))  # [NG_P, BLOCK_H, BLOCK_N]
-        s = tl.sum(qc * k_s[:, None, :] + q_sum[:, :, None] * k_m[:, None, :], 0) * qk_scale
-        s = tl.where(tok_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        if ASYNC:
-            p = tl.exp2(s - phi2)
-            l += tl.sum(p, 1)
+        if QUANT:
+            srows = _token_rows(bt_row_ptr, tok, tok_mask, BS, stride_sb, stride_st)
+            k_lo, k_hi = _load_q4_tile(k_ptr, ks_ptr, kz_ptr, rows, srows, tok_mask,
+                                       HALF_D, NG, NG_P, HG, BLOCK_N)
+            v_lo, v_hi = _load_q4_tile(v_ptr, vs_ptr, vz_ptr, rows, srows, tok_mask,
+                                       HALF_D, NG, NG_P, HG, BLOCK_N)
+            s = (_dot(q, tl.trans(k_lo), DOT_DTYPE, IEEE)
+                 + _dot(q_odd, tl.trans(k_hi), DOT_DTYPE, IEEE)) * qk_scale
         else:
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            acc_e = acc_e * alpha[None, :, None]
-            acc_o = acc_o * alpha[None, :, None]
-        m = m_new
-        ps = p[None, :, :] * v_s[:, None, :]  # [NG_P, BLOCK_H, BLOCK_N]
-        pm = tl.sum(p[None, :, :] * v_m[:, None, :], 2)[:, :, None]  # [NG_P, BLOCK_H, 1]
-        acc_e += _bdot(ps, v_lo, DOT_DTYPE, IEEE) + pm
-        acc_o += _bdot(ps, v_hi, DOT_DTYPE, IEEE) + pm
-    acc = tl.reshape(tl.permute(acc_e, (1, 0, 2)), [BLOCK_H, NG_P * HG])
-    acc_odd = tl.reshape(tl.permute(acc_o, (1, 0, 2)), [BLOCK_H, NG_P * HG])
-    return acc, acc_odd, l, m
+            k = _load_kv_tile(k_ptr, rows, offs_d, tok_mask, d_mask)
+            v_lo = _load_kv_tile(v_ptr, rows, offs_d, tok_mask, d_mask)  # issued before K is used
+            v_hi = v_lo  # unused
+            s = _dot(q, tl.trans(k), DOT_DTYPE, IEEE) * qk_scale  # [BLOCK_H, BLOCK_N]
+        s = tl.where(tok_mask[None, :], s, float("-inf"))
+        acc, acc_o, l, m = _online_update(s, v_lo, v_hi, acc, acc_o, l, m, phi2, ASYNC, QUANT,
+                                          DOT_DTYPE, IEEE)
+    return acc, acc_o, l, m
 
 
 @triton.jit
