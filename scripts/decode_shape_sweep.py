@@ -48,7 +48,7 @@ def make_case(b, h, kvh, ctx, int4, dt, qr):
         k, v = qr.quantize_kv(k), qr.quantize_kv(v)
         pool = torch.randn(b, BLOCK_SIZE, kvh, HEAD_DIM, dtype=dt, device="cuda", generator=g)
         kw = dict(own_k=pool, own_v=pool.clone(), own_rows=torch.arange(b, device="cuda"))
-        per_tok = 2 * kvh * (HEAD_DIM // 2 + 4)  # codes + fp16 scale/min of two 64-groups
+        per_tok = 2 * kvh * (HEAD_DIM // 2 + 8)  # codes + fp16 scale and min of two 64-groups
     else:
         per_tok = 2 * kvh * HEAD_DIM * 2
     return q, k, v, tables, lens, kw, b * ctx * per_tok

@@ -247,8 +247,36 @@ def test_localgen_int4_gemms_from_the_measured_table(monkeypatch):
     t_eager = attn(local).decode["comp"][-1]
     t_graph = local.terms(8, 2, True, graphed=True).decode["comp"][-1]
     kv_attn = 2 * cfg.kv_size * 2 * (4 + 1.5) * 16 / 1e12  # fp16 cache read in place
-    assert t_eager == pytest.approx(2 * 4 * 2e-6 + kv_attn)  # two GPU batches of M = 8
-    assert t_graph == pytest.approx(4 * (2 + (9 - 2) * 8 / 56) * 1e-6 + kv_attn)  # M = 16 once
+    # elementwise passes of 16 tokens: norms 8h, output add 3h, rotary 2(q+kv), silu*mul 3I, K/V
+    # write 2kv in and out (h = q = kv = 4096, I = 11008), fp16, at 1e12 B/s; no kernel floor
+    elem = 16 * (11 * 4096 + 2 * 8192 + 3 * 11008 + 2 * 4096 * 2) * 2 / 1e12
+    assert t_eager == pytest.approx(2 * 4 * 2e-6 + kv_attn + elem)  # two GPU batches of M = 8
+    assert t_graph == pytest.approx(4 * (2 + (9 - 2) * 8 / 56) * 1e-6 + kv_attn + elem)  # M = 16 once
     assert local.graphed(pol) and local.predict(pol).decode_terms["comp"] == pytest.approx(t_graph)
     deq = 2 * local.layer_weight_elems() * (1 + compressed_ratio()) / 1e12
     assert attn(flexgen).decode["comp"][-1] > deq  # FlexGen's dequantization pass stays
+
+
+def test_localgen_kernel_floor_and_int4_attention_rate():
+    """Under localgen's runtime a graphed 4-bit decode step's layer pays each small kernel its
+    floor (12 of them with a 4-bit cache, once a step when graphed, per GPU batch otherwise) and
+    reads the 4-bit cache at the int4 kernel's own rate; prefill moves its activations through
+    the elementwise kernels at the copy bandwidth. Hand-computed for Llama-2-7B's shapes."""
+    cfg = preset_config("llama-2-7b")
+    wl = Workload(512, 32)
+    hw0 = round_hw(gpu_mem_bdw=2e12)
+    hw1 = round_hw(gpu_mem_bdw=2e12, gpu_kernel_floor=2e-6, gpu_int4_attn_bdw=5e11)
+    t0, t1 = (CostModel(cfg, hw, wl, runtime="localgen").terms(4, 4, False, True, graphed=g)
+              for hw, g in ((hw0, True), (hw1, True)))
+    r = compressed_ratio()
+    kv4 = 2 * 4096 * 2 * r * (512 + 16) * 16  # 4-bit bytes a step reads, 16 sequences
+    extra = 12 * 2e-6 + kv4 / 5e11 - kv4 / 2e12
+    assert t1.decode["comp"][-1] - t0.decode["comp"][-1] == pytest.approx(extra)
+    no_floor = round_hw(gpu_mem_bdw=2e12, gpu_int4_attn_bdw=5e11)
+    eager = [CostModel(cfg, hw, wl, runtime="localgen").terms(4, 4, False, True).decode["comp"][-1]
+             for hw in (hw1, no_floor)]
+    assert eager[0] - eager[1] == pytest.approx(4 * 12 * 2e-6)  # each GPU batch's kernels
+    prefill_elems = 11 * 4096 + 2 * 8192 + 3 * 11008 + 2 * 4096 * (1 + r) + 8 * 4096 + 10 * 4096
+    flexgen = CostModel(cfg, hw1, wl).terms(4, 4, False, True)
+    assert t1.prefill["comp"][-1] - flexgen.prefill["comp"][-1] == pytest.approx(
+        512 * 16 * prefill_elems * 2 / 2e12)

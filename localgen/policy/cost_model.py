@@ -241,6 +241,29 @@ class CostModel:
         gt = gemm_times(self.hw.gpu_name, "float16") or gemm_times(self.hw.gpu_name, "bfloat16")
         return gt if gt is not None and gt.covers(self.linear_shapes()) else None
 
+    def activation_elems(self, compress_cache: bool, prefill: bool) -> float:
+        """Elements one token moves (read + written) through the elementwise kernels of one layer
+        under localgen's runtime, attention and GEMMs apart. Llama's fused kernels: two residual
+        add + RMSNorm (4h each), the layer's output add (3h), rotary q and k (2(q + kv)),
+        silu(gate) * up (3I; OPT's activation, 2I), the K/V write (2kv in, 2kv out as stored);
+        with a 4-bit cache also q, k, v rotated and the output rotated back (4q + 4kv), and in
+        prefill the 4-bit K/V the write echoes (2kv) and their concatenation with the fp ones
+        (8kv)."""
+        c = self.cfg
+        h, q, kv, inter = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
+        ck = compressed_ratio(dtype_bytes=self.wl.dtype_bytes) if compress_cache else 1.0
+        n = 11 * h + 2 * (q + kv) + (3 if c.family == "llama" else 2) * inter + 2 * kv * (1 + ck)
+        if compress_cache:
+            n += 4 * q + 4 * kv + (10 * kv if prefill else 0)
+        return n
+
+    @staticmethod
+    def small_kernels(compress_cache: bool) -> int:
+        """Kernels of a decode step's layer (per GPU batch) that move too little to matter beside
+        their floor (``HardwareProfile.gpu_kernel_floor``): two add + norms, the output add, rotary,
+        silu * mul, the K/V write; a 4-bit cache adds four rotations and two pool writes."""
+        return 12 if compress_cache else 6
+
     def total_weight_bytes(self, compress_weight: bool = False) -> float:
         """All parameters (embeddings, norms, biases included) in stored bytes."""
         return self.cfg.num_parameters() * self.wl.dtype_bytes * self._cw(compress_weight)
@@ -336,6 +359,13 @@ class CostModel:
             mm_g = self._matmul_time(2 * W * bls, reads * wi16, hw.mm_flops_gen) + deq_w
         comp_p = (mm_p + 4 * s * s * q * bls / hw.bmm_flops
                   + (self._elementwise_time(kv_p / ck * (1 + r), gpu) if compress_cache else 0.0))
+        # localgen's elementwise kernels on the GPU: memory-bound passes over the activations
+        # (prefill), each at least a kernel floor (a decode step's few tokens)
+        elem_g = 0.0
+        if self.runtime == "localgen" and gpu and hw.gpu_mem_bdw:
+            comp_p += s * bls * self.activation_elems(compress_cache, True) * B / hw.gpu_mem_bdw
+            elem_g = (bls * self.activation_elems(compress_cache, False) * B / hw.gpu_mem_bdw
+                      + reads * self.small_kernels(compress_cache) * (hw.gpu_kernel_floor or 0.0))
         prefill = {
             "ctog": _affine(wc=wi / ctog, wd=wi / ctog, hc=hid_p / ctog, hd=hid_p / ctog),
             "gtoc": _affine(cc=kv_p / gtoc_cc, cd=kv_p / gtoc_cache, hc=hid_p / gtoc, hd=hid_p / gtoc),
@@ -348,15 +378,17 @@ class CostModel:
         gpu_attn = kv16 / hw.bmm_flops_gen + self._elementwise_time(deq_kv, True) if gpu else 0.0
         kernel_attn = self.runtime == "localgen" and gpu and bool(hw.gpu_mem_bdw)
         if kernel_attn:  # the paged-decode kernels read the GPU-tier cache as stored, in place
-            # (4-bit: dequantized in registers), memory-bound; FlexGen's bmm + dequant pass otherwise
-            gpu_attn = kv16 * ck / hw.gpu_mem_bdw
+            # (4-bit: unpacked in registers, at the int4 kernel's measured rate where the profile
+            # has it); FlexGen's bmm + dequant pass otherwise
+            bdw = (hw.gpu_int4_attn_bdw or hw.gpu_mem_bdw) if compress_cache else hw.gpu_mem_bdw
+            gpu_attn = kv16 * ck / bdw
         if cpu_cache_compute:
             qkv_out = (q + 2 * kv) * B * bls  # q,k,v down; attention output (q) up
             cpu_attn = kv16 / self.cpu_attn_flops(gbs) + self._elementwise_time(deq_kv, False)
             ctog_g = _affine(wc=wi / ctog, wd=wi / ctog, hc=hid_g / ctog, hd=hid_g / ctog,
                              cc=q * B * bls / ctog, cd=q * B * bls / ctog)
             gtoc_g = _affine(hc=hid_g / gtoc, hd=hid_g / gtoc, cc=qkv_out / gtoc, cd=qkv_out / gtoc)
-            comp_g = _affine(mm_g, cg=gpu_attn, cc=cpu_attn, cd=cpu_attn)
+            comp_g = _affine(mm_g + elem_g, cg=gpu_attn, cc=cpu_attn, cd=cpu_attn)
         else:
             attn = gpu_attn if gpu else kv16 / hw.cpu_flops + self._elementwise_time(deq_kv, False)
             # localgen gathers (and dequantizes) an off-GPU cache before the kernel reads it
@@ -364,7 +396,7 @@ class CostModel:
             ctog_g = _affine(wc=wi / ctog, wd=wi / ctog, hc=hid_g / ctog, hd=hid_g / ctog,
                              cc=kv_read / ctog_cc, cd=kv_read / ctog_cache)
             gtoc_g = _affine(hc=hid_g / gtoc, hd=hid_g / gtoc, cc=kv_new / gtoc_cc, cd=kv_new / gtoc_cache)
-            comp_g = _affine(mm_g + attn, cc=off_gpu, cd=off_gpu)
+            comp_g = _affine(mm_g + attn + elem_g, cc=off_gpu, cd=off_gpu)
         decode = {
             "ctog": ctog_g,
             "gtoc": gtoc_g,

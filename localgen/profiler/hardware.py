@@ -54,6 +54,12 @@ class HardwareProfile:
     gtoc_bdw_cache: float | None = None  # FlexGen's strided KV store; None: use gtoc_bdw
     gpu_mem_bdw: float | None = None  # device-memory copy bandwidth (roofline of decode matmuls)
     cpu_mem_bdw: float | None = None  # DRAM copy bandwidth (roofline on a CPU-only machine)
+    # seconds one small (sub-MB) kernel of a CUDA-graph replay takes, whatever little it does:
+    # what a graphed decode step's norms, rotary, K/V writes and residual adds cost. None: 0
+    gpu_kernel_floor: float | None = None
+    # bytes/s of 4-bit KV cache (codes + scale/min) the paged int4 decode kernel reads, which
+    # unpacks in registers and runs below the copy bandwidth. None: gpu_mem_bdw
+    gpu_int4_attn_bdw: float | None = None
     cpu_cores: int | None = None
     # FlexGen's fitted small-batch correction of CPU attention FLOP/s, (c1, c2, c3): the rate is
     # cpu_flops * max(0.1, 1 + c1*a*b - c2*a - c3*b), a = max(0, log2(64/gbs)), b = max(0, log2(4096/h1))
