@@ -630,7 +630,8 @@ def _launch(q, k, v, block_tables, context_lens, scale, *, quant_group, phi, bou
     fused = cfg["fused"] if fused is None else fused
     block_h = _pow2(gqa, cfg["min_block_h"]) if block_h is None else _pow2(block_h, 1)
     if block_h < gqa:
-        raise ValueError(f"block_h {block_h} holds fewer rows than the {gqa} query heads of a KV head")
+        raise ValueError(f"block_h {block_h} holds fewer rows than the {gqa} query heads "
+                         "of a KV head")
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, kv_heads, max_context_len, q.device, block_n,
                                        programs_per_sm=cfg["programs_per_sm"])

@@ -502,9 +502,11 @@ class TierKV:
             n, L = j - i, meta.query_lens[i]
             end = start + n * L
             shape = (n, L, *k.shape[1:])
-            keys = torch.cat([k4[start:end].view(shape), k[start:end].to(self.dtype).view(shape)], 1)
-            vals = torch.cat([v4[start:end].view(shape), v[start:end].to(self.dtype).view(shape)], 1)
-            keys, vals = keys.transpose(1, 2).to(q.dtype), vals.transpose(1, 2).to(q.dtype)  # [n, kvh, 2L, d]
+            fk, fv = (x[start:end].to(self.dtype).view(shape) for x in (k, v))
+            keys = torch.cat([k4[start:end].view(shape), fk], 1)
+            vals = torch.cat([v4[start:end].view(shape), fv], 1)
+            # [n, kvh, 2L, d]
+            keys, vals = keys.transpose(1, 2).to(q.dtype), vals.transpose(1, 2).to(q.dtype)
             mask = plan.recent_mask(0, L, bs, q.device)
             o = torch.nn.functional.scaled_dot_product_attention(
                 q[start:end].view(n, L, num_heads, -1).transpose(1, 2), keys, vals, attn_mask=mask,
