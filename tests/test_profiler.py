@@ -3,7 +3,10 @@
 import dataclasses
 import os
 
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the GPU-kernel probes' case test
+
 import pytest
+import torch
 
 from localgen.profiler.hardware import (HardwareProfile, ProfileNotFoundError, load_profile,
                                         shipped_profile_names)
@@ -122,3 +125,24 @@ def test_cpu_only_profile_takes_cpu_flops_from_the_attention_probe(tmp_path, mon
     monkeypatch.setattr(probes, "probe_cpu_attention", lambda shape, dtype=None, repeats=5: 1234.0)
     hw = probes.run_profile(tmp_path / "off", sizes=probes.QUICK, use_gpu=False)
     assert hw.cpu_flops == 1234.0 and "delegated CPU decode attention" in hw.source["cpu_flops"]
+
+
+def test_gpu_kernel_probes_time_the_runtime_kernels(monkeypatch):
+    """The two probes for localgen's own GPU kernels, run on the CPU under TRITON_INTERPRET=1
+    with the graph timer replaced: the floor is the replay time over the kernels it holds (three
+    a round), the int4 rate the codes + scale/min bytes the calls read over their time."""
+    pytest.importorskip("triton")
+    fns = probes.small_kernel_case("cpu", tokens=3, hidden=64, inter=96, kv_heads=2, head_dim=64)
+    for f in fns:  # each kernel runs at these sizes
+        f()
+    call, nbytes = probes.int4_attention_case((2, 2, 64, 40), "cpu")
+    out = call()
+    assert out.shape == (2, 2, 64) and torch.isfinite(out).all()
+    assert nbytes == 2 * 2 * 40 * 2 * (32 + 4)  # K and V: 32 code bytes + scale and min a token
+    timed = []
+    monkeypatch.setattr(probes, "graph_time", lambda f, repeats=5: timed.append(len(f)) or 6e-5)
+    monkeypatch.setattr(probes, "small_kernel_case", lambda dev: fns)
+    assert probes.probe_kernel_floor(rounds=4) == pytest.approx(6e-5 / 12)
+    monkeypatch.setattr(probes, "int4_attention_case", lambda shape, dev: (call, 1000))
+    assert probes.probe_int4_attention(calls=5) == pytest.approx(5 * 1000 / 6e-5)
+    assert timed == [12, 5]

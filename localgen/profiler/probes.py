@@ -10,6 +10,7 @@ device and leaves the GPU fields empty.
 from __future__ import annotations
 
 import datetime as _dt
+import importlib.util
 import mmap
 import os
 import platform
@@ -170,6 +171,89 @@ def probe_cpu_attention(shape: tuple[int, int, int, int] = ProbeSizes.attn_decod
     return 2 * seqs * ctx * kvh * d * 2 / best_time(run, repeats)
 
 
+def graph_time(fns: list[Callable[[], object]], repeats: int = 5) -> float:
+    """Seconds of one replay of a CUDA graph that calls ``fns`` in order (best of ``repeats``
+    after a warm-up outside the capture): kernels timed back to back as a graphed decode step
+    runs them, without the host's launch time."""
+    import torch
+
+    for f in fns:  # compile and size the allocator outside the capture
+        f()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    return best_time(graph.replay, repeats, _cuda_sync())
+
+
+def small_kernel_case(device: str, tokens: int = 16, hidden: int = 4096, inter: int = 11008,
+                      kv_heads: int = 32, head_dim: int = 128) -> list[Callable[[], object]]:
+    """The small kernels of a decode step's layer as localgen runs them (``localgen.kernels``):
+    residual add + RMSNorm over ``[tokens, hidden]``, silu(gate) * up over ``[tokens, inter]``,
+    the 4-bit K/V write of ``tokens`` tokens. Default sizes: Llama-2-7B, 16 sequences."""
+    import torch
+
+    from localgen.kernels import fused_act, fused_norm, kv_write, quant_ref
+
+    dt = torch.float16
+    x, res = (torch.randn(tokens, hidden, dtype=dt, device=device) for _ in range(2))
+    w = torch.ones(hidden, dtype=dt, device=device)
+    gate, up = (torch.randn(tokens, inter, dtype=dt, device=device) for _ in range(2))
+    blocks = -(-tokens // 16)
+    kc, vc = (quant_ref.quantize_kv(torch.zeros(blocks, 16, kv_heads, head_dim, dtype=dt, device=device))
+              for _ in range(2))
+    k = torch.randn(tokens, kv_heads, head_dim, dtype=dt, device=device)
+    slots = torch.arange(tokens, device=device)
+    return [lambda: fused_norm.add_rms_norm(x, res, w, 1e-5), lambda: fused_act.silu_mul(gate, up),
+            lambda: kv_write.write_kv_int4(kc, vc, k, k, slots)]
+
+
+def probe_kernel_floor(rounds: int = 20, repeats: int = 5) -> float:
+    """``HardwareProfile.gpu_kernel_floor``: mean seconds of one of a decode step's small kernels
+    (``small_kernel_case``) in a CUDA-graph replay of ``rounds`` rounds of them."""
+    fns = small_kernel_case("cuda") * rounds
+    return graph_time(fns, repeats) / len(fns)
+
+
+def int4_attention_case(shape: tuple[int, int, int, int], device: str, group: int = 64):
+    """The paged int4 decode kernel over a random 4-bit cache: ``shape`` = (sequences, KV heads
+    (= query heads), head_dim, context), shuffled block tables. Returns ``(call, bytes)``, bytes
+    the codes plus fp16 scale and min the call reads."""
+    import torch
+
+    from localgen.kernels import paged_decode, quant_ref
+
+    seqs, kvh, d, ctx = shape
+    per_seq = -(-ctx // 16)
+    cache = torch.randn(seqs * per_seq, 16, kvh, d, dtype=torch.float16, device=device)
+    kc, vc = quant_ref.quantize_kv(cache, group), quant_ref.quantize_kv(cache.flip(0), group)
+    tables = torch.randperm(seqs * per_seq, device=device).view(seqs, per_seq)
+    lens = torch.full((seqs,), ctx, dtype=torch.long, device=device)
+    q = torch.randn(seqs, kvh, d, dtype=torch.float16, device=device)
+    nbytes = 2 * seqs * ctx * kvh * (d // 2 + 4 * -(-d // group))
+
+    def call():
+        return paged_decode.paged_decode_attention_int4(q, kc, vc, tables, lens, d ** -0.5,
+                                                        max_context_len=ctx)
+
+    return call, nbytes
+
+
+def probe_int4_attention(shape: tuple[int, int, int, int] = (16, 32, 128, 544), calls: int = 10,
+                         repeats: int = 5) -> float:
+    """``HardwareProfile.gpu_int4_attn_bdw``: bytes/s of 4-bit KV the paged int4 decode kernel
+    reads (``int4_attention_case``; default Llama-2-7B's 32 heads, 16 sequences of 544 tokens),
+    ``calls`` calls in one CUDA graph."""
+    call, nbytes = int4_attention_case(shape, "cuda")
+    return calls * nbytes / graph_time([call] * calls, repeats)
+
+
 def probe_disk_bdw(offload_dir: str | os.PathLike, nbytes: int = ProbeSizes.disk_bytes,
                    repeats: int = 3) -> tuple[float, float, str]:
     """(dtoc_bdw, ctod_bdw, method) for a scratch file in ``offload_dir``, page cache bypassed.
@@ -301,6 +385,9 @@ def run_profile(offload_dir: str | os.PathLike, name: str = "local", sizes: Prob
             steps.append((f"{d} pinned", lambda d=d: {f"{d}_bdw": probe_link_bdw(d, True, sizes.link_bytes, sizes.repeats)}))
             steps.append((f"{d} pageable", lambda d=d: {f"{d}_bdw_pageable": probe_link_bdw(d, False, sizes.link_bytes, sizes.repeats)}))
         steps.append(("GPU memory", lambda: {"gpu_mem_bdw": probe_mem_bdw("cuda", sizes.mem_bytes, sizes.repeats)}))
+        if importlib.util.find_spec("triton") is not None:  # localgen's own kernels
+            steps.append(("kernel floor", lambda: {"gpu_kernel_floor": probe_kernel_floor(repeats=sizes.repeats)}))
+            steps.append(("int4 attention", lambda: {"gpu_int4_attn_bdw": probe_int4_attention(repeats=sizes.repeats)}))
     steps += [
         ("CPU memory", lambda: {"cpu_mem_bdw": probe_mem_bdw("cpu", sizes.mem_bytes, sizes.repeats)}),
         ("disk", lambda: dict(zip(("dtoc_bdw", "ctod_bdw", "disk_method"), probe_disk_bdw(offload_dir, sizes.disk_bytes, sizes.repeats)))),
@@ -336,8 +423,17 @@ def _assemble(vals: dict, name: str, offload_dir, sizes: ProbeSizes, gpu: bool) 
                cpu_flops=f"measured {today}, the runtime's delegated CPU decode attention (block "
                          f"gather + paged reference), [seqs, kv heads, head_dim, context]="
                          f"{list(sizes.attn_decode)}, K/V bytes/s (= MHA FLOP/s)",
+               gpu_kernel_floor=f"measured {today}: mean of the small decode kernels "
+                                "(add + RMSNorm, silu*mul, 4-bit K/V write; 16 tokens of "
+                                "Llama-2-7B) in a CUDA-graph replay",
+               gpu_int4_attn_bdw=f"measured {today}: paged int4 decode kernel, 16 sequences x 32 "
+                                 "heads x 544 tokens, codes + scale/min bytes per second in a "
+                                 "CUDA-graph replay",
                cpu_mem="psutil available RAM", disk_mem="free space in the offload dir",
                gpu_mem="torch.cuda.mem_get_info free bytes (or NVML)" if gpu else "no GPU")
+    for k in ("gpu_kernel_floor", "gpu_int4_attn_bdw"):  # GPU with triton only
+        if k not in vals:
+            src.pop(k)
     if not gpu:
         vals["gpu_name"], vals["gpu_mem"] = None, 0
     return HardwareProfile(name=name, date=today, offload_dir=str(offload_dir), source=src, **vals).validate()
