@@ -140,7 +140,11 @@ def test_gpu_kernel_probes_time_the_runtime_kernels(monkeypatch):
     assert out.shape == (2, 2, 64) and torch.isfinite(out).all()
     assert nbytes == 2 * 2 * 40 * 2 * (32 + 4)  # K and V: 32 code bytes + scale and min a token
     timed = []
-    monkeypatch.setattr(probes, "graph_time", lambda f, repeats=5: timed.append(len(f)) or 6e-5)
+    from localgen.kernels import dispatch
+
+    # cuda_timer's per-call time when the whole replay takes 6e-5 s
+    monkeypatch.setattr(dispatch, "cuda_timer",
+                        lambda f, warmup=3, repeat=20: timed.append(len(f)) or 6e-5 / len(f))
     monkeypatch.setattr(probes, "small_kernel_case", lambda dev: fns)
     assert probes.probe_kernel_floor(rounds=4) == pytest.approx(6e-5 / 12)
     monkeypatch.setattr(probes, "int4_attention_case", lambda shape, dev: (call, 1000))

@@ -27,6 +27,13 @@ class WeightSource(Protocol):
         """The tensor ``name`` (CPU, read on demand)."""
 
 
+def fuse_weights(family, cfg: ModelConfig, w: dict) -> dict:
+    """``w`` with the family's matrices fused for its GEMMs (Llama: q/k/v, gate/up; others as
+    they are)."""
+    fuse = getattr(family, "fuse_weights", None)
+    return fuse(cfg, w) if fuse else w
+
+
 def family_of(cfg: ModelConfig) -> ModuleType:
     try:
         return FAMILIES[cfg.family]
@@ -101,8 +108,7 @@ class CausalLM:
             packed = int4_layer_weights(store, names)
             names = {k: v for k, v in names.items() if k not in replaced_names(packed)}
         w = read_weights(store, names, self.family.OPTIONAL, self.dtype, self.device)
-        fuse = getattr(self.family, "fuse_weights", lambda _cfg, w: w)
-        return {**fuse(self.cfg, w), **packed}
+        return {**fuse_weights(self.family, self.cfg, w), **packed}
 
     def weight_bytes(self) -> int:
         """Bytes of weights a forward pass reads (4-bit matrices: codes and scales)."""

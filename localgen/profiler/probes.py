@@ -171,27 +171,6 @@ def probe_cpu_attention(shape: tuple[int, int, int, int] = ProbeSizes.attn_decod
     return 2 * seqs * ctx * kvh * d * 2 / best_time(run, repeats)
 
 
-def graph_time(fns: list[Callable[[], object]], repeats: int = 5) -> float:
-    """Seconds of one replay of a CUDA graph that calls ``fns`` in order (best of ``repeats``
-    after a warm-up outside the capture): kernels timed back to back as a graphed decode step
-    runs them, without the host's launch time."""
-    import torch
-
-    for f in fns:  # compile and size the allocator outside the capture
-        f()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    return best_time(graph.replay, repeats, _cuda_sync())
-
-
 def small_kernel_case(device: str, tokens: int = 16, hidden: int = 4096, inter: int = 11008,
                       kv_heads: int = 32, head_dim: int = 128) -> list[Callable[[], object]]:
     """The small kernels of a decode step's layer as localgen runs them (``localgen.kernels``):
@@ -216,9 +195,11 @@ def small_kernel_case(device: str, tokens: int = 16, hidden: int = 4096, inter: 
 
 def probe_kernel_floor(rounds: int = 20, repeats: int = 5) -> float:
     """``HardwareProfile.gpu_kernel_floor``: mean seconds of one of a decode step's small kernels
-    (``small_kernel_case``) in a CUDA-graph replay of ``rounds`` rounds of them."""
-    fns = small_kernel_case("cuda") * rounds
-    return graph_time(fns, repeats) / len(fns)
+    (``small_kernel_case``) in a CUDA-graph replay of ``rounds`` rounds of them
+    (``dispatch.cuda_timer``: median of ``repeats`` replays)."""
+    from localgen.kernels.dispatch import cuda_timer
+
+    return cuda_timer(small_kernel_case("cuda") * rounds, repeat=repeats)
 
 
 def int4_attention_case(shape: tuple[int, int, int, int], device: str, group: int = 64):
@@ -250,8 +231,10 @@ def probe_int4_attention(shape: tuple[int, int, int, int] = (16, 32, 128, 544), 
     """``HardwareProfile.gpu_int4_attn_bdw``: bytes/s of 4-bit KV the paged int4 decode kernel
     reads (``int4_attention_case``; default Llama-2-7B's 32 heads, 16 sequences of 544 tokens),
     ``calls`` calls in one CUDA graph."""
+    from localgen.kernels.dispatch import cuda_timer
+
     call, nbytes = int4_attention_case(shape, "cuda")
-    return calls * nbytes / graph_time([call] * calls, repeats)
+    return nbytes / cuda_timer([call] * calls, repeat=repeats)
 
 
 def probe_disk_bdw(offload_dir: str | os.PathLike, nbytes: int = ProbeSizes.disk_bytes,

@@ -247,16 +247,16 @@ class TierKV:
             self._await_store()
             out = self._attend_mapped(q, k, v, meta, scale)
             if out is not None:
-                return out if self.rot is None else _rotate(out, self.rot_t).to(out.dtype)
+                return self._unrotate(out)
         if self._int4_kernels() and not meta.is_prefill:
             with self.timers.section("compute"):
                 out = (self._decode_int4(q, k, v, meta, scale) if meta.pool_rows is None
                        else self._decode_int4_static(q, k, v, meta, scale))
-                return out if self.rot is None else _rotate(out, self.rot_t).to(out.dtype)
+                return self._unrotate(out)
         if self.compress and _whole_prompts(meta):
             out = self._fresh_int4_prefill(q, k, v, meta, scale)
             with self.timers.section("compute"):
-                return out if self.rot is None else _rotate(out, self.rot_t).to(out.dtype)
+                return self._unrotate(out)
         self._store(k, v, meta.slot_mapping)
         on_cpu = (self.cpu_compute and not meta.is_prefill and self.tier != "gpu"
                   and self.device.type != "cpu")
@@ -267,7 +267,7 @@ class TierKV:
             # (FlexGen's prefill attends on the GPU before storing the cache off it)
             with self.timers.section("compute"):
                 out = fresh_prefill_attention(q, k, v, meta.query_lens, scale)
-                return out if self.rot is None else _rotate(out, self.rot_t).to(out.dtype)
+                return self._unrotate(out)
         plan = self._plan(meta)
         ids = plan.ids_on(self.store_device)
         kc, vc = self._blocks("k", ids, where), self._blocks("v", ids, where)
@@ -288,10 +288,12 @@ class TierKV:
         if on_cpu:
             with self.timers.section("ctog"):
                 out = out.to(self.device)
-        if self.rot is not None:
-            with self.timers.section("compute"):
-                out = _rotate(out, self.rot_t).to(out.dtype)  # P(VR) R^T = PV
-        return out
+        with self.timers.section("compute"):
+            return self._unrotate(out)
+
+    def _unrotate(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output over the rotated cache back to the model's basis: P(VR) R^T = PV."""
+        return out if self.rot is None else _rotate(out, self.rot_t).to(out.dtype)
 
     def _zero_copy(self) -> bool:
         """An uncompressed, pinned host-memory tier that the GPU attends to in place (mapped
@@ -370,7 +372,7 @@ class TierKV:
             if not self.recent_blocks:
                 return fresh_prefill_attention(q, k4, v4, meta.query_lens, scale)
             plan = self._plan(meta)
-            out = self._attend_recent_fresh(q, k, v, k4, v4, meta, scale)
+            out = self._attend_recent_fresh(q, k, v, k4, v4, plan, meta, scale)
             self._keep_recent(plan, meta, k, v)
             return out
 
@@ -491,12 +493,12 @@ class TierKV:
             pk, pv = kc[local[i][j0], :n0], vc[local[i][j0], :n0]
         return torch.cat([pk, new_k]), torch.cat([pv, new_v])
 
-    def _attend_recent_fresh(self, q, k, v, k4, v4, meta, scale):
+    def _attend_recent_fresh(self, q, k, v, k4, v4, plan, meta, scale):
         """Whole prompts (nothing cached before them): ``_attend_recent_general``'s masked
         attention with no pool row to read, over ``k4``/``v4`` (the 4-bit values just stored,
         token for token like k/v), each run of equal-length prompts in one SDPA call (a prefill
         of 4 x 512 tokens is one call per layer, not one per sequence)."""
-        bs, num_heads, plan = self.block_size, q.shape[1], meta.tier_plan
+        bs, num_heads = self.block_size, q.shape[1]
         out, start = torch.empty_like(q), 0
         for i, j in equal_runs(list(meta.query_lens)):
             n, L = j - i, meta.query_lens[i]

@@ -19,7 +19,7 @@ import torch
 from localgen.hostmem import keep_freed_host_memory
 from localgen.kv.cache import free_memory_bytes
 from localgen.models.config import ModelConfig
-from localgen.models.model import family_of, read_weights
+from localgen.models.model import family_of, fuse_weights, read_weights
 from localgen.models.rope import inv_frequencies, step_rope
 from localgen.policy.policy import Policy
 from localgen.runtime.cuda_graphs import GraphedModelRunner
@@ -54,7 +54,6 @@ class OffloadedLM:
         self.global_w = read_weights(store, self.family.global_weight_names(cfg), gopt, dtype, self.device)
         tiers = assign_tiers([1] * cfg.num_layers, (policy.wg, policy.wc, policy.wd))
         native = gguf_native and policy.compress_weight and hasattr(store, "reader")
-        fuse = getattr(self.family, "fuse_weights", lambda _cfg, w: w)
 
         def layer_source(i: int):
             names = self.family.layer_weight_names(cfg, i)
@@ -68,7 +67,7 @@ class OffloadedLM:
                     from localgen.quant.gguf_import import gguf_int4
                     pre = {k: q for k in w if (q := gguf_int4(store, names[k])) is not None}
                 w = compress_layer(w, pre)
-            return fuse(cfg, w)  # q/k/v and gate/up as one matrix each: fewer, longer GEMMs
+            return fuse_weights(self.family, cfg, w)  # fewer, longer GEMMs
 
         self.layers = LayerWeights(None, tiers, dtype, self.device, offload_dir, self.timers,
                                    layer_source=layer_source, num_layers=cfg.num_layers)
