@@ -23,6 +23,8 @@
 #   profile_w4_sync : the prefill profile, then where a prefill and a decode step synchronize with the GPU
 #   profile_w4_mem : the prefill profile capped at 6 GiB and uncapped, then the decode one (the allocator's
 #              retries and cudaMalloc/cudaFree counts printed with each: what a capped GPU costs)
+#   profile_w4_stacks : the prefill and decode profiles with Python stacks: where the host waits on the GPU
+#   (REPEATS=N before any stage: each localgen policy generates N times; the median is reported)
 #   shape_sweep : scripts/decode_shape_sweep.py: the decode kernels' launch configs at the runtime's 4-bit MHA
 #              shape (16 x 32 heads, 544 tokens, fp own-block pool) and two GQA bench cells; the 4-bit K/V write
 #   probe_kernels : localgen profile's two probes of localgen's own GPU kernels (kernel floor, int4 attention rate)
@@ -38,7 +40,7 @@ TAG=${TAG:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | gre
 TAG=${TAG:-gpu}  # output file suffix: the GPU kind
 ln -sfn ../kernels localgen/kernels; ln -sfn ../profiles localgen/profiles; export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # a capped GPU: no fragmentation slack
-B="python3 -m localgen.bench.offload_bench --profile ${TAG/gpu/h200} --timed-steps 1 --offload-dir /tmp/lg_off"
+B="python3 -m localgen.bench.offload_bench --profile ${TAG/gpu/h200} --timed-steps 1 --offload-dir /tmp/lg_off --repeats ${REPEATS:-1}"
 for stage in "$@"; do
   case $stage in
     int4kv) timeout 150 python3 scripts/gpu_selftest.py --int4-kv 2>&1 | tee "$OUT/int4kv_selftest_$TAG.txt" ;;
@@ -91,6 +93,9 @@ for stage in "$@"; do
         2>&1 | tee "$OUT/offload_profile_w4_prefill_${cap}_$TAG.txt"; done
         timeout 200 python3 scripts/offload_profile.py --preset llama-2-7b --gpu-memory 6GiB \
         --policy 4,4,100,0,100,0,100,0,w4,kv4 --rows 40 2>&1 | tee "$OUT/offload_profile_w4_decode_$TAG.txt" ;;
+    profile_w4_stacks) for ph in prefill decode; do timeout 200 python3 scripts/offload_profile.py --preset llama-2-7b \
+        --gpu-memory 6GiB --policy 4,4,100,0,100,0,100,0,w4,kv4 --phase $ph --rows 30 --sync-stacks 2>&1 \
+        | tee "$OUT/offload_profile_w4_stacks_${ph}_$TAG.txt"; done ;;
     shape_sweep) timeout 420 python3 scripts/decode_shape_sweep.py --cell-seconds 80 \
         --out "$OUT/decode_shape_sweep_$TAG.json" 2>&1 | tee "$OUT/decode_shape_sweep_$TAG.txt" ;;
     probe_kernels) timeout 200 python3 -c "from localgen.profiler import probes as p; print('gpu_kernel_floor', p.probe_kernel_floor()); print('gpu_int4_attn_bdw', p.probe_int4_attention())" 2>&1 | tee "$OUT/probe_kernels_$TAG.txt" ;;
@@ -104,4 +109,5 @@ for stage in "$@"; do
         --out "$OUT/gemm_$dt.json" 2>&1 | tee "$OUT/gemm_$dt.txt"; done ;;
   esac
   free -g | head -2; dmesg 2>/dev/null | tail -3
+  nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv 2>/dev/null
 done

@@ -24,7 +24,8 @@ from gpu_selftest import _alias_kernels  # noqa: E402  (localgen.kernels -> kern
 
 
 def profile_policy(preset: str, spec: str, device: str, gpu_memory, prompt_len: int, steps: int,
-                   rows: int, phase: str = "decode", sync_debug: bool = False) -> None:
+                   rows: int, phase: str = "decode", sync_debug: bool = False,
+                   sync_stacks: bool = False) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from localgen.api import LLM
@@ -51,7 +52,7 @@ def profile_policy(preset: str, spec: str, device: str, gpu_memory, prompt_len: 
     before = alloc_counts(device)
     if before:
         torch.cuda.reset_peak_memory_stats()
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, with_stack=sync_stacks) as prof:
         t0 = time.perf_counter()
         while llm.has_unfinished():
             llm.step()
@@ -71,6 +72,11 @@ def profile_policy(preset: str, spec: str, device: str, gpu_memory, prompt_len: 
     print(prof.key_averages().table(sort_by=dev_key, row_limit=rows), flush=True)
     if device.startswith("cuda"):
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows), flush=True)
+    if sync_stacks and device.startswith("cuda"):
+        sites = host_wait_sites(prof.events())
+        print(f"   host waits on the GPU in the profiled {phase}: {sum(n for n, _ in sites.values())}", flush=True)
+        for site, (n, us) in sorted(sites.items(), key=lambda kv: -kv[1][1])[:12]:
+            print(f"     {n:5d} {us / 1e3:8.2f} ms  {site}", flush=True)
     if sync_debug and device.startswith("cuda"):
         add_random_requests(llm, pol.bls, prompt_len, 3, seed=4)
         for what in ("prefill", "decode"):
@@ -91,6 +97,29 @@ def alloc_counts(device: str) -> dict[str, int]:
     st = torch.cuda.memory_stats()
     return {k: st.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free",
                                        "num_sync_all_streams")}
+
+
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def host_wait_sites(events) -> dict:
+    """Each CUDA runtime call that blocks the host until the GPU catches up (a profile taken
+    with ``with_stack``), by the project frames of its nearest op with a Python stack:
+    site -> (count, host microseconds spent waiting). Catches waits the sync debug mode does
+    not flag (a blocking host-to-device copy's stream synchronize)."""
+    out: dict = {}
+    for e in events:
+        if e.name not in WAITS:
+            continue
+        p = e
+        while p is not None and not p.stack:
+            p = p.cpu_parent
+        frames = [f for f in (p.stack if p is not None else [])
+                  if "localgen" in f or "/kernels/" in f or "scripts/" in f][:4]
+        site = " <- ".join(frames) or "(no stack)"
+        n, us = out.get(site, (0, 0.0))
+        out[site] = (n + 1, us + e.cpu_time_total)
+    return out
 
 
 def sync_sites(fn) -> Counter:
@@ -131,6 +160,8 @@ def main(argv=None) -> int:
                     help="profile the decode steps (default) or the prefill step")
     ap.add_argument("--sync-debug", action="store_true",
                     help="also list where a prefill and a decode step synchronize with the GPU")
+    ap.add_argument("--sync-stacks", action="store_true",
+                    help="profile with Python stacks and list where the host waited on the GPU")
     a = ap.parse_args(argv)
     _alias_kernels()
     from localgen.bench.offload_bench import parse_size
@@ -138,7 +169,8 @@ def main(argv=None) -> int:
     cap = parse_size(a.gpu_memory) if a.gpu_memory else None
     for spec in a.policy:
         try:
-            profile_policy(a.preset, spec, a.device, cap, a.prompt_len, a.steps, a.rows, a.phase, a.sync_debug)
+            profile_policy(a.preset, spec, a.device, cap, a.prompt_len, a.steps, a.rows, a.phase, a.sync_debug,
+                            a.sync_stacks)
         except Exception as e:  # noqa: BLE001  (report and go on with the next policy)
             print(f"   {spec}: {e!r}"[:400], flush=True)
         if torch.cuda.is_available():

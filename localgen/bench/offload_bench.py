@@ -60,6 +60,8 @@ class RunResult:
     policy: str = ""
     memory_gib: dict = field(default_factory=dict)
     measured_terms: dict = field(default_factory=dict)  # phase -> term -> seconds per layer (per step)
+    wall_tokens_per_s: float = 0.0  # generated tokens / wall time incl. the engine between steps
+    repeats: list = field(default_factory=list)  # localgen: [prefill s, decode s, wall s] per repeat
     predicted: dict = field(default_factory=dict)
     error: str = ""
 
@@ -93,14 +95,22 @@ def add_random_requests(llm, batch: int, prompt_len: int, gen_len: int, seed: in
 
 
 def generate_random(llm, batch: int, prompt_len: int, gen_len: int, seed: int = 0):
-    """``add_random_requests`` run to completion -> (prefill seconds, decode seconds)."""
+    """``add_random_requests`` run to completion -> (prefill seconds, decode seconds): the
+    engine's model steps (runner and sampling), FlexGen's measure."""
+    return generate_random_timed(llm, batch, prompt_len, gen_len, seed)[:2]
+
+
+def generate_random_timed(llm, batch: int, prompt_len: int, gen_len: int, seed: int = 0):
+    """``generate_random`` -> (prefill s, decode s, wall s); wall also counts what the engine
+    does between model steps (scheduling, detokenizing), from the first step to the last token."""
     add_random_requests(llm, batch, prompt_len, gen_len, seed)
     m = llm.metrics
     p0, d0 = m.prefill_seconds, m.decode_seconds
+    t0 = time.perf_counter()
     while llm.has_unfinished():
         llm.step()
     _sync()
-    return m.prefill_seconds - p0, m.decode_seconds - d0
+    return m.prefill_seconds - p0, m.decode_seconds - d0, time.perf_counter() - t0
 
 
 def engine_config(cfg, policy, batch: int, prompt_len: int, gen_len: int, dtype=torch.float16,
@@ -122,9 +132,11 @@ def engine_config(cfg, policy, batch: int, prompt_len: int, gen_len: int, dtype=
 
 def run_localgen(cfg, store, policy, batch: int, prompt_len: int, gen_len: int, *, device="cuda",
                  dtype=torch.float16, gpu_memory=None, offload_dir=None, timed_steps: int = 3,
-                 hw=None, block_size: int = 16) -> RunResult:
-    """Generate ``gen_len`` tokens for ``batch`` random prompts under ``policy``; then a short timed
-    run (``timed_steps`` tokens) for the per-term breakdown; plus the cost model's prediction."""
+                 hw=None, block_size: int = 16, repeats: int = 1) -> RunResult:
+    """Generate ``gen_len`` tokens for ``batch`` random prompts under ``policy``, ``repeats``
+    times (the result is the repeat of median throughput; all are kept in ``repeats``); then a
+    short timed run (``timed_steps`` tokens) for the per-term breakdown; plus the cost model's
+    prediction."""
     from localgen.api import LLM
 
     ecfg = engine_config(cfg, policy, batch, prompt_len, gen_len, dtype, block_size)
@@ -137,10 +149,14 @@ def run_localgen(cfg, store, policy, batch: int, prompt_len: int, gen_len: int, 
     else:
         generate_random(llm, min(batch, policy.bls), 8, 2, seed=1)  # warm up (allocator, kernels)
     _log("  warmed up")
-    pre, dec = generate_random(llm, batch, prompt_len, gen_len)
-    _log(f"  generated: prefill {pre:.2f} s, decode {dec:.2f} s")
+    runs = []
+    for i in range(max(1, repeats)):
+        runs.append(generate_random_timed(llm, batch, prompt_len, gen_len, seed=0 if i == 0 else 100 + i))
+        _log(f"  generated: prefill {runs[-1][0]:.3f} s, decode {runs[-1][1]:.3f} s, wall {runs[-1][2]:.3f} s")
+    pre, dec, wall = sorted(runs, key=lambda r: r[0] + r[1])[len(runs) // 2]
     res = RunResult("localgen", batch, pre, dec, batch * gen_len / (pre + dec),
-                    batch * (gen_len - 1) / dec if dec else 0.0, policy.describe())
+                    batch * (gen_len - 1) / dec if dec else 0.0, policy.describe(),
+                    wall_tokens_per_s=batch * gen_len / wall, repeats=[list(r) for r in runs])
     res.memory_gib = {k: round(v / GiB, 3) for k, v in llm.memory_by_tier().items()}
     if torch.cuda.is_available() and str(device).startswith("cuda"):
         res.memory_gib["cuda_max_allocated"] = round(torch.cuda.max_memory_allocated() / GiB, 3)
@@ -244,6 +260,9 @@ def policy_from_args(s: str):
 def print_result(r: RunResult, out=print) -> None:
     out(f"{r.name:10s} batch {r.batch:4d}: {r.tokens_per_s:9.2f} tokens/s (decode {r.decode_tokens_per_s:.2f}); "
         f"prefill {r.prefill_s:.2f} s, decode {r.decode_s:.2f} s  [{r.policy}]" + (f" ERROR {r.error}" if r.error else ""))
+    if r.wall_tokens_per_s:
+        out(f"{'':10s} end to end (engine between steps included): {r.wall_tokens_per_s:.2f} tokens/s"
+            + (f"; median of {len(r.repeats)} repeats" if len(r.repeats) > 1 else ""))
     if r.predicted:
         p = r.predicted
         out(f"{'':10s} predicted ({p['profile']}): {p['tokens_per_s']:.2f} tokens/s; prefill {p['prefill_s']:.2f} s, "
@@ -272,6 +291,8 @@ def main(argv=None) -> int:
     ap.add_argument("--offload-dir", default="/tmp/localgen_offload")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--timed-steps", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="localgen generations per policy; the median-throughput one is reported")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
@@ -297,7 +318,8 @@ def main(argv=None) -> int:
         pol = policy_from_args(spec)
         try:
             r = run_localgen(cfg, store, pol, pol.bls, a.prompt_len, a.gen_len, device=a.device,
-                             gpu_memory=gpu_mem, offload_dir=a.offload_dir, timed_steps=a.timed_steps, hw=hw)
+                             gpu_memory=gpu_mem, offload_dir=a.offload_dir, timed_steps=a.timed_steps, hw=hw,
+                             repeats=a.repeats)
         except Exception as e:  # report and go on: the peer still runs
             peak = (f"; peak allocated {torch.cuda.max_memory_allocated() / GiB:.3f} GiB"
                     if torch.cuda.is_available() else "")

@@ -1,0 +1,38 @@
+"""`localgen bench offload`'s measurement on the CPU: repeats, the reported median and the
+end-to-end wall throughput, on a tiny Llama with dummy weights."""
+
+from __future__ import annotations
+
+import torch
+
+from localgen.bench.offload_bench import RunResult, print_result, run_localgen
+from localgen.models.config import ModelConfig
+from localgen.models.dummy import DummyStore
+from localgen.models.model import family_of
+from localgen.policy.presets import HF_CONFIGS
+from tests.test_offload import P
+
+TINY = {**HF_CONFIGS["llama-2-7b"], "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def test_repeats_report_the_median_run_and_the_wall():
+    cfg = ModelConfig.from_hf_dict(TINY)
+    batch, gen = 2, 4
+    r = run_localgen(cfg, DummyStore(cfg, family_of(cfg)), P(gbs=2), batch, 8, gen, device="cpu",
+                     dtype=torch.float32, timed_steps=0, repeats=3)
+    assert len(r.repeats) == 3 and not r.error
+    by_speed = sorted(r.repeats, key=lambda x: x[0] + x[1])
+    assert [r.prefill_s, r.decode_s] == by_speed[1][:2]  # the median repeat, not the best
+    assert r.tokens_per_s == batch * gen / (r.prefill_s + r.decode_s)
+    for pre, dec, wall in r.repeats:
+        assert wall >= pre + dec  # the wall counts the engine between the model steps too
+    assert r.wall_tokens_per_s == batch * gen / by_speed[1][2] <= r.tokens_per_s
+
+
+def test_print_result_shows_the_wall_line():
+    lines = []
+    r = RunResult("localgen", 2, 0.5, 1.5, 4.0, 3.0, "p", wall_tokens_per_s=3.5,
+                  repeats=[[0.5, 1.5, 2.3]] * 3)
+    print_result(r, out=lines.append)
+    assert any("end to end" in s and "3.50 tokens/s" in s and "median of 3" in s for s in lines)
