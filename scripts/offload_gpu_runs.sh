@@ -3,7 +3,7 @@
 # Run from the repo root on the GPU machine: scripts/offload_gpu_runs.sh STAGE   (writes to $OUT)
 #   selftest : scripts/offload_selftest.py (every placement on CUDA vs the resident path)
 #   int4kv   : scripts/gpu_selftest.py --int4-kv (the 4-bit KV write and decode kernels vs torch/float64)
-#   llama7b  : Llama-2-7B shape, 6 GiB cap: weights 26/74 with the cache on the CPU (attended in
+#   llama7b  : (each policy and peer batch in its own process) Llama-2-7B shape, 6 GiB cap: weights 26/74 with the cache on the CPU (attended in
 #              place by the GPU), the searched 4-bit policy; accelerate at batch 1, 8, 32 (same max_memory)
 #   llama7b_fp, llama7b_w4, llama7b_peer: the parts of llama7b in their own processes (llama7b_w4:
 #              the search's 4-bit policy at 6 GiB on the H200 profile, 4x4 with activations 33/67)
@@ -66,7 +66,7 @@ for stage in "$@"; do
         --out "$OUT/offload_opt30b_acc_$TAG.json" 2>&1 | tee "$OUT/offload_opt30b_acc_$TAG.txt" ;;
     llama7b_peer) timeout 330 $B --preset llama-2-7b --gpu-memory 6GiB --peer-batches 1,8,32 \
         --out "$OUT/offload_llama7b_peer_$TAG.json" 2>&1 | tee "$OUT/offload_llama7b_peer_$TAG.txt" ;;
-    llama7b) timeout 400 $B --preset llama-2-7b --gpu-memory 6GiB \
+    llama7b) timeout 560 $B --preset llama-2-7b --gpu-memory 6GiB \
         --policy 16,8,26,74,0,100,100,0 --policy 4,4,100,0,100,0,100,0,w4,kv4 \
         --peer-batches 1,8,32 --out "$OUT/offload_llama7b_$TAG.json" 2>&1 | tee "$OUT/offload_llama7b_$TAG.txt" ;;
     opt67b) timeout 200 $B --preset opt-6.7b --gpu-memory none \

@@ -36,3 +36,43 @@ def test_print_result_shows_the_wall_line():
                   repeats=[[0.5, 1.5, 2.3]] * 3)
     print_result(r, out=lines.append)
     assert any("end to end" in s and "3.50 tokens/s" in s and "median of 3" in s for s in lines)
+
+
+def test_isolated_runs_one_process_per_policy_and_peer_batch(monkeypatch, tmp_path):
+    import json
+    import subprocess
+
+    from localgen.bench import offload_bench
+
+    calls = []
+
+    def fake_run(cmd):
+        calls.append(cmd)
+        args = cmd[cmd.index("localgen.bench.offload_bench") + 1:]
+        out = args[args.index("--out") + 1]
+        if "--policy" in args and args[args.index("--policy") + 1].startswith("9"):
+            return subprocess.CompletedProcess(cmd, 1)  # a child that died before writing
+        name = "localgen" if "--policy" in args else "accelerate"
+        with open(out, "w") as f:
+            json.dump([{"name": name, "batch": len(calls), "prefill_s": 1.0, "decode_s": 1.0,
+                        "tokens_per_s": 1.0, "decode_tokens_per_s": 1.0}], f)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    res_file = tmp_path / "all.json"
+    argv = ["--policy", "4,4,100,0,100,0,100,0,w4", "--policy", "9,1,100,0,100,0,100,0",
+            "--peer-batches", "1,8", "--device", "cpu", "--isolate", "--repeats", "2",
+            "--out", str(res_file)]
+    assert offload_bench.main(argv) == 0
+    jobs = [c[c.index("localgen.bench.offload_bench") + 1:] for c in calls]
+    assert len(jobs) == 4
+    for job in jobs:  # every child: one job, the shared options, never isolating again
+        assert "--no-isolate" in job and "--isolate" not in job and job.count("--out") == 1
+        assert job[job.index("--repeats") + 1] == "2" and str(res_file) not in job
+    assert jobs[0][jobs[0].index("--policy") + 1] == "4,4,100,0,100,0,100,0,w4"
+    assert jobs[0][jobs[0].index("--peer-batches") + 1] == ""
+    assert [j[j.index("--peer-batches") + 1] for j in jobs[2:]] == ["1", "8"]
+    assert all("--policy" not in j for j in jobs[2:])
+    rows = json.loads(res_file.read_text())
+    assert [r["name"] for r in rows] == ["localgen", "localgen", "accelerate", "accelerate"]
+    assert "subprocess exit 1" in rows[1]["error"] and not rows[0]["error"]

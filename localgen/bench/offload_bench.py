@@ -278,40 +278,14 @@ def print_result(r: RunResult, out=print) -> None:
         out(f"{'':10s} memory GiB: {r.memory_gib}")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="llama-2-7b", help="shape preset (localgen.policy.presets)")
-    ap.add_argument("--policy", action="append", default=[],
-                    help="gbs,ngb,wg,wc,cg,cc,hg,hc[,w4][,kv4][,cpuattn]; repeat for several (none: peers only)")
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--gen-len", type=int, default=32)
-    ap.add_argument("--gpu-memory", default="6GiB", help="GPU memory cap ('none': the whole GPU)")
-    ap.add_argument("--peer-batches", default="1,8", help="batch sizes for accelerate ('' = none)")
-    ap.add_argument("--profile", default=None, help="HardwareProfile name/path for predictions")
-    ap.add_argument("--offload-dir", default="/tmp/localgen_offload")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--timed-steps", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="localgen generations per policy; the median-throughput one is reported")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args(argv)
+def _peer_batches(a) -> list[int]:
+    return [int(x) for x in a.peer_batches.split(",") if x]
 
+
+def _run_here(a, cfg, hw, gpu_mem, hf_config) -> list[RunResult]:
+    """Every policy, then every accelerate batch, in this process."""
     from localgen.models.model import family_of
-    from localgen.policy.presets import HF_CONFIGS, preset_config
 
-    cfg = preset_config(a.preset)
-    hw = None
-    if a.profile:
-        from localgen.profiler.hardware import load_profile
-        hw = load_profile(a.profile)
-    gpu_mem = None if a.gpu_memory.lower() == "none" else parse_size(a.gpu_memory)
-    if torch.cuda.is_available():
-        if gpu_mem is None:
-            gpu_mem = torch.cuda.get_device_properties(0).total_memory
-        print(f"device: {torch.cuda.get_device_name()}, cap {gpu_mem / GiB:.1f} GiB", flush=True)
-    if hw is not None and gpu_mem is not None:  # predict for the capped GPU the run emulates
-        import dataclasses
-        hw = dataclasses.replace(hw, gpu_mem=min(hw.gpu_mem, gpu_mem))
     store = DummyStore(cfg, family_of(cfg))
     results = []
     for spec in a.policy:
@@ -328,14 +302,92 @@ def main(argv=None) -> int:
         print_result(r)
         sys.stdout.flush()
         results.append(r)
-    for b in [int(x) for x in a.peer_batches.split(",") if x]:
+    for b in _peer_batches(a):
         try:
-            r = run_accelerate(HF_CONFIGS[a.preset], b, a.prompt_len, a.gen_len, gpu_mem)
+            r = run_accelerate(hf_config, b, a.prompt_len, a.gen_len, gpu_mem)
         except Exception as e:
             r = RunResult("accelerate", b, 0, 0, 0, 0, error=repr(e)[:300])
         print_result(r)
         sys.stdout.flush()
         results.append(r)
+    return results
+
+
+def _run_isolated(a, argv) -> list[RunResult]:
+    """Each policy and each accelerate batch in a fresh process of this module (same machine,
+    same invocation): a run inherits nothing from the one before it (pinned host memory, the
+    allocator's cache and cap, a host heap grown by an offloaded run; one such leftover cost a
+    4-bit run 0.08 s of its 0.25 s prefill on the H100)."""
+    import subprocess
+    import tempfile
+
+    base = list(sys.argv[1:] if argv is None else argv)
+    keep, skip = [], {"--policy", "--peer-batches", "--out"}
+    it = iter(base)
+    for x in it:
+        if x in skip:
+            next(it, None)
+        elif not (x.startswith("--policy=") or x.startswith("--peer-batches=") or x.startswith("--out=")
+                  or x in ("--isolate", "--no-isolate")):
+            keep.append(x)
+    jobs = [["--policy", p, "--peer-batches", ""] for p in a.policy]
+    jobs += [["--peer-batches", str(b)] for b in _peer_batches(a)]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, job in enumerate(jobs):
+            out = f"{tmp}/{i}.json"
+            cmd = [sys.executable, "-m", "localgen.bench.offload_bench", *keep, *job, "--no-isolate", "--out", out]
+            rc = subprocess.run(cmd).returncode
+            try:
+                with open(out) as f:
+                    results += [RunResult(**d) for d in json.load(f)]
+            except (OSError, ValueError) as e:
+                name = "localgen" if job[0] == "--policy" else "accelerate"
+                r = RunResult(name, 0, 0, 0, 0, 0, job[1], error=f"subprocess exit {rc}: {e!r}"[:300])
+                print_result(r)
+                results.append(r)
+    return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="llama-2-7b", help="shape preset (localgen.policy.presets)")
+    ap.add_argument("--policy", action="append", default=[],
+                    help="gbs,ngb,wg,wc,cg,cc,hg,hc[,w4][,kv4][,cpuattn]; repeat for several (none: peers only)")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--gpu-memory", default="6GiB", help="GPU memory cap ('none': the whole GPU)")
+    ap.add_argument("--peer-batches", default="1,8", help="batch sizes for accelerate ('' = none)")
+    ap.add_argument("--profile", default=None, help="HardwareProfile name/path for predictions")
+    ap.add_argument("--offload-dir", default="/tmp/localgen_offload")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--timed-steps", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="localgen generations per policy; the median-throughput one is reported")
+    ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                    help="each policy and peer batch in its own process (default: on CUDA with several)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+
+    from localgen.policy.presets import HF_CONFIGS, preset_config
+
+    cfg = preset_config(a.preset)
+    hw = None
+    if a.profile:
+        from localgen.profiler.hardware import load_profile
+        hw = load_profile(a.profile)
+    gpu_mem = None if a.gpu_memory.lower() == "none" else parse_size(a.gpu_memory)
+    if torch.cuda.is_available():
+        if gpu_mem is None:
+            gpu_mem = torch.cuda.get_device_properties(0).total_memory
+        print(f"device: {torch.cuda.get_device_name()}, cap {gpu_mem / GiB:.1f} GiB", flush=True)
+    if hw is not None and gpu_mem is not None:  # predict for the capped GPU the run emulates
+        import dataclasses
+        hw = dataclasses.replace(hw, gpu_mem=min(hw.gpu_mem, gpu_mem))
+    if a.isolate is None:
+        a.isolate = torch.cuda.is_available() and len(a.policy) + len(_peer_batches(a)) > 1
+    results = (_run_isolated(a, argv) if a.isolate
+               else _run_here(a, cfg, hw, gpu_mem, HF_CONFIGS[a.preset] if a.preset in HF_CONFIGS else None))
     if a.out:
         with open(a.out, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=2)

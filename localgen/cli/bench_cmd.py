@@ -80,6 +80,9 @@ def offload(
     peer_batches: str = typer.Option("1,8", "--peer-batches", help="accelerate batch sizes ('' = none)."),
     profile: Optional[str] = typer.Option(None, "--profile", help="HardwareProfile for the predictions."),
     device: str = typer.Option("cuda", "--device"),
+    repeats: int = typer.Option(1, "--repeats", min=1, help="Generations per policy; the median is reported."),
+    isolate: Optional[bool] = typer.Option(None, "--isolate/--no-isolate",
+                                           help="Each policy and peer batch in its own process (default: on CUDA)."),
     out: Optional[Path] = typer.Option(None, "--out"),
 ) -> None:
     """Measured vs predicted prefill/decode (ctog/gtoc/dtoc/ctod/compute) under policies, beside accelerate."""
@@ -87,8 +90,10 @@ def offload(
 
     args = sum((["--policy", p] for p in policy), []) + [
         "--preset", preset, "--prompt-len", str(prompt_len), "--gen-len", str(gen_len),
-        "--gpu-memory", gpu_memory, "--peer-batches", peer_batches, "--device", device]
+        "--gpu-memory", gpu_memory, "--peer-batches", peer_batches, "--device", device,
+        "--repeats", str(repeats)]
     args += (["--profile", profile] if profile else []) + (["--out", str(out)] if out else [])
+    args += [] if isolate is None else ["--isolate" if isolate else "--no-isolate"]
     raise typer.Exit(offload_bench.main(args))
 
 
