@@ -76,3 +76,18 @@ def test_isolated_runs_one_process_per_policy_and_peer_batch(monkeypatch, tmp_pa
     rows = json.loads(res_file.read_text())
     assert [r["name"] for r in rows] == ["localgen", "localgen", "accelerate", "accelerate"]
     assert "subprocess exit 1" in rows[1]["error"] and not rows[0]["error"]
+
+
+def test_engine_config_sizes_the_cache_in_its_storage_format():
+    from localgen.bench.offload_bench import engine_config
+    from localgen.runtime.offload.runner import plan_kv_blocks
+
+    cfg = ModelConfig.from_hf_dict(HF_CONFIGS["llama-2-7b"])
+    need = 16 * -(-(512 + 32) // 16)  # 34 blocks a sequence
+    for kv4 in (False, True):
+        pol = P(gbs=4, ngb=4, compress_cache=kv4)
+        ec = engine_config(cfg, pol, 16, 512, 32)
+        n = plan_kv_blocks(cfg, pol, 16, torch.float16, torch.device("cpu"), ec.kv_cache_memory, 1)
+        assert n == need + 16  # every sequence's blocks and one spare each, no more
+    # 4-bit: 64 code bytes + 2 fp16 scale/min pairs per head and token, for K and V
+    assert ec.kv_cache_memory == (need + 16) * 16 * 32 * 32 * 2 * (64 + 8)

@@ -46,3 +46,12 @@ def test_save_and_load_policy(config_dir):
     path.write_text(json.dumps({"policy": {"gbs": 1, "wg": 2.0}}))
     with pytest.raises(ValueError):
         load_saved_policy("facebook/opt-30b")
+
+
+def test_describe_names_cpu_attention_only_where_some_cache_is_off_the_gpu():
+    from localgen.policy import Policy
+
+    on_gpu = Policy(gbs=4, num_gpu_batches=4, cg=1, cc=0, cpu_cache_compute=True).validate()
+    split = Policy(gbs=4, num_gpu_batches=4, cg=0.5, cc=0.5, cpu_cache_compute=True).validate()
+    assert not on_gpu.delegates_attention and "CPU attention" not in on_gpu.describe()
+    assert split.delegates_attention and split.describe().endswith("CPU attention")

@@ -116,18 +116,17 @@ def generate_random_timed(llm, batch: int, prompt_len: int, gen_len: int, seed: 
 def engine_config(cfg, policy, batch: int, prompt_len: int, gen_len: int, dtype=torch.float16,
                   block_size: int = 16):
     """An EngineConfig whose KV cache holds ``batch`` sequences of ``prompt_len + gen_len``
-    tokens (4-bit sized when the policy compresses the cache) and no more: under a GPU cap the
-    cache must not take the memory the policy's weights and activations were planned with."""
+    tokens, plus one spare block each, in the policy's storage format (4-bit when it compresses
+    the cache) and no more: under a GPU cap the cache must not take the memory the policy's
+    weights and activations were planned with."""
     from localgen.runtime.engine import EngineConfig
+    from localgen.runtime.offload.kv import kv_layer_bytes
 
-    tokens = batch * (prompt_len + gen_len)
-    per_tok = cfg.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
-    if policy.compress_cache:
-        per_tok = int(per_tok * 0.3)
+    blocks = batch * (-(-(prompt_len + gen_len) // block_size) + 1)
+    per_block = kv_layer_bytes(cfg, 1, block_size, dtype, policy.compress_cache) * cfg.num_layers
     return EngineConfig(block_size=block_size, max_num_seqs=max(batch, policy.bls),
                         max_num_batched_tokens=max(8192, batch * prompt_len),
-                        kv_cache_memory=int(per_tok * (tokens + batch * block_size) * 1.05),
-                        enable_prefix_caching=False)
+                        kv_cache_memory=blocks * per_block, enable_prefix_caching=False)
 
 
 def run_localgen(cfg, store, policy, batch: int, prompt_len: int, gen_len: int, *, device="cuda",

@@ -93,10 +93,16 @@ class Policy:
         """FlexGen's ``--percent`` order: wg wc cg cc hg hc, rounded to whole percents."""
         return " ".join(f"{round(100 * getattr(self, f))}" for f in ("wg", "wc", "cg", "cc", "hg", "hc"))
 
+    @property
+    def delegates_attention(self) -> bool:
+        """Decode attention runs on the CPU for the cache held off the GPU (FlexGen §4.2);
+        ``cpu_cache_compute`` means nothing when the whole cache is on the GPU."""
+        return self.cpu_cache_compute and self.cg < 1
+
     def describe(self) -> str:
         """One line: batch shape, placement percentages and options."""
         opts = [o for o, on in (("4-bit weights", self.compress_weight), ("4-bit KV", self.compress_cache),
-                                ("CPU attention", self.cpu_cache_compute)) if on]
+                                ("CPU attention", self.delegates_attention)) if on]
         w = f"weights {self.wg:.0%}/{self.wc:.0%}/{self.wd:.0%}"
         c = f"cache {self.cg:.0%}/{self.cc:.0%}/{self.cd:.0%}"
         h = f"activations {self.hg:.0%}/{self.hc:.0%}/{self.hd:.0%}"

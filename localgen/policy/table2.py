@@ -129,7 +129,7 @@ def markdown(table: list[Row]) -> str:
                          f"{pp.throughput:.3f}{fits} |")
             continue
         p = r.result.policy
-        cpu = ", CPU attention" if p.cpu_cache_compute else ""
+        cpu = ", CPU attention" if p.delegates_attention else ""
         lines.append(f"| {r.model} | {r.prompt_len} | {r.result.throughput:.3f} | {r.paper.throughput:.2f} | "
                      f"{r.ratio:.2f} | {p.gbs} x {p.num_gpu_batches}; {_pct(p)}{cpu} | "
                      f"{r.paper.gbs} x {r.paper.num_gpu_batches}; {_pct(r.paper_policy)} | {pp.throughput:.3f}{fits} |")
