@@ -12,7 +12,6 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from localgen.runtime.request import Priority, Request, RequestOutput, SamplingParams
 

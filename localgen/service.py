@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from localgen.runtime.request import Priority, Request, RequestOutput, SamplingParams

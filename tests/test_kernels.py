@@ -99,7 +99,7 @@ def test_decode_on_cuda_cores_matches_float64(seed, heads, kv_heads, head_dim, s
     as CUDA-core multiply-adds instead of padded tensor-core tiles; same results, both caches."""
     lens = [1, random.randint(2, 40), random.randint(41, 120)]
     q, k, v, bt, cl = decode_case(torch.bfloat16, heads, kv_heads, head_dim, lens)
-    scale, kw = head_dim ** -0.5, {}
+    scale = head_dim ** -0.5
     if cache == "int4":
         k, v = qr.quantize_kv(k), qr.quantize_kv(v)
         kd, vd = qr.dequantize_kv(k, torch.float64), qr.dequantize_kv(v, torch.float64)

@@ -11,7 +11,6 @@ os.environ["TRITON_INTERPRET"] = "1"  # the "kernels" path runs the Triton kerne
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from localgen.kernels import paged_attention_ref as ref  # noqa: E402
 from localgen.kernels.quant_ref import dequantize_int4, quantize_int4  # noqa: E402
 from localgen.kv.attention import AttentionMetadata  # noqa: E402
 from localgen.models.config import ModelConfig  # noqa: E402
@@ -309,7 +308,7 @@ def test_decode_with_a_shared_own_block_takes_the_general_path():
     """A sequence's own block that another sequence of the batch also reads (a prefix block): the
     batched step equals the two sequences stepped one after the other."""
     cfg = config(64)
-    bs, scale = 4, 0.125
+    scale = 0.125
     tables = torch.tensor([[0, 1, 3], [0, 1, 2]])  # A: blocks 0, 1 (own: 1); B: 0, 1, 2 (own: 2)
     q, k, v = qkv(cfg, 10, seed=30, outliers=True)
 

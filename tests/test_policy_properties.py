@@ -2,7 +2,6 @@
 
 import dataclasses
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -1,6 +1,5 @@
 """Sampling processors against hand-computed values and Hugging Face's logits processors."""
 
-import math
 
 import pytest
 import torch

@@ -11,7 +11,7 @@ import pytest
 
 from localgen.api import LLM
 from localgen.conversation import Conversation
-from localgen.runtime.request import Priority, Request, SamplingParams
+from localgen.runtime.request import Request, SamplingParams
 from localgen.service import EngineService, MetricsSnapshot, RequestStream, ServiceClosed
 from tests.tiny_models import make_hf_model
 

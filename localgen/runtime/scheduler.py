@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from localgen.kv.block_manager import BlockManager
-from localgen.runtime.request import Priority
 from localgen.runtime.sequence import Sequence, SequenceStatus
 
 
