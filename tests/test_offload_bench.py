@@ -76,6 +76,7 @@ def test_isolated_runs_one_process_per_policy_and_peer_batch(monkeypatch, tmp_pa
     rows = json.loads(res_file.read_text())
     assert [r["name"] for r in rows] == ["localgen", "localgen", "accelerate", "accelerate"]
     assert "subprocess exit 1" in rows[1]["error"] and not rows[0]["error"]
+    assert rows[1]["batch"] == 9 and rows[1]["policy"] == "9,1,100,0,100,0,100,0"
 
 
 def test_engine_config_sizes_the_cache_in_its_storage_format():

@@ -315,8 +315,8 @@ def _run_here(a, cfg, hw, gpu_mem, hf_config) -> list[RunResult]:
 def _run_isolated(a, argv) -> list[RunResult]:
     """Each policy and each accelerate batch in a fresh process of this module (same machine,
     same invocation): a run inherits nothing from the one before it (pinned host memory, the
-    allocator's cache and cap, a host heap grown by an offloaded run; one such leftover cost a
-    4-bit run 0.08 s of its 0.25 s prefill on the H100)."""
+    allocator's cache and cap, a host heap grown by an offloaded run), as each would start on
+    its own. A child that writes no result becomes an error row."""
     import subprocess
     import tempfile
 
@@ -341,8 +341,9 @@ def _run_isolated(a, argv) -> list[RunResult]:
                 with open(out) as f:
                     results += [RunResult(**d) for d in json.load(f)]
             except (OSError, ValueError) as e:
-                name = "localgen" if job[0] == "--policy" else "accelerate"
-                r = RunResult(name, 0, 0, 0, 0, 0, job[1], error=f"subprocess exit {rc}: {e!r}"[:300])
+                err = f"subprocess exit {rc}: {e!r}"[:300]
+                r = (RunResult("localgen", policy_from_args(job[1]).bls, 0, 0, 0, 0, job[1], error=err)
+                     if job[0] == "--policy" else RunResult("accelerate", int(job[1]), 0, 0, 0, 0, error=err))
                 print_result(r)
                 results.append(r)
     return results
