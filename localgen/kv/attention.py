@@ -82,6 +82,12 @@ class AttentionMetadata:
     pool_slots: torch.Tensor | None = None
 
 
+def pool_slot(row, offset, block_size: int):
+    """Flat slot ``row * block_size + offset`` of a recent-block pool (``pool_slots``; the
+    cache's own slot-mapping form); ints or numpy arrays alike."""
+    return row * block_size + offset
+
+
 @dataclass
 class LayerKV:
     """The KV view of one layer: two ``[num_blocks, block_size, num_kv_heads, head_dim]`` tensors;

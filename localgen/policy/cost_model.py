@@ -474,10 +474,15 @@ class CostModel:
         return rows
 
     # -- evaluation -----------------------------------------------------------------------------
+    @property
+    def graphs(self) -> bool:
+        """Whether this runtime and machine decode all-GPU policies as CUDA graphs (localgen on
+        a GPU)."""
+        return self.runtime == "localgen" and self.hw.has_gpu
+
     def graphed(self, policy: Policy) -> bool:
         """Whether localgen decodes ``policy`` as CUDA graphs (everything on the GPU)."""
-        return (self.runtime == "localgen" and self.hw.has_gpu
-                and min(policy.wg, policy.cg, policy.hg) >= 1 - 1e-9)
+        return self.graphs and min(policy.wg, policy.cg, policy.hg) >= 1 - 1e-9
 
     def predict(self, policy: Policy) -> Prediction:
         """Predicted times, throughput and peak memory of ``policy`` (App. A.3 T, peak memory)."""

@@ -188,7 +188,6 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
     wg_min = cm.min_gpu_weight_share() if tensor else 0.0
     off_min = cm.min_offload_weight_share() if tensor else 0.0
     found: list[tuple[float, tuple, Terms, np.ndarray, dict | None]] = []
-    graphs = runtime == "localgen" and hw.has_gpu  # all-GPU policies decode as CUDA graphs
     counter = [0]
     for opts in _options(hw, compression):
         for gbs in gbs_choices:
@@ -202,7 +201,7 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
                 feasible_any = True
                 thr = evaluate_terms(terms, x).throughput
                 found.append((thr, (gbs, nb, opts), terms, x, over))
-                if graphs:
+                if cm.graphs:  # all-GPU policies decode as CUDA graphs
                     found += _all_gpu_graphed(cm, gbs, nb, opts, latency_bound)
                 if early_stop and thr < prev:
                     break  # FlexGen solve(): stop growing the block once throughput drops

@@ -32,8 +32,7 @@ from localgen.kernels.quant_ref import GROUP_SIZE, dequantize_int4, quantize_int
 from localgen.profiler.hardware import GEMM_TABLE_ENV, gemm_profile_dicts
 
 __all__ = ["GROUP_SIZE", "Int4Tensor", "quantize", "dequantize", "cat_rows", "max_abs_error",
-           "keeps_packed",
-           "gemm_table", "as_linear", "GEMM_TABLE_ENV"]
+           "keeps_packed", "gemm_table", "as_linear", "GEMM_TABLE_ENV"]
 
 
 @dataclass
@@ -100,8 +99,6 @@ def max_abs_error(t: Int4Tensor) -> torch.Tensor:
 
 
 # -- linears on CUDA (FlashDecoding++ §5 heuristic dataflow) ------------------------------------
-
-
 
 def keeps_packed(device_type: str, triton_ok: bool | None = None) -> bool:
     """Whether a linear weight stays 4-bit up to its GEMM on ``device_type`` (CUDA with triton: the

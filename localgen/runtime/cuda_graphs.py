@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from localgen.kv.attention import AttentionMetadata
+from localgen.kv.attention import AttentionMetadata, pool_slot
 from localgen.kv.cache import PagedKVCache
 from localgen.models.model import CausalLM
 from localgen.runtime.executor import ModelRunner
@@ -125,7 +125,7 @@ class GraphedModelRunner(ModelRunner):
         if n < b:
             ids[n:], pos[n:], slots[n:], ctx[n:], table[n:] = 0, 0, scratch * bs, 1, scratch
             prow[n:] = self.scratch_row
-        pslot[:] = prow * bs + (ctx - 1) % bs  # once a step, not once a layer
+        pslot[:] = pool_slot(prow, (ctx - 1) % bs, bs)  # once a step, not once a layer
         g.device_inputs.copy_(g.staging_t, non_blocking=True)
         if not self.capture:  # an eager step may read host-side lengths (the CPU reference path)
             g.meta.context_lens_list = ctx.tolist()

@@ -49,10 +49,10 @@ import torch
 
 from localgen.kernels import paged_attention_ref as ref
 from localgen.kernels.quant_ref import GROUP_SIZE, QuantizedKV, dequantize_int4, quantize_int4
-from localgen.kv.attention import AttentionMetadata, LayerKV, equal_runs, fresh_prefill_attention
+from localgen.kv.attention import AttentionMetadata, LayerKV, equal_runs, fresh_prefill_attention, pool_slot
 from localgen.models.config import ModelConfig
 from localgen.runtime.offload.memory import Layout, host_empty
-from localgen.runtime.offload.recent import RecentIndex, own_blocks
+from localgen.runtime.offload.recent import RecentIndex, own_blocks, used_blocks
 from localgen.runtime.offload.timers import Timers
 
 
@@ -554,7 +554,7 @@ class TierKV:
             j = (ctx - 1) // bs
             first = max(ctx - ql, j * bs)
             if r >= 0:
-                slots += range(r * bs + first - j * bs, r * bs + ctx - j * bs)
+                slots += range(pool_slot(r, first - j * bs, bs), pool_slot(r, ctx - j * bs, bs))
                 t_l += range(start + first - (ctx - ql), start + ql)
             start += ql
         if slots:
@@ -562,8 +562,8 @@ class TierKV:
             self._pool_put(plan.tensor("keep_slots", slots, dev), k[t_t], v[t_t])
 
     def _pool_slots(self, rows: list[int], offs: list[int]) -> list[int]:
-        """Flat pool slots ``row * block_size + offset`` (the cache's own slot-mapping form)."""
-        return [r * self.block_size + o for r, o in zip(rows, offs)]
+        """Flat pool slots (``attention.pool_slot``) of ``rows`` at ``offs``."""
+        return [pool_slot(r, o, self.block_size) for r, o in zip(rows, offs)]
 
     def _pool_put(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write fp K/V ``[n, kv_heads, head_dim]`` into the pool at flat slots ``slots``."""
@@ -658,9 +658,7 @@ class _StepPlan:
 
     def __init__(self, meta: AttentionMetadata, bs: int):
         self.tables = meta.block_tables.tolist()
-        used: list[int] = []
-        for row, ctx in zip(self.tables, meta.context_lens_list):
-            used += row[:-(-ctx // bs)]
+        used = used_blocks(self.tables, meta.context_lens_list, bs)
         uniq = sorted(set(used))
         pos = {b: i for i, b in enumerate(uniq)}
         self.ids = torch.tensor(uniq, dtype=torch.long)
@@ -671,7 +669,7 @@ class _StepPlan:
         self.assigned: tuple[list[int], list[int]] | None = None
         self.prior: list[int | None] | None = None  # pool rows before ``assigned`` (general steps)
         if not meta.is_prefill and all(ql == 1 for ql in meta.query_lens):
-            own = own_blocks(self.tables, meta.context_lens_list, bs)
+            own = own_blocks(self.tables, meta.context_lens_list, bs, used)
             if own is not None:
                 offs = [(c - 1) % bs for c in meta.context_lens_list]
                 self.decode = (own, offs)

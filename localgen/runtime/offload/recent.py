@@ -13,13 +13,22 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 
 
-def own_blocks(tables: list[list[int]], context_lens: list[int], block_size: int) -> list[int] | None:
-    """The block each sequence of a decode step writes its new token into (its last block), or
-    None when one of them is also read by another sequence of the step (a shared prefix block),
-    which the pool cannot serve (the other sequence must see it 4-bit)."""
+def used_blocks(tables: list[list[int]], context_lens: list[int], block_size: int) -> list[int]:
+    """Every block a step reads, per sequence in table order (repeats where sequences share)."""
     used: list[int] = []
     for row, ctx in zip(tables, context_lens):
         used += row[:-(-ctx // block_size)]
+    return used
+
+
+def own_blocks(tables: list[list[int]], context_lens: list[int], block_size: int,
+               used: list[int] | None = None) -> list[int] | None:
+    """The block each sequence of a decode step writes its new token into (its last block), or
+    None when one of them is also read by another sequence of the step (a shared prefix block),
+    which the pool cannot serve (the other sequence must see it 4-bit). ``used``: the step's
+    ``used_blocks`` when the caller has them."""
+    if used is None:
+        used = used_blocks(tables, context_lens, block_size)
     own = [row[(c - 1) // block_size] for row, c in zip(tables, context_lens)]
     mine = set(own)
     if len(set(used)) == len(used) or all(n == 1 for b, n in Counter(used).items() if b in mine):
