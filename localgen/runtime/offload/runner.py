@@ -218,8 +218,7 @@ def build_offload(cfg: ModelConfig, store, dtype: torch.dtype, device: torch.dev
         idx = device.index if device.index is not None else torch.cuda.current_device()
         total = torch.cuda.get_device_properties(idx).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_memory / total), idx)
-    if device.type != "cuda" and (policy.wc or policy.wd or policy.cc or policy.cd):
-        pass  # on a CPU-only machine the "gpu" tier is the CPU; the schedule still runs
+    # on a CPU-only machine the "gpu" tier is the CPU; any placement's schedule still runs
     model = OffloadedLM(cfg, store, dtype, device, policy, offload_dir, gguf_native)
 
     def factory(model: OffloadedLM, engine_config, max_model_len: int) -> OffloadRunner:
