@@ -33,6 +33,7 @@
 #   profile  : the hardware profile (localgen profile's probes) of this machine, as JSON
 #   gemm_table16 : the same, float16 only
 #   llama7b_w4g : the graphed 4-bit policy alone (4x4, everything on the GPU)
+#   llama7b_w4g_ab : the same four times, alternating prefill graphs on / off (--no-prefill-graphs)
 #   gemm_table : M1/M2 inflection points (FlashDecoding++ §5) of Llama-2-7B's and SmolLM2's [N, K], fp16 and bf16
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -59,6 +60,10 @@ for stage in "$@"; do
         --out "$OUT/offload_llama7b_graph_$TAG.json" 2>&1 | tee "$OUT/offload_llama7b_graph_$TAG.txt" ;;
     llama7b_w4g) timeout 200 $B --preset llama-2-7b --gpu-memory 6GiB --policy 4,4,100,0,100,0,100,0,w4,kv4 \
         --peer-batches '' --out "$OUT/offload_llama7b_w4g_$TAG.json" 2>&1 | tee "$OUT/offload_llama7b_w4g_$TAG.txt" ;;
+    llama7b_w4g_ab) for run in 1 2; do for pg in prefill-graphs no-prefill-graphs; do timeout 150 $B --preset llama-2-7b \
+        --gpu-memory 6GiB --policy 4,4,100,0,100,0,100,0,w4,kv4 --peer-batches '' --$pg \
+        --out "$OUT/offload_llama7b_w4g_${pg}_${run}_$TAG.json" 2>&1 | tee "$OUT/offload_llama7b_w4g_${pg}_${run}_$TAG.txt"
+        done; done ;;
     llama7b_w4cpu) for g in 1 0; do LOCALGEN_INT4_GEMM=$g timeout 150 $B --preset llama-2-7b --gpu-memory 6GiB \
         --policy 16,8,100,0,0,100,100,0,w4 --peer-batches '' --out "$OUT/offload_llama7b_w4cpu_gemm$g.json" \
         2>&1 | tee "$OUT/offload_llama7b_w4cpu_gemm$g.txt"; done ;;

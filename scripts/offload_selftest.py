@@ -24,25 +24,50 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_selftest import _alias_kernels, tiny_llama  # noqa: E402  (localgen.kernels -> kernels/)
 
 
-GRAPHS: list[int] = []  # decode graphs the last offloaded run captured
+GRAPHS: list[int] = []  # decode graphs, then prefill graphs, the last offloaded run captured
 
 
-def generate(cfg, store, policy=None, offload_dir=None, device="cuda") -> list[list[int]]:
+def generate(cfg, store, policy=None, offload_dir=None, device="cuda",
+             lengths=(5, 70, 300, 17, 129, 33), prefill_graphs=True) -> list[list[int]]:
     from localgen.api import LLM, Request, SamplingParams
     from localgen.runtime.engine import EngineConfig
 
-    ecfg = EngineConfig(block_size=16, max_num_seqs=8, kv_cache_memory=64 << 20, enable_prefix_caching=False)
+    ecfg = EngineConfig(block_size=16, max_num_seqs=8, kv_cache_memory=64 << 20, enable_prefix_caching=False,
+                        prefill_graphs=prefill_graphs)
     llm = LLM.from_parts(cfg, store, None, ecfg, device=device, dtype="float32", policy=policy,
                          offload_dir=offload_dir)
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 70, 300, 17, 129, 33)]
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = llm.generate([Request(prompt_token_ids=p, sampling=sp) for p in prompts])
     if policy is not None:
-        graphs = llm.engine.runner.graphs
-        GRAPHS[:] = [len(graphs.graphs) if graphs is not None else 0]
+        runner = llm.engine.runner
+        prefill = getattr(runner, "prefill_graphs", None)
+        GRAPHS[:] = [len(runner.graphs.graphs) if runner.graphs is not None else 0,
+                     len(prefill.graphs) if prefill is not None else 0]
         llm.engine.model.layers.close()
     return [o.token_ids for o in outs]
+
+
+def check_prefill_graphs(cfg, store) -> int:
+    """A 4-bit all-GPU policy's equal-length prompts prefilled through a captured CUDA graph
+    (two blocks of 4 x 100 tokens, then 4 x 37 in a second shape) give the eager prefill's
+    greedy tokens exactly. Returns the number of failures."""
+    from localgen.policy import Policy
+
+    pol = Policy(gbs=2, num_gpu_batches=2, wg=1, wc=0, wd=0, cg=1, cc=0, cd=0, hg=1, hc=0,
+                 compress_weight=True, compress_cache=True).validate()
+    t = time.time()
+    runs, counts = {}, {}
+    for graphed in (False, True):
+        runs[graphed] = generate(cfg, store, pol, lengths=(100,) * 8, prefill_graphs=graphed) + \
+            generate(cfg, store, pol, lengths=(37,) * 4, prefill_graphs=graphed)
+        counts[graphed] = GRAPHS[1]
+    same = sum(a == b for a, b in zip(runs[True], runs[False]))
+    ok = same == len(runs[False]) and counts == {False: 0, True: 1}
+    print(f"offload {'w4_kv4_prefill_graphs':26s} {same}/{len(runs[False])} sequences equal the eager "
+          f"prefill's, prefill graphs {counts[True]} ({time.time() - t:.1f} s) {'ok' if ok else 'FAIL'}")
+    return 0 if ok else 1
 
 
 @contextlib.contextmanager
@@ -127,6 +152,8 @@ def main(argv=None) -> int:
             print(f"offload {name:26s} {same}/{len(ref)} sequences, {toks}/{n} tokens equal "
                   f"{'the resident path' if exact else 'the CPU run'} ({time.time() - t:.1f} s) "
                   f"{'ok' if ok else 'FAIL'}")
+    if dev == "cuda":
+        fails += check_prefill_graphs(cfg, store)
     print("offload selftest failures:", fails)
     return 1 if fails else 0
 

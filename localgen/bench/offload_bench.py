@@ -62,6 +62,7 @@ class RunResult:
     measured_terms: dict = field(default_factory=dict)  # phase -> term -> seconds per layer (per step)
     wall_tokens_per_s: float = 0.0  # generated tokens / wall time incl. the engine between steps
     repeats: list = field(default_factory=list)  # localgen: [prefill s, decode s, wall s] per repeat
+    graphs: dict = field(default_factory=dict)  # localgen: CUDA graphs captured, {"decode": n, "prefill": n}
     predicted: dict = field(default_factory=dict)
     error: str = ""
 
@@ -114,7 +115,7 @@ def generate_random_timed(llm, batch: int, prompt_len: int, gen_len: int, seed: 
 
 
 def engine_config(cfg, policy, batch: int, prompt_len: int, gen_len: int, dtype=torch.float16,
-                  block_size: int = 16):
+                  block_size: int = 16, prefill_graphs: bool = True):
     """An EngineConfig whose KV cache holds ``batch`` sequences of ``prompt_len + gen_len``
     tokens, plus one spare block each, in the policy's storage format (4-bit when it compresses
     the cache) and no more: under a GPU cap the cache must not take the memory the policy's
@@ -126,19 +127,20 @@ def engine_config(cfg, policy, batch: int, prompt_len: int, gen_len: int, dtype=
     per_block = kv_layer_bytes(cfg, 1, block_size, dtype, policy.compress_cache) * cfg.num_layers
     return EngineConfig(block_size=block_size, max_num_seqs=max(batch, policy.bls),
                         max_num_batched_tokens=max(8192, batch * prompt_len),
-                        kv_cache_memory=blocks * per_block, enable_prefix_caching=False)
+                        kv_cache_memory=blocks * per_block, enable_prefix_caching=False,
+                        prefill_graphs=prefill_graphs)
 
 
 def run_localgen(cfg, store, policy, batch: int, prompt_len: int, gen_len: int, *, device="cuda",
                  dtype=torch.float16, gpu_memory=None, offload_dir=None, timed_steps: int = 3,
-                 hw=None, block_size: int = 16, repeats: int = 1) -> RunResult:
+                 hw=None, block_size: int = 16, repeats: int = 1, prefill_graphs: bool = True) -> RunResult:
     """Generate ``gen_len`` tokens for ``batch`` random prompts under ``policy``, ``repeats``
     times (the result is the repeat of median throughput; all are kept in ``repeats``); then a
     short timed run (``timed_steps`` tokens) for the per-term breakdown; plus the cost model's
-    prediction."""
+    prediction. ``prefill_graphs``: ``EngineConfig.prefill_graphs``."""
     from localgen.api import LLM
 
-    ecfg = engine_config(cfg, policy, batch, prompt_len, gen_len, dtype, block_size)
+    ecfg = engine_config(cfg, policy, batch, prompt_len, gen_len, dtype, block_size, prefill_graphs)
     t0 = time.perf_counter()
     llm = LLM.from_parts(cfg, store, None, ecfg, device=device, dtype=dtype, name="bench",
                          policy=policy, offload_dir=offload_dir, gpu_memory=gpu_memory)
@@ -157,6 +159,10 @@ def run_localgen(cfg, store, policy, batch: int, prompt_len: int, gen_len: int, 
                     batch * (gen_len - 1) / dec if dec else 0.0, policy.describe(),
                     wall_tokens_per_s=batch * gen_len / wall, repeats=[list(r) for r in runs])
     res.memory_gib = {k: round(v / GiB, 3) for k, v in llm.memory_by_tier().items()}
+    runner = llm.engine.runner
+    res.graphs = {name: len(g.graphs) for name, g in (("decode", getattr(runner, "graphs", None)),
+                                                      ("prefill", getattr(runner, "prefill_graphs", None)))
+                  if g is not None}
     if torch.cuda.is_available() and str(device).startswith("cuda"):
         res.memory_gib["cuda_max_allocated"] = round(torch.cuda.max_memory_allocated() / GiB, 3)
     timers = llm.engine.model.timers
@@ -274,7 +280,7 @@ def print_result(r: RunResult, out=print) -> None:
                               for t in ("ctog", "gtoc", "dtoc", "ctod", "compute"))
             out(f"{'':10s} {ph} ms/layer measured{'/predicted' if pt else ''}: {cells}")
     if r.memory_gib:
-        out(f"{'':10s} memory GiB: {r.memory_gib}")
+        out(f"{'':10s} memory GiB: {r.memory_gib}" + (f"; CUDA graphs {r.graphs}" if r.graphs else ""))
 
 
 def _peer_batches(a) -> list[int]:
@@ -292,7 +298,7 @@ def _run_here(a, cfg, hw, gpu_mem, hf_config) -> list[RunResult]:
         try:
             r = run_localgen(cfg, store, pol, pol.bls, a.prompt_len, a.gen_len, device=a.device,
                              gpu_memory=gpu_mem, offload_dir=a.offload_dir, timed_steps=a.timed_steps, hw=hw,
-                             repeats=a.repeats)
+                             repeats=a.repeats, prefill_graphs=a.prefill_graphs)
         except Exception as e:  # report and go on: the peer still runs
             peak = (f"; peak allocated {torch.cuda.max_memory_allocated() / GiB:.3f} GiB"
                     if torch.cuda.is_available() else "")
@@ -366,6 +372,8 @@ def main(argv=None) -> int:
                     help="localgen generations per policy; the median-throughput one is reported")
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                     help="each policy and peer batch in its own process (default: on CUDA with several)")
+    ap.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="replay all-GPU 4-bit prefill blocks as CUDA graphs (EngineConfig.prefill_graphs)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 

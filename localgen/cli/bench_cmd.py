@@ -83,6 +83,8 @@ def offload(
     repeats: int = typer.Option(1, "--repeats", min=1, help="Generations per policy; the median is reported."),
     isolate: Optional[bool] = typer.Option(None, "--isolate/--no-isolate",
                                            help="Each policy and peer batch in its own process (default: on CUDA)."),
+    prefill_graphs: bool = typer.Option(True, "--prefill-graphs/--no-prefill-graphs",
+                                        help="Replay all-GPU 4-bit prefill blocks as CUDA graphs."),
     out: Optional[Path] = typer.Option(None, "--out"),
 ) -> None:
     """Measured vs predicted prefill/decode (ctog/gtoc/dtoc/ctod/compute) under policies, beside accelerate."""
@@ -94,6 +96,7 @@ def offload(
         "--repeats", str(repeats)]
     args += (["--profile", profile] if profile else []) + (["--out", str(out)] if out else [])
     args += [] if isolate is None else ["--isolate" if isolate else "--no-isolate"]
+    args += [] if prefill_graphs else ["--no-prefill-graphs"]
     raise typer.Exit(offload_bench.main(args))
 
 

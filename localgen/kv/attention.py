@@ -80,6 +80,9 @@ class AttentionMetadata:
     # pool slot (row * block_size + offset) its new token goes to
     pool_rows: torch.Tensor | None = None
     pool_slots: torch.Tensor | None = None
+    # a whole-prompt prefill replayed as a CUDA graph (runtime/offload/prefill_graphs.py): its
+    # 4-bit cache's pool writes, settled on the host before the replay (offload.kv.StaticPrefill)
+    static_prefill: object = None
 
 
 def pool_slot(row, offset, block_size: int):

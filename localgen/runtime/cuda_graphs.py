@@ -4,7 +4,8 @@ A decode step of ``n`` sequences runs the graph captured for the smallest batch 
 and the smallest context bucket ``>=`` the longest context; inputs are copied into the graph's
 static buffers, padded rows write their K/V into the cache's scratch block and attend to it alone,
 and their logits are ignored. Graph replays remove the per-kernel launch cost that dominates
-small-batch decode (vLLM and gpt-fast do the same). Prefill stays eager.
+small-batch decode (vLLM and gpt-fast do the same). Prefill stays eager here; the offload
+runtime replays its whole-prompt 4-bit prefill blocks too (``runtime.offload.prefill_graphs``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def context_buckets(max_model_len: int, smallest: int = 512) -> list[int]:
 
 @dataclass
 class _Graph:
-    graph: "torch.cuda.CUDAGraph | _Eager"
+    graph: "torch.cuda.CUDAGraph | EagerGraph"
     batch: int
     max_context: int
     # flat: ids, positions, slots, ctx, pool rows, pool slots ([batch] each), block table
@@ -47,7 +48,7 @@ class _Graph:
     logits: torch.Tensor
 
 
-class _Eager:
+class EagerGraph:
     """A stand-in for a captured graph that runs the same static-shape step eagerly (``capture``
     off: CPU tests of everything but the capture itself)."""
 
@@ -163,20 +164,33 @@ class GraphedModelRunner(ModelRunner):
         else:
             staging_t = inputs.clone()
             logits = forward()
-            graph = _Eager(forward, logits)
+            graph = EagerGraph(forward, logits)
         g = _Graph(graph, batch, max_context, inputs, staging_t.numpy(), staging_t, meta, logits)
         self.graphs[(batch, max_context)] = g
         return g
 
     def _record(self, forward) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        dev = self.device
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            forward()  # warm-up: compiles the Triton kernels and sizes the allocator
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = forward()
+        graph, logits = record_graph(forward, self.device, self.pool)
         self.pool = graph.pool()
         return graph, logits
+
+
+def record_graph(forward, device: torch.device, pool=None,
+                 release_cache: bool = False) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Run ``forward`` once eagerly on a side stream (compiles the Triton kernels, sizes the
+    allocator), then capture it into a graph whose allocations come from ``pool`` (a
+    ``graph_pool_handle``; None: a new pool). ``release_cache``: hand the allocator's cached free
+    blocks back to the driver between the two (a large capture under a memory cap otherwise
+    finds the warm-up's freed blocks held by the eager pool). Returns (graph, forward's output)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        forward()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    if release_cache:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out

@@ -35,6 +35,8 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     max_model_len: int | None = None
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs on CUDA devices
+    # with cuda_graphs, also replay an all-GPU 4-bit offload policy's whole-prompt prefill blocks
+    prefill_graphs: bool = True
 
 
 class Engine:

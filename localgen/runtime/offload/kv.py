@@ -42,6 +42,7 @@ A layer that is on the compute device and uncompressed gets the plain ``LayerKV`
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -371,8 +372,15 @@ class TierKV:
         with self.timers.section("compute"):
             if not self.recent_blocks:
                 return fresh_prefill_attention(q, k4, v4, meta.query_lens, scale)
+            fixed = meta.static_prefill
+            if fixed is not None:  # a graphed step: rows and pool slots were settled on the host
+                out = self._attend_recent_fresh(q, k, v, k4, v4, meta, scale, lambda _L: fixed.mask)
+                self._pool_put(fixed.keep_slots, k[fixed.keep_tokens], v[fixed.keep_tokens])
+                return out
             plan = self._plan(meta)
-            out = self._attend_recent_fresh(q, k, v, k4, v4, plan, meta, scale)
+            bs = self.block_size
+            out = self._attend_recent_fresh(q, k, v, k4, v4, meta, scale,
+                                            lambda L: plan.recent_mask(0, L, bs, q.device))
             self._keep_recent(plan, meta, k, v)
             return out
 
@@ -493,12 +501,13 @@ class TierKV:
             pk, pv = kc[local[i][j0], :n0], vc[local[i][j0], :n0]
         return torch.cat([pk, new_k]), torch.cat([pv, new_v])
 
-    def _attend_recent_fresh(self, q, k, v, k4, v4, plan, meta, scale):
+    def _attend_recent_fresh(self, q, k, v, k4, v4, meta, scale, mask_for):
         """Whole prompts (nothing cached before them): ``_attend_recent_general``'s masked
         attention with no pool row to read, over ``k4``/``v4`` (the 4-bit values just stored,
         token for token like k/v), each run of equal-length prompts in one SDPA call (a prefill
-        of 4 x 512 tokens is one call per layer, not one per sequence)."""
-        bs, num_heads = self.block_size, q.shape[1]
+        of 4 x 512 tokens is one call per layer, not one per sequence); ``mask_for(L)`` is the
+        ``[L, 2L]`` ``recent_mask`` of an L-token prompt."""
+        num_heads = q.shape[1]
         out, start = torch.empty_like(q), 0
         for i, j in equal_runs(list(meta.query_lens)):
             n, L = j - i, meta.query_lens[i]
@@ -509,9 +518,8 @@ class TierKV:
             vals = torch.cat([v4[start:end].view(shape), fv], 1)
             # [n, kvh, 2L, d]
             keys, vals = keys.transpose(1, 2).to(q.dtype), vals.transpose(1, 2).to(q.dtype)
-            mask = plan.recent_mask(0, L, bs, q.device)
             o = torch.nn.functional.scaled_dot_product_attention(
-                q[start:end].view(n, L, num_heads, -1).transpose(1, 2), keys, vals, attn_mask=mask,
+                q[start:end].view(n, L, num_heads, -1).transpose(1, 2), keys, vals, attn_mask=mask_for(L),
                 scale=scale, enable_gqa=self.kv_heads != num_heads)
             out[start:end] = o.transpose(1, 2).reshape(n * L, num_heads, -1)
             start = end
@@ -544,19 +552,12 @@ class TierKV:
 
     def _keep_recent(self, plan: "_StepPlan", meta, k: torch.Tensor, v: torch.Tensor) -> None:
         """After a general step: pool this step's tokens of each sequence's last block."""
-        bs, start, dev = self.block_size, 0, self.store_device
+        bs, dev = self.block_size, self.store_device
         rows, init = self._assign_rows(plan, meta)
         if init:
             self._fill_new_rows(plan, [rows[i] for i in init],
                                 [plan.tables[i][(meta.context_lens_list[i] - 1) // bs] for i in init])
-        slots, t_l = [], []
-        for r, ctx, ql in zip(rows, meta.context_lens_list, meta.query_lens):
-            j = (ctx - 1) // bs
-            first = max(ctx - ql, j * bs)
-            if r >= 0:
-                slots += range(pool_slot(r, first - j * bs, bs), pool_slot(r, ctx - j * bs, bs))
-                t_l += range(start + first - (ctx - ql), start + ql)
-            start += ql
+        slots, t_l = kept_tokens(rows, meta.context_lens_list, meta.query_lens, bs)
         if slots:
             t_t = plan.tensor("keep_toks", t_l, k.device)
             self._pool_put(plan.tensor("keep_slots", slots, dev), k[t_t], v[t_t])
@@ -701,18 +702,50 @@ class _StepPlan:
                           lambda: torch.tensor(self.local, dtype=torch.long, device=device))
 
     def recent_mask(self, a: int, ctx: int, bs: int, device: torch.device) -> torch.Tensor:
-        """Mask of queries at positions ``a .. ctx-1`` over a sequence's 4-bit keys ``0 .. ctx-1``
-        followed by its fp keys ``s0 .. ctx-1`` (``s0`` the first slot of the first query's
-        block): query p sees 4-bit keys before its own block and fp keys of its block up to p
-        (``TierKV._attend_recent_*``). A whole prompt of L tokens: ``[L, 2L]``."""
-        def make():
-            qpos = torch.arange(a, ctx, device=device)[:, None]
-            own = (qpos // bs) * bs  # first position of each query's own block
-            jq = torch.arange(ctx, device=device)[None, :]
-            jf = torch.arange((a // bs) * bs, ctx, device=device)[None, :]
-            return torch.cat([jq < own, (jf >= own) & (jf <= qpos)], dim=1)
+        """``recent_mask``, made once a step."""
+        return self._once(("recent_mask", a, ctx, device), lambda: recent_mask(a, ctx, bs, device))
 
-        return self._once(("recent_mask", a, ctx, device), make)
+
+def recent_mask(a: int, ctx: int, bs: int, device: torch.device) -> torch.Tensor:
+    """Mask of queries at positions ``a .. ctx-1`` over a sequence's 4-bit keys ``0 .. ctx-1``
+    followed by its fp keys ``s0 .. ctx-1`` (``s0`` the first slot of the first query's block):
+    query p sees 4-bit keys before its own block and fp keys of its block up to p
+    (``TierKV._attend_recent_*``). A whole prompt of L tokens: ``[L, 2L]`` bool."""
+    qpos = torch.arange(a, ctx, device=device)[:, None]
+    own = (qpos // bs) * bs  # first position of each query's own block
+    jq = torch.arange(ctx, device=device)[None, :]
+    jf = torch.arange((a // bs) * bs, ctx, device=device)[None, :]
+    return torch.cat([jq < own, (jf >= own) & (jf <= qpos)], dim=1)
+
+
+def kept_tokens(rows: list[int], context_lens: list[int], query_lens: list[int],
+                bs: int) -> tuple[list[int], list[int]]:
+    """What a step puts into the recent-block pool: the flat pool slots (``pool_slot``) and the
+    step's packed token indices of each sequence's new tokens in its last block, for the
+    sequences with a pool row (``rows[i] >= 0``)."""
+    slots, toks, start = [], [], 0
+    for r, ctx, ql in zip(rows, context_lens, query_lens):
+        j = (ctx - 1) // bs
+        first = max(ctx - ql, j * bs)
+        if r >= 0:
+            slots += range(pool_slot(r, first - j * bs, bs), pool_slot(r, ctx - j * bs, bs))
+            toks += range(start + first - (ctx - ql), start + ql)
+        start += ql
+    return slots, toks
+
+
+@dataclass
+class StaticPrefill:
+    """A whole-prompt prefill batch replayed as a CUDA graph (``runtime.offload.prefill_graphs``):
+    its pool writes settled on the host before the replay, so no layer plans on the host.
+
+    keep_slots: ``[n_keep]`` int64 flat pool slots (``kept_tokens``; sequences without a row
+    write the scratch row), on the store device. keep_tokens: ``[n_keep]`` int64 packed token
+    indices of this batch. mask: ``[L, 2L]`` bool ``recent_mask`` of the batch's prompt length."""
+
+    keep_slots: torch.Tensor
+    keep_tokens: torch.Tensor
+    mask: torch.Tensor
 
 
 class TieredKVCache:

@@ -26,6 +26,7 @@ from localgen.runtime.cuda_graphs import GraphedModelRunner
 from localgen.runtime.executor import ModelRunner
 from localgen.runtime.offload.kv import TieredKVCache, kv_layer_bytes
 from localgen.runtime.offload.memory import assign_tiers
+from localgen.runtime.offload.prefill_graphs import PrefillGraphs
 from localgen.runtime.offload.timers import Timers
 from localgen.runtime.offload.weights import LayerWeights, compress_layer
 from localgen.runtime.sequence import Sequence
@@ -124,13 +125,17 @@ class OffloadRunner(ModelRunner):
     overlap, and a decode step is one batch of kernels whose launches cost more than the kernels
     (4-bit Llama-2-7B at 4 x 4 on an H100: GPU busy 23.5 ms of a 256 ms step); such steps replay
     as CUDA graphs over all of the step's sequences at once, unless the timers are on (each term
-    is then timed alone) or the cache asks for an eager step."""
+    is then timed alone) or the cache asks for an eager step. With ``prefill_graphs`` (and
+    ``graphs``), a 4-bit cache's whole-prompt prefill blocks replay as graphs as well
+    (``prefill_graphs.PrefillGraphs``)."""
 
-    def __init__(self, model: OffloadedLM, kv: TieredKVCache, graphs: GraphedModelRunner | None = None):
+    def __init__(self, model: OffloadedLM, kv: TieredKVCache, graphs: GraphedModelRunner | None = None,
+                 prefill_graphs: bool = False):
         super().__init__(model, kv)
         self.policy = model.policy
         self.timers = model.timers
         self.graphs = graphs
+        self.prefill_graphs = PrefillGraphs(self) if prefill_graphs and graphs is not None else None
         self.cuda = self.device.type == "cuda"
         # host-side work each step (CPU attention, gathers, pageable copies) allocates tensors of
         # 100s of MB per layer; fresh mmaps first-touch at a fraction of reused memory's speed
@@ -159,19 +164,33 @@ class OffloadRunner(ModelRunner):
             logits = self.graphs.decode(seqs)
             if logits is not None:
                 return logits
+        replay = (self.prefill_graphs if is_prefill and not self.timers.enabled else None)
         out = []
         bls, gbs = self.policy.bls, self.policy.gbs
         for b0 in range(0, len(seqs), bls):
-            out.append(self._run_block(seqs[b0:b0 + bls], gbs, is_prefill))
+            block = seqs[b0:b0 + bls]
+            logits = replay.run_block(block) if replay is not None else None
+            out.append(logits if logits is not None else self._run_block(block, gbs, is_prefill))
         return torch.cat(out)
 
     def _run_block(self, block: list[Sequence], gbs: int, is_prefill: bool) -> torch.Tensor:
+        steps, lasts = [], []
+        for i in range(0, len(block), gbs):
+            ids, pos, meta = self.prepare(block[i:i + gbs], is_prefill)
+            steps.append((ids, pos, meta))
+            lasts.append(torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1)
+        return self.forward_block(steps, lasts)
+
+    def forward_block(self, steps: list[tuple], lasts: list[torch.Tensor]) -> torch.Tensor:
+        """The zig-zag schedule over one block: ``steps`` holds each GPU batch's packed
+        ``(token_ids, positions, AttentionMetadata)``, ``lasts`` each batch's row index of its
+        sequences' last tokens (int64 on the compute device). Returns float32 logits
+        ``[sequences of the block, vocab]``. No host work depends on tensor values, so a
+        CUDA graph can capture it (``prefill_graphs``)."""
         m, cfg, L = self.model, self.model.cfg, self.model.cfg.num_layers
-        batches = [block[i:i + gbs] for i in range(0, len(block), gbs)]
         metas, hs, ropes = [], [], []
         with self.timers.section("compute"):
-            for b in batches:
-                ids, pos, meta = self.prepare(b, is_prefill)
+            for ids, pos, meta in steps:
                 metas.append(meta)
                 h = m.family.embed(cfg, m.global_w, ids, pos).to(m.dtype)
                 ropes.append(step_rope(m.inv_freq, pos, m.dtype, m.fused(h)))
@@ -192,10 +211,8 @@ class OffloadRunner(ModelRunner):
             m.layers.release(j)
         logits = []
         with self.timers.section("compute"):
-            for h, meta in zip(hs, metas):
-                h = self._load_act(h)
-                last = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1
-                logits.append(m.logits(h[last]))
+            for h, last in zip(hs, lasts):
+                logits.append(m.logits(self._load_act(h)[last]))
         return torch.cat(logits)
 
     def memory_by_tier(self) -> dict[str, int]:
@@ -231,6 +248,7 @@ def build_offload(cfg: ModelConfig, store, dtype: torch.dtype, device: torch.dev
         graphs = None
         if engine_config.cuda_graphs and model.layers.all_on("gpu") and policy.hg >= 1 and kv.graphable():
             graphs = GraphedModelRunner(model, kv, engine_config.max_num_seqs, max_model_len)
-        return OffloadRunner(model, kv, graphs)
+        prefill = engine_config.prefill_graphs and policy.compress_cache
+        return OffloadRunner(model, kv, graphs, prefill_graphs=prefill)
 
     return model, factory

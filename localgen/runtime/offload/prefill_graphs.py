@@ -1,0 +1,144 @@
+"""Whole-prompt prefill blocks of an all-GPU 4-bit offload policy, replayed as CUDA graphs.
+
+The eager prefill of one block launches every kernel from Python: Llama-2-7B at 4 x 4 GPU
+batches of 512-token prompts makes about 2300 launches and 128 layer calls, 126 ms of host work
+against 227 ms of GPU work on a calm H100 host. When the device machine's host slows down, the
+host becomes the bound and the same prefill measured 0.25-0.41 s
+(``docs/results/offload_h100.md``, fifth session). A replayed graph costs the GPU time alone.
+
+A graph is captured per block shape (sequences, prompt length) on its first use, for blocks
+whose prompts all have that length and nothing cached; other blocks run eagerly. The host
+settles what the eager layers decide on the fly before each replay: the recent-block pool rows
+(``RecentIndex.assign``, in the order the eager schedule asks), the pool slots of the tokens each
+sequence keeps in fp (``kv.kept_tokens``; a sequence without a row writes the scratch row) and
+the cache slots; they reach the GPU in one copy from pinned memory. Graphs share the decode
+graphs' memory pool (``cuda_graphs``); their outputs are copied out before the next replay.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from localgen.kv.attention import AttentionMetadata
+from localgen.runtime.cuda_graphs import EagerGraph, record_graph
+from localgen.runtime.offload.kv import StaticPrefill, kept_tokens, recent_mask
+from localgen.runtime.sequence import Sequence
+
+MAX_GRAPHS = 4  # block shapes kept per runner: a mixed-length workload does not capture without end
+
+
+class _PrefillGraph:
+    """The static buffers, per-batch metadata and graph of one block shape: ``n`` prompts of
+    ``length`` tokens in GPU batches of ``gbs``.
+
+    One flat int64 device buffer holds the inputs that change between replays, each a view:
+    token ids and cache slots ``[n * length]``, the pool slots kept ``[n * keep]`` and the block
+    tables ``[n, width]``; ``staging`` is its pinned host twin."""
+
+    def __init__(self, runner, n: int, length: int, gbs: int, capture: bool):
+        self.runner, self.n, self.length = runner, n, length
+        kv, dev = runner.kv, runner.device
+        bs = self.bs = kv.block_size
+        self.width = -(-length // bs)
+        self.keep = length - bs * ((length - 1) // bs)  # tokens of the last block, pooled in fp
+        total = n * (2 * length + self.keep + self.width)
+        self.inputs = torch.zeros(total, dtype=torch.long, device=dev)
+        self.staging_t = torch.zeros(total, dtype=torch.long, pin_memory=capture and dev.type == "cuda")
+        self.staging = self.staging_t.numpy()
+        self.copied: torch.cuda.Event | None = None  # the last staging -> device copy
+        nl = n * length
+        self.ids, self.slots = self.inputs[:nl], self.inputs[nl:2 * nl]
+        self.keep_slots = self.inputs[2 * nl:2 * nl + n * self.keep]
+        self.tables = self.inputs[2 * nl + n * self.keep:].view(n, self.width)
+        self.batches = [(a, min(a + gbs, n)) for a in range(0, n, gbs)]
+        mask = recent_mask(0, length, bs, dev) if kv.recent is not None else None
+        self.steps, self.lasts = [], []
+        for a, e in self.batches:
+            self.steps.append(self._step(a, e, mask))
+            self.lasts.append(torch.arange(1, e - a + 1, device=dev) * length - 1)
+        self.graph = None
+        self.capture = capture
+        self.logits: torch.Tensor | None = None
+
+    def _step(self, a: int, e: int, mask: torch.Tensor | None):
+        """(token ids, positions, metadata) of the GPU batch of sequences ``a .. e-1``."""
+        L, g, dev = self.length, e - a, self.runner.device
+        fixed = None
+        if mask is not None:
+            _, toks = kept_tokens([0] * g, [L] * g, [L] * g, self.bs)
+            fixed = StaticPrefill(self.keep_slots[a * self.keep:e * self.keep],
+                                  torch.tensor(toks, dtype=torch.long, device=dev), mask)
+        meta = AttentionMetadata(
+            is_prefill=True, slot_mapping=self.slots[a * L:e * L], block_tables=self.tables[a:e],
+            context_lens=torch.full((g,), L, dtype=torch.long, device=dev),
+            query_lens=[L] * g, context_lens_list=[L] * g, static_prefill=fixed)
+        return self.ids[a * L:e * L], torch.arange(L, device=dev).repeat(g), meta
+
+    def fill(self, block: list[Sequence]) -> None:
+        """Settle the block's pool rows and slots on the host, write them with the token ids,
+        cache slots and block tables into the staging buffer, and start one copy to the GPU."""
+        if self.copied is not None:  # the previous copy must have read the staging buffer
+            self.copied.synchronize()
+        L, bs, st = self.length, self.bs, self.staging
+        nl, nk = self.n * L, self.n * self.keep
+        tables = np.array([s.block_table[:self.width] for s in block], dtype=np.int64)
+        st[:nl] = np.concatenate([s.token_ids for s in block])
+        st[nl:2 * nl] = (tables[:, :, None] * bs + np.arange(bs)).reshape(self.n, -1)[:, :L].ravel()
+        st[2 * nl + nk:] = tables.ravel()
+        recent = self.runner.kv.recent
+        if recent is not None:
+            for a, e in self.batches:  # in the eager schedule's order: one assignment per batch
+                rows, init = recent.assign([s.block_table for s in block[a:e]], [L] * (e - a),
+                                           [L] * (e - a), bs)
+                assert not init, "a whole prompt's block holds no earlier slots"
+                rows = [r if r >= 0 else recent.scratch for r in rows]
+                st[2 * nl + a * self.keep:2 * nl + e * self.keep] = kept_tokens(
+                    rows, [L] * (e - a), [L] * (e - a), bs)[0]
+        self.inputs.copy_(self.staging_t, non_blocking=True)
+        if self.inputs.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def replay(self) -> torch.Tensor:
+        """Run the block (capturing it first on first use); float32 logits ``[n, vocab]``, a
+        copy (the next replay overwrites the graph's output)."""
+        if self.graph is None:
+            forward = lambda: self.runner.forward_block(self.steps, self.lasts)  # noqa: E731
+            if self.capture:
+                self.graph, self.logits = record_graph(forward, self.runner.device,
+                                                       self.runner.graphs.pool, release_cache=True)
+                self.runner.graphs.pool = self.graph.pool()
+            else:  # CPU tests: the same static step, run eagerly
+                self.logits = forward()
+                self.graph = EagerGraph(forward, self.logits)
+        self.graph.replay()
+        return self.logits.clone()
+
+
+class PrefillGraphs:
+    """``run_block(block)``: an ``OffloadRunner``'s whole-prompt prefill block replayed from its
+    graph, or None (the runner then runs it eagerly). ``capture=False`` runs the static steps
+    without capturing them (CPU tests)."""
+
+    def __init__(self, runner, capture: bool = True, max_graphs: int = MAX_GRAPHS):
+        self.runner, self.capture, self.max_graphs = runner, capture, max_graphs
+        self.graphs: dict[tuple[int, int], _PrefillGraph] = {}
+
+    @torch.inference_mode()
+    def run_block(self, block: list[Sequence]) -> torch.Tensor | None:
+        """float32 logits ``[len(block), vocab]`` of the block's last tokens, or None when the
+        block is not one equal-length run of whole prompts or no graph slot is left."""
+        length = block[0].num_tokens
+        width = -(-length // self.runner.kv.block_size)
+        if any(s.num_computed or s.num_tokens != length or len(s.block_table) < width for s in block):
+            return None
+        key = (len(block), length)
+        g = self.graphs.get(key)
+        if g is None:
+            if len(self.graphs) >= self.max_graphs:
+                return None
+            g = self.graphs[key] = _PrefillGraph(self.runner, len(block), length,
+                                                 self.runner.policy.gbs, self.capture)
+        g.fill(block)
+        return g.replay()
