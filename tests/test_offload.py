@@ -285,14 +285,16 @@ def test_graph_decode_gives_the_eager_tokens(dirs, monkeypatch, compress):
     assert [b for b, _ in sorted(runner.graphs.graphs)] == [1, 4]
 
 
-def _graphed(llm: LLM, replays: list, monkeypatch):
-    """Give ``llm``'s offload runner decode and prefill graphs run without capture; ``replays``
-    collects the size of each block a prefill graph serves."""
+def _graphed(llm: LLM, replays: list, monkeypatch, prefill: bool):
+    """Give ``llm``'s offload runner decode graphs and, with ``prefill``, prefill graphs, run
+    without capture; ``replays`` collects the size of each block a prefill graph serves."""
     from localgen.runtime.cuda_graphs import GraphedModelRunner
     from localgen.runtime.offload.prefill_graphs import PrefillGraphs
 
     runner = llm.engine.runner
     runner.graphs = GraphedModelRunner(runner.model, runner.kv, 4, llm.engine.max_model_len, capture=False)
+    if not prefill:
+        return None
     runner.prefill_graphs = pg = PrefillGraphs(runner, capture=False)
     run_block = pg.run_block
     monkeypatch.setattr(pg, "run_block", lambda b: (out := run_block(b)) is not None and replays.append(len(b)) or out)
@@ -302,14 +304,14 @@ def _graphed(llm: LLM, replays: list, monkeypatch):
 @pytest.mark.parametrize("pool", [True, False], ids=["pool", "no_pool"])
 def test_graph_prefill_gives_the_eager_tokens_and_cache(dirs, monkeypatch, pool):
     """Whole-prompt prefill blocks of a 4-bit all-GPU-tier policy through the static graph path
-    (run here without capture, Triton under TRITON_INTERPRET=1): after a block of equal-length
-    prompts, every layer's packed cache and recent-block pool equal the eager schedule's bit for
-    bit; greedy tokens equal over blocks of 4 and 1 prompts (the same graph refilled with other
-    prompts), prompt lengths a multiple of the block size and not, with and without the recent-block
-    pool; past ``MAX_GRAPHS`` block shapes, prefills run eagerly."""
+    (run here without capture, Triton under TRITON_INTERPRET=1), with and without the
+    recent-block pool: a block shape goes through it from its second sighting on; after such a
+    block, every layer's packed cache and pool equal the eager schedule's bit for bit; greedy
+    tokens equal over blocks of 4 and 1 prompts, the same graph refilled with other prompts,
+    prompt lengths a multiple of the block size and not; an eager prefill (mixed lengths) drops
+    the graphs."""
     pytest.importorskip("triton")
     from localgen.runtime.offload import kv as offload_kv
-
     from localgen.runtime.offload import runner as offload_runner
 
     monkeypatch.setattr(offload_kv, "INT4_KERNEL_DEVICES", ("cuda", "cpu"))
@@ -319,27 +321,34 @@ def test_graph_prefill_gives_the_eager_tokens_and_cache(dirs, monkeypatch, pool)
                             lambda *a, **kw: cache(*a, **{**kw, "recent_blocks": 0}))
     pol = P(compress_weight=True, compress_cache=True, gbs=2, ngb=2)
     g = torch.Generator().manual_seed(7)
-    rounds = [torch.randint(6, 300, (n, L), generator=g).tolist() for n, L in ((4, 9), (4, 9), (5, 8))]
-    runs, states, replays = {}, {}, []
+    shapes = ((4, 9), (4, 9), (4, 9), (5, 8), (5, 8))
+    rounds = [torch.randint(6, 300, shape, generator=g).tolist() for shape in shapes]
+    runs, states, replays, held, pg = {}, {}, [], [], None
     for graphed in (False, True):
         llm = LLM.load(str(dirs["llama3"]), device="cpu", kv_cache_memory=KV, block_size=4,
                        max_num_seqs=4, policy=pol, enable_prefix_caching=False)
-        if graphed:
-            pg = _graphed(llm, replays, monkeypatch)
-        ids = [llm.add_request(Request(prompt_token_ids=p, sampling=GREEDY)) for p in rounds[0]]
-        llm.step()  # the first block's prefill alone
+        # decode graphs in both runs: their pool rows are assigned per step, the eager
+        # decode's per GPU batch, so the pools would differ by more than the prefill
+        pg = _graphed(llm, replays, monkeypatch, prefill=graphed) or pg
+        runs[graphed] = _at_once(llm, rounds[0])
+        ids = [llm.add_request(Request(prompt_token_ids=p, sampling=GREEDY)) for p in rounds[1]]
+        llm.step()  # the second (4, 9) block's prefill alone: graphed
         states[graphed] = [{k: t.clone() for k, t in {**v.t, "pool_k": v.pool_k, "pool_v": v.pool_v}.items()
                             if t is not None} for v in llm.engine.kv_cache.views]
         done = {}
         while llm.has_unfinished():
             done.update({o.request_id: o.token_ids for o in llm.step() if o.finished})
-        runs[graphed] = [done[i] for i in ids] + [t for ps in rounds[1:] for t in _at_once(llm, ps)]
-        runs[graphed] += staggered(llm, prompts())  # mixed lengths: eager prefill
+        runs[graphed] += [done[i] for i in ids] + [t for ps in rounds[2:] for t in _at_once(llm, ps)]
+        if graphed:
+            held = sorted(pg.graphs)
+        runs[graphed] += staggered(llm, prompts())  # mixed lengths: eager prefills
     assert runs[True] == runs[False]
     for eager, graph in zip(states[False], states[True]):
         assert eager.keys() == graph.keys() and ("pool_k" in eager) == pool
         assert all(torch.equal(eager[k], graph[k]) for k in eager)
-    assert replays == [4, 4, 4, 1, 1] and sorted(pg.graphs) == [(1, 3), (1, 8), (4, 8), (4, 9)]
+    # (4, 9) captured at round 2 and replayed at 3, released by round 4's first (4, 8) sighting
+    assert replays == [4, 4, 4, 1] and held == [(1, 8), (4, 8)] and not pg.graphs
+    assert pg.seen[(4, 9)] == 2 and pg.seen[(4, 8)] == 2
 
 
 @pytest.mark.parametrize("name", ["all_gpu_tier", "cpu_attention", "int4"])

@@ -62,7 +62,7 @@ class RunResult:
     measured_terms: dict = field(default_factory=dict)  # phase -> term -> seconds per layer (per step)
     wall_tokens_per_s: float = 0.0  # generated tokens / wall time incl. the engine between steps
     repeats: list = field(default_factory=list)  # localgen: [prefill s, decode s, wall s] per repeat
-    graphs: dict = field(default_factory=dict)  # localgen: CUDA graphs captured, {"decode": n, "prefill": n}
+    graphs: dict = field(default_factory=dict)  # localgen: CUDA graphs held at the end, blocks a prefill graph served
     predicted: dict = field(default_factory=dict)
     error: str = ""
 
@@ -145,8 +145,9 @@ def run_localgen(cfg, store, policy, batch: int, prompt_len: int, gen_len: int, 
     llm = LLM.from_parts(cfg, store, None, ecfg, device=device, dtype=dtype, name="bench",
                          policy=policy, offload_dir=offload_dir, gpu_memory=gpu_memory)
     _log(f"  built in {time.perf_counter() - t0:.1f} s; {policy.describe()}")
-    if getattr(llm.engine.runner, "graphs", None) is not None:  # capture the measured shapes' graph
-        generate_random(llm, batch, prompt_len, 2, seed=1)
+    if getattr(llm.engine.runner, "graphs", None) is not None:  # capture the measured shapes' graphs
+        for _ in range(2):  # a prefill graph is captured at its shape's second sighting
+            generate_random(llm, batch, prompt_len, 2, seed=1)
     else:
         generate_random(llm, min(batch, policy.bls), 8, 2, seed=1)  # warm up (allocator, kernels)
     _log("  warmed up")
@@ -163,6 +164,8 @@ def run_localgen(cfg, store, policy, batch: int, prompt_len: int, gen_len: int, 
     res.graphs = {name: len(g.graphs) for name, g in (("decode", getattr(runner, "graphs", None)),
                                                       ("prefill", getattr(runner, "prefill_graphs", None)))
                   if g is not None}
+    if "prefill" in res.graphs:
+        res.graphs["prefill_blocks_served"] = runner.prefill_graphs.served
     if torch.cuda.is_available() and str(device).startswith("cuda"):
         res.memory_gib["cuda_max_allocated"] = round(torch.cuda.max_memory_allocated() / GiB, 3)
     timers = llm.engine.model.timers

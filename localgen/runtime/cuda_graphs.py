@@ -170,22 +170,22 @@ class GraphedModelRunner(ModelRunner):
         return g
 
     def _record(self, forward) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        graph, logits = record_graph(forward, self.device, self.pool)
+        graph, logits, _ = record_graph(forward, self.device, self.pool)
         self.pool = graph.pool()
         return graph, logits
 
 
-def record_graph(forward, device: torch.device, pool=None,
-                 release_cache: bool = False) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+def record_graph(forward, device: torch.device, pool=None, release_cache: bool = False):
     """Run ``forward`` once eagerly on a side stream (compiles the Triton kernels, sizes the
-    allocator), then capture it into a graph whose allocations come from ``pool`` (a
-    ``graph_pool_handle``; None: a new pool). ``release_cache``: hand the allocator's cached free
-    blocks back to the driver between the two (a large capture under a memory cap otherwise
-    finds the warm-up's freed blocks held by the eager pool). Returns (graph, forward's output)."""
+    allocator; its output is a real result), then capture it into a graph whose allocations come
+    from ``pool`` (a ``graph_pool_handle``; None: a new pool). ``release_cache``: hand the
+    allocator's cached free blocks back to the driver between the two (a large capture under a
+    memory cap otherwise finds the warm-up's freed blocks held by the eager pool). Returns
+    (graph, the graph's static output, the eager run's output)."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
-        forward()
+        warm = forward()
     torch.cuda.current_stream(device).wait_stream(stream)
     if release_cache:
         torch.cuda.synchronize(device)
@@ -193,4 +193,4 @@ def record_graph(forward, device: torch.device, pool=None,
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         out = forward()
-    return graph, out
+    return graph, out, warm

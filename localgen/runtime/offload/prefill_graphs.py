@@ -6,16 +6,22 @@ against 227 ms of GPU work on a calm H100 host. When the device machine's host s
 host becomes the bound and the same prefill measured 0.25-0.41 s
 (``docs/results/offload_h100.md``, fifth session). A replayed graph costs the GPU time alone.
 
-A graph is captured per block shape (sequences, prompt length) on its first use, for blocks
-whose prompts all have that length and nothing cached; other blocks run eagerly. The host
+A block shape (sequences, prompt length) is captured at its second sighting, for blocks whose
+prompts all have that length and nothing cached (a chat's prompts rarely repeat a length; a batch
+of fixed-length prompts does at once); the capture's eager warm-up serves that block. The host
 settles what the eager layers decide on the fly before each replay: the recent-block pool rows
 (``RecentIndex.assign``, in the order the eager schedule asks), the pool slots of the tokens each
 sequence keeps in fp (``kv.kept_tokens``; a sequence without a row writes the scratch row) and
-the cache slots; they reach the GPU in one copy from pinned memory. Graphs share the decode
-graphs' memory pool (``cuda_graphs``); their outputs are copied out before the next replay.
+the cache slots; they reach the GPU in one copy from pinned memory. The graphs share one memory
+pool, which holds a prefill's working memory for as long as they live: before any block runs
+eagerly, the runner drops them (``release``), since under a tight memory cap the eager block
+may not fit beside them (Llama-2-7B 4-bit at 6 GiB: 388 MiB held, and the eager prefill ran out
+of memory).
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import numpy as np
 import torch
@@ -25,7 +31,8 @@ from localgen.runtime.cuda_graphs import EagerGraph, record_graph
 from localgen.runtime.offload.kv import StaticPrefill, kept_tokens, recent_mask
 from localgen.runtime.sequence import Sequence
 
-MAX_GRAPHS = 4  # block shapes kept per runner: a mixed-length workload does not capture without end
+MAX_GRAPHS = 4  # block shapes captured at once, at most
+SIGHTINGS = 2  # a block shape is captured the time it is seen this often since the last release
 
 
 class _PrefillGraph:
@@ -36,8 +43,9 @@ class _PrefillGraph:
     token ids and cache slots ``[n * length]``, the pool slots kept ``[n * keep]`` and the block
     tables ``[n, width]``; ``staging`` is its pinned host twin."""
 
-    def __init__(self, runner, n: int, length: int, gbs: int, capture: bool):
-        self.runner, self.n, self.length = runner, n, length
+    def __init__(self, owner: "PrefillGraphs", n: int, length: int, gbs: int):
+        self.owner, self.runner, self.n, self.length = owner, owner.runner, n, length
+        runner, capture = owner.runner, owner.capture
         kv, dev = runner.kv, runner.device
         bs = self.bs = kv.block_size
         self.width = -(-length // bs)
@@ -59,7 +67,7 @@ class _PrefillGraph:
             self.lasts.append(torch.arange(1, e - a + 1, device=dev) * length - 1)
         self.graph = None
         self.capture = capture
-        self.logits: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None  # the graph's static output
 
     def _step(self, a: int, e: int, mask: torch.Tensor | None):
         """(token ids, positions, metadata) of the GPU batch of sequences ``a .. e-1``."""
@@ -101,34 +109,41 @@ class _PrefillGraph:
             self.copied.record()
 
     def replay(self) -> torch.Tensor:
-        """Run the block (capturing it first on first use); float32 logits ``[n, vocab]``, a
-        copy (the next replay overwrites the graph's output)."""
-        if self.graph is None:
-            forward = lambda: self.runner.forward_block(self.steps, self.lasts)  # noqa: E731
-            if self.capture:
-                self.graph, self.logits = record_graph(forward, self.runner.device,
-                                                       self.runner.graphs.pool, release_cache=True)
-                self.runner.graphs.pool = self.graph.pool()
-            else:  # CPU tests: the same static step, run eagerly
-                self.logits = forward()
-                self.graph = EagerGraph(forward, self.logits)
-        self.graph.replay()
+        """Run the block: the first call captures the graph and returns the capture's eager
+        warm-up result, later calls replay it. float32 logits ``[n, vocab]``, a copy (the next
+        replay overwrites the graph's output)."""
+        if self.graph is not None:
+            self.graph.replay()
+            return self.logits.clone()
+        owner = self.owner
+        forward = lambda: self.runner.forward_block(self.steps, self.lasts)  # noqa: E731
+        if self.capture:
+            self.graph, self.logits, warm = record_graph(forward, self.runner.device, owner.pool,
+                                                         release_cache=True)
+            owner.pool = self.graph.pool()
+            return warm
+        self.logits = forward()  # CPU tests: the same static step, run eagerly
+        self.graph = EagerGraph(forward, self.logits)
         return self.logits.clone()
 
 
 class PrefillGraphs:
     """``run_block(block)``: an ``OffloadRunner``'s whole-prompt prefill block replayed from its
-    graph, or None (the runner then runs it eagerly). ``capture=False`` runs the static steps
-    without capturing them (CPU tests)."""
+    graph, or None (the runner then calls ``release`` and runs it eagerly). ``capture=False``
+    runs the static steps without capturing them (CPU tests)."""
 
     def __init__(self, runner, capture: bool = True, max_graphs: int = MAX_GRAPHS):
         self.runner, self.capture, self.max_graphs = runner, capture, max_graphs
         self.graphs: dict[tuple[int, int], _PrefillGraph] = {}
+        self.seen: Counter = Counter()  # sightings of each block shape
+        self.pool = None  # the graphs' memory pool (not the decode graphs': released alone)
+        self.served = 0  # blocks run through a graph (its capture included)
 
     @torch.inference_mode()
     def run_block(self, block: list[Sequence]) -> torch.Tensor | None:
         """float32 logits ``[len(block), vocab]`` of the block's last tokens, or None when the
-        block is not one equal-length run of whole prompts or no graph slot is left."""
+        block is not one equal-length run of whole prompts, its shape is not seen often enough
+        yet, or ``max_graphs`` other shapes are held."""
         length = block[0].num_tokens
         width = -(-length // self.runner.kv.block_size)
         if any(s.num_computed or s.num_tokens != length or len(s.block_table) < width for s in block):
@@ -136,9 +151,24 @@ class PrefillGraphs:
         key = (len(block), length)
         g = self.graphs.get(key)
         if g is None:
-            if len(self.graphs) >= self.max_graphs:
+            if len(self.seen) > 4096:  # a long chat of many prompt lengths: forget them
+                self.seen.clear()
+            self.seen[key] += 1
+            if self.seen[key] < SIGHTINGS or len(self.graphs) >= self.max_graphs:
                 return None
-            g = self.graphs[key] = _PrefillGraph(self.runner, len(block), length,
-                                                 self.runner.policy.gbs, self.capture)
+            g = self.graphs[key] = _PrefillGraph(self, len(block), length, self.runner.policy.gbs)
         g.fill(block)
+        self.served += 1
         return g.replay()
+
+    def release(self) -> None:
+        """Drop every graph and hand their memory back (an eager block is about to run). A
+        shape seen before is captured again at its next sighting: a workload that alternates
+        graphed and eager blocks pays a capture (about one eager prefill's host work) for each."""
+        if not self.graphs:
+            return
+        self.graphs.clear()
+        self.pool = None
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+            torch.cuda.empty_cache()

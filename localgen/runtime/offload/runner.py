@@ -164,12 +164,15 @@ class OffloadRunner(ModelRunner):
             logits = self.graphs.decode(seqs)
             if logits is not None:
                 return logits
-        replay = (self.prefill_graphs if is_prefill and not self.timers.enabled else None)
+        pg = self.prefill_graphs if is_prefill else None
         out = []
         bls, gbs = self.policy.bls, self.policy.gbs
         for b0 in range(0, len(seqs), bls):
-            block = seqs[b0:b0 + bls]
-            logits = replay.run_block(block) if replay is not None else None
+            block, logits = seqs[b0:b0 + bls], None
+            if pg is not None:
+                logits = None if self.timers.enabled else pg.run_block(block)
+                if logits is None:
+                    pg.release()  # the eager block may need the memory the graphs hold
             out.append(logits if logits is not None else self._run_block(block, gbs, is_prefill))
         return torch.cat(out)
 
