@@ -12,8 +12,9 @@ of fixed-length prompts does at once); the capture's eager warm-up serves that b
 settles what the eager layers decide on the fly before each replay: the recent-block pool rows
 (``RecentIndex.assign``, in the order the eager schedule asks), the pool slots of the tokens each
 sequence keeps in fp (``kv.kept_tokens``; a sequence without a row writes the scratch row) and
-the cache slots; they reach the GPU in one copy from pinned memory. The graphs share one memory
-pool, which holds a prefill's working memory for as long as they live: before any block runs
+the cache slots; they reach the GPU in one copy from pinned memory. The prefill graphs share a
+memory pool of their own (not the decode graphs'), which holds a prefill's working memory for
+as long as they live: before any block runs
 eagerly, the runner drops them (``release``), since under a tight memory cap the eager block
 may not fit beside them (Llama-2-7B 4-bit at 6 GiB: 388 MiB held, and the eager prefill ran out
 of memory).
@@ -32,7 +33,7 @@ from localgen.runtime.offload.kv import StaticPrefill, kept_tokens, recent_mask
 from localgen.runtime.sequence import Sequence
 
 MAX_GRAPHS = 4  # block shapes captured at once, at most
-SIGHTINGS = 2  # a block shape is captured the time it is seen this often since the last release
+SIGHTINGS = 2  # a block shape is captured when it is seen for this many times
 
 
 class _PrefillGraph:

@@ -162,6 +162,8 @@ class OffloadRunner(ModelRunner):
         nbytes = x.numel() * x.element_size()
         buf = self.act_host.get(k)
         if buf is None or buf.numel() < nbytes:
+            if buf is not None:  # queued copies may still use the old buffer (rare: a new maximum)
+                torch.cuda.current_stream(self.device).synchronize()
             buf = self.act_host[k] = host_empty(nbytes, pin=True)
         return buf[:nbytes].view(x.dtype).view(x.shape)
 
@@ -235,11 +237,12 @@ class OffloadRunner(ModelRunner):
         return torch.cat(logits)
 
     def memory_by_tier(self) -> dict[str, int]:
-        """Bytes this runner holds per tier: weights (+ staging), KV cache."""
+        """Bytes this runner holds per tier: weights (+ staging), KV cache, pinned activation
+        buffers."""
         mem = self.model.weight_bytes_by_tier()
         st = self.model.layers.staging_bytes()
         mem["gpu"] += st["gpu"]
-        mem["cpu"] += st["cpu"]
+        mem["cpu"] += st["cpu"] + sum(b.numel() for b in self.act_host.values())
         for t in mem:
             mem[t] += self.kv.bytes_on(t)
         return mem
