@@ -27,7 +27,7 @@ from collections import Counter
 import numpy as np
 import torch
 
-from localgen.kv.attention import AttentionMetadata
+from localgen.kv.attention import AttentionMetadata, pool_slot
 from localgen.runtime.cuda_graphs import EagerGraph, record_graph
 from localgen.runtime.offload.kv import StaticPrefill, kept_tokens, recent_mask
 from localgen.runtime.sequence import Sequence
@@ -67,7 +67,6 @@ class _PrefillGraph:
             self.steps.append(self._step(a, e, mask))
             self.lasts.append(torch.arange(1, e - a + 1, device=dev) * length - 1)
         self.graph = None
-        self.capture = capture
         self.logits: torch.Tensor | None = None  # the graph's static output
 
     def _step(self, a: int, e: int, mask: torch.Tensor | None):
@@ -93,7 +92,7 @@ class _PrefillGraph:
         nl, nk = self.n * L, self.n * self.keep
         tables = np.array([s.block_table[:self.width] for s in block], dtype=np.int64)
         st[:nl] = np.concatenate([s.token_ids for s in block])
-        st[nl:2 * nl] = (tables[:, :, None] * bs + np.arange(bs)).reshape(self.n, -1)[:, :L].ravel()
+        st[nl:2 * nl] = pool_slot(tables[:, :, None], np.arange(bs), bs).reshape(self.n, -1)[:, :L].ravel()
         st[2 * nl + nk:] = tables.ravel()
         recent = self.runner.kv.recent
         if recent is not None:
@@ -118,7 +117,7 @@ class _PrefillGraph:
             return self.logits.clone()
         owner = self.owner
         forward = lambda: self.runner.forward_block(self.steps, self.lasts)  # noqa: E731
-        if self.capture:
+        if owner.capture:
             self.graph, self.logits, warm = record_graph(forward, self.runner.device, owner.pool,
                                                          release_cache=True)
             owner.pool = self.graph.pool()
