@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from localgen.kernels import paged_attention_ref as ref
+from localgen.kv import cpu_decode
 from localgen.kv.attention import (AttentionMetadata, LayerKV, cpu_decode_attention,
                                    cpu_prefill_attention)
 from localgen.quant import cpu_int4
@@ -49,9 +50,20 @@ def decode_meta(lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
     return AttentionMetadata(False, slots, bt, torch.tensor(lens), [1] * len(lens), lens)
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def decode_path(request, monkeypatch):
+    """Runs a test through the C kernel (skipped where it cannot be built) and the torch path."""
+    if request.param == "kernel":
+        if not cpu_decode.kernel.available():
+            pytest.skip("no C compiler: the CPU decode kernel is not built")
+    else:
+        monkeypatch.setattr(cpu_decode.kernel, "available", lambda: False)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["one_consecutive", "one_shuffled", "three_lengths", "pair_less"])
-def test_cpu_decode_attention_matches_reference(dtype, case):
+def test_cpu_decode_attention_matches_reference(dtype, case, decode_path):
     torch.manual_seed(1)
     heads, kv_heads, d = 9, 3, 64
     kv = paged_cache(40, kv_heads, d, dtype)
@@ -71,13 +83,16 @@ def test_cpu_decode_attention_matches_reference(dtype, case):
     want = ref.paged_decode_attention(q.double(), kv.k_cache.double(), kv.v_cache.double(),
                                       meta.block_tables, meta.context_lens, d ** -0.5)
     assert out.dtype == dtype and rel_err(out, want) < (1e-5 if dtype == torch.float32 else 1e-2)
-    assert meta.cpu_decode.n_blocks == -(-max(lens) // BS)
-    assert (meta.cpu_decode.mask is None) == (len(set(lens)) == 1)
+    if decode_path == "kernel":
+        assert isinstance(meta.cpu_decode, cpu_decode.kernel.Launch)
+    else:
+        assert meta.cpu_decode.n_blocks == -(-max(lens) // BS)
+        assert (meta.cpu_decode.mask is None) == (len(set(lens)) == 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lens", [[48], [17, 80, 33, 1], [64, 64]])
-def test_cpu_decode_attention_strided_query_and_reversed_tables(dtype, lens):
+def test_cpu_decode_attention_strided_query_and_reversed_tables(dtype, lens, decode_path):
     """Queries as a strided view (the q part of a fused q/k/v output, as the CPU decode layer
     passes them), block tables running backwards or shuffled, lengths on and off block
     boundaries, against a float64 reference."""

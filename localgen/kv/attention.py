@@ -71,8 +71,9 @@ class AttentionMetadata:
     context_lens: torch.Tensor
     query_lens: list[int]
     context_lens_list: list[int]
-    # the CPU decode path's per-step gather plan (CpuDecodePlan), built by the first layer
-    cpu_decode: "CpuDecodePlan | None" = None
+    # the CPU decode path's per-step plan (the C kernel's Launch, or the torch path's
+    # CpuDecodePlan), built by the first layer
+    cpu_decode: object = None
     # the offload cache's per-step plan (runtime/offload/kv.py), built by the first layer
     tier_plan: object = None
     # ``[num_seqs]`` int64, set by a decode step replayed as a CUDA graph (runtime/cuda_graphs.py),

@@ -1,0 +1,117 @@
+"""The C CPU decode-attention kernel (kernels/csrc/paged_decode_cpu.c) against the float64
+reference, on fresh random inputs: GQA groups, every head_dim the models use (and one that takes
+the kernel's generic loop), shuffled block tables, lengths off block boundaries, contexts split
+across threads; and its build's fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from localgen.kernels import cpu_build
+from localgen.kernels import paged_attention_ref as ref
+from localgen.kernels import paged_decode_cpu as pdc
+
+needs_kernel = pytest.mark.skipif(not pdc.available(), reason="no C compiler for the kernel")
+BS = 16
+
+
+def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
+    return float((out.double() - want.double()).norm() / want.double().norm())
+
+
+def random_case(lens: list[int], heads: int, kv_heads: int, d: int, dtype: torch.dtype,
+                gen: torch.Generator):
+    """A shuffled paged cache holding ``lens`` tokens per sequence, and the queries."""
+    need = [-(-n // BS) for n in lens]
+    num_blocks = sum(need) + 5
+    pair = torch.randn(2, num_blocks, BS, kv_heads, d, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    width, at, rows = max(need), 0, []
+    for k in need:
+        rows.append(torch.cat([perm[at:at + k], torch.zeros(width - k, dtype=torch.long)]))
+        at += k
+    q = torch.randn(len(lens), heads, d, generator=gen).to(dtype)
+    return q, pair[0], pair[1], torch.stack(rows), torch.tensor(lens)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 8, 80), (12, 4, 96), (32, 8, 128),
+                                              (4, 1, 48)])
+@pytest.mark.parametrize("lens", [[1], [37], [16, 300, 5], [1100]])
+def test_paged_decode_matches_float64_reference(dtype, heads, kv_heads, d, lens):
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)  # fresh inputs each run
+    q, kc, vc, bt, cl = random_case(lens, heads, kv_heads, d, dtype, gen)
+    out = pdc.paged_decode(q, kc, vc, bt, cl, d ** -0.5)
+    want = ref.paged_decode_attention(q.double(), kc.double(), vc.double(), bt, cl, d ** -0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert rel_err(out, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_split_contexts_combine_to_the_unsplit_result(splits):
+    """Partials over context splits (some empty: 7 splits of a 40-token sequence) combine to
+    what one pass gives, within float32 rounding."""
+    gen = torch.Generator().manual_seed(3)
+    q, kc, vc, bt, cl = random_case([700, 40], 8, 2, 64, torch.float32, gen)
+    one = pdc.run(pdc.Launch(bt, cl, 1, 1), q, kc, vc, 0.125)
+    many = pdc.run(pdc.Launch(bt, cl, splits, 2), q, kc, vc, 0.125)
+    assert (many - one).abs().max() < 1e-5
+
+
+@needs_kernel
+def test_outlier_scores_stay_finite_and_exact():
+    """A key aligned with the query at a large scale: one score far above the rest (the
+    softmax is then one-hot), as the float64 reference gives."""
+    gen = torch.Generator().manual_seed(5)
+    q, kc, vc, bt, cl = random_case([200], 4, 1, 64, torch.float32, gen)
+    kc[bt[0, 3], 7, 0] = q[0, 0] * 40
+    out = pdc.paged_decode(q, kc, vc, bt, cl, 0.125)
+    want = ref.paged_decode_attention(q.double(), kc.double(), vc.double(), bt, cl, 0.125)
+    assert torch.isfinite(out).all() and rel_err(out, want) < 1e-5
+
+
+def test_choose_splits_fills_threads_without_short_splits():
+    assert pdc.choose_splits(1, 3, 540, 2) == 2      # 3 items for 2 threads -> 6
+    assert pdc.choose_splits(1, 3, 100, 2) == 1      # shorter than a split is worth
+    assert pdc.choose_splits(16, 8, 4000, 2) == 1    # plenty of items already
+    assert pdc.choose_splits(1, 1, 4000, 8) == 16
+
+
+@needs_kernel
+def test_rejects_what_it_cannot_take():
+    gen = torch.Generator().manual_seed(0)
+    q, kc, vc, bt, cl = random_case([20], 4, 2, 64, torch.float32, gen)
+    with pytest.raises(ValueError, match="unsupported"):
+        pdc.paged_decode(q.half(), kc.half(), vc.half(), bt, cl, 0.125)
+    with pytest.raises(ValueError, match="unsupported"):
+        pdc.paged_decode(q[:, :3], kc, vc, bt, cl, 0.125)  # 3 query heads over 2 KV heads
+    with pytest.raises(ValueError, match=">= 1"):
+        pdc.paged_decode(q, kc, vc, bt, torch.tensor([0]), 0.125)
+
+
+def test_build_falls_back_without_a_compiler(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("LOCALGEN_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_build, "_compiler", lambda: None)
+    cpu_build.load.cache_clear()
+    try:
+        assert cpu_build.load("paged_decode_cpu") is None
+        assert "no C compiler" in caplog.text
+    finally:
+        cpu_build.load.cache_clear()
+
+
+def test_build_reports_a_compile_error(monkeypatch, tmp_path, caplog):
+    if cpu_build._compiler() is None:
+        pytest.skip("no C compiler")
+    (tmp_path / "broken.c").write_text("int f( {")
+    monkeypatch.setattr(cpu_build, "CSRC", tmp_path)
+    monkeypatch.setenv("LOCALGEN_KERNEL_CACHE", str(tmp_path / "cache"))
+    cpu_build.load.cache_clear()
+    try:
+        assert cpu_build.load("broken") is None
+        assert "broken.c" in caplog.text and not list((tmp_path / "cache").glob("*.so"))
+    finally:
+        cpu_build.load.cache_clear()
