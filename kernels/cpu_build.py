@@ -29,6 +29,9 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # startup code would flush denormals for the whole process.
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-fno-math-errno",
          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
+# Per source: layer_ops_cpu reproduces torch's roundings op by op, which a fused multiply-add
+# (one rounding where torch has two) would break.
+EXTRA_FLAGS = {"layer_ops_cpu": ("-ffp-contract=off", "-fno-associative-math")}
 
 
 def cache_dir() -> Path:
@@ -57,14 +60,15 @@ def _version(cc: str) -> str:
 def _build(src: Path, cc: str) -> Path:
     """Compile ``src`` into the cache (atomically: concurrent builders each rename a whole file
     into place). Raises ``RuntimeError`` with the compiler's message on failure."""
-    key = hashlib.sha256(src.read_bytes() + _version(cc).encode() + " ".join(FLAGS).encode())
+    flags = FLAGS + EXTRA_FLAGS.get(src.stem, ())
+    key = hashlib.sha256(src.read_bytes() + _version(cc).encode() + " ".join(flags).encode())
     out = cache_dir() / f"{src.stem}-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    proc = subprocess.run([cc, *FLAGS, str(src), "-o", tmp, "-lm"], capture_output=True,
+    proc = subprocess.run([cc, *flags, str(src), "-o", tmp, "-lm"], capture_output=True,
                           text=True, timeout=300)
     if proc.returncode:
         os.unlink(tmp)

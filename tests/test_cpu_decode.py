@@ -115,12 +115,23 @@ def test_cpu_decode_attention_strided_query_and_reversed_tables(dtype, lens, dec
     assert rel_err(out, want) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+def _torch_only(monkeypatch) -> None:
+    """The layer ops' torch twins instead of the C library."""
+    from localgen.models import llama
+
+    monkeypatch.setattr(llama.cpu_ops, "available", lambda: False)
+    monkeypatch.setattr(llama.cpu_ops, "supports_norm", lambda *a: False)
+
+
 @pytest.mark.skipif(not cpu_int4.available(), reason="torch has no CPU int4 kernel")
 @pytest.mark.parametrize("num_seqs", [1, 3])
-def test_cpu_decode_layer_is_bit_identical_to_layer(num_seqs):
+@pytest.mark.parametrize("c_ops", [True, False])
+def test_cpu_decode_layer_is_bit_identical_to_layer(num_seqs, c_ops, monkeypatch):
     """The CPU decode fast path of a bf16 int4 llama layer gives exactly the generic layer's
-    output and cache writes (same kernels on the same values), and steps aside when a score
-    observer is installed."""
+    output and cache writes, with the C layer ops (norms, rotary + K/V write, residual add; the
+    generic layer then takes the C norm too) and with their torch twins, and steps aside when a
+    score observer is installed. test_cpu_kernels checks the C ops against torch alone."""
+    from localgen.kernels import layer_ops_cpu
     from localgen.kv import attention
     from localgen.models import llama
     from localgen.models.config import ModelConfig
@@ -149,13 +160,20 @@ def test_cpu_decode_layer_is_bit_identical_to_layer(num_seqs):
     ref_pair = kv_fast.pair.clone()
     kv_ref = LayerKV(ref_pair[0], ref_pair[1], ref_pair)
     assert llama._cpu_decode_mats(cfg, w, h, kv_fast) is not None
+    calls = []
+    if c_ops:
+        if not layer_ops_cpu.available():
+            pytest.skip("no C compiler for the layer ops")
+        store = layer_ops_cpu.rope_store
+        monkeypatch.setattr(llama.cpu_ops, "rope_store", lambda *a: calls.append(1) or store(*a))
+    else:
+        _torch_only(monkeypatch)
+    h_before = h.clone()
     fast = llama.layer(cfg, w, h, rope, kv_fast, decode_meta(lens, tables))
-    mats = llama._cpu_decode_mats
-    try:
-        llama._cpu_decode_mats = lambda *a: None  # the generic path
+    assert len(calls) == int(c_ops) and torch.equal(h, h_before)  # the input is left alone
+    with monkeypatch.context() as m:
+        m.setattr(llama, "_cpu_decode_mats", lambda *a: None)  # the generic path
         want = llama.layer(cfg, w, h, rope, kv_ref, decode_meta(lens, tables))
-    finally:
-        llama._cpu_decode_mats = mats
     assert torch.equal(fast, want) and torch.equal(kv_fast.pair, kv_ref.pair)
     prev = attention.set_score_observer(lambda *a: None)
     try:

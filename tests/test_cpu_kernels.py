@@ -10,6 +10,7 @@ import torch
 
 from localgen.kernels import cpu_build
 from localgen.kernels import paged_attention_ref as ref
+from localgen.kernels import layer_ops_cpu as ops
 from localgen.kernels import paged_decode_cpu as pdc
 
 needs_kernel = pytest.mark.skipif(not pdc.available(), reason="no C compiler for the kernel")
@@ -115,3 +116,59 @@ def test_build_reports_a_compile_error(monkeypatch, tmp_path, caplog):
         assert "broken.c" in caplog.text and not list((tmp_path / "cache").glob("*.so"))
     finally:
         cpu_build.load.cache_clear()
+
+
+needs_ops = pytest.mark.skipif(not ops.available(), reason="no C compiler for the layer ops")
+
+
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 steps between same-signed values (as ordered integers)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@needs_ops
+@pytest.mark.parametrize("rows,n", [(1, 576), (3, 100), (70, 2048)])  # 70 rows: threaded
+def test_rms_norms_match_torch(rows, n):
+    """bf16 RMSNorm and residual add + RMSNorm against the torch expressions (Hugging Face
+    LlamaRMSNorm's two roundings): the mean of squares is summed in another order than torch's,
+    so a rare normalized element may round one bf16 step apart, which the weight's multiply and
+    rounding can widen to two, never more; the residual sum is exact;
+    fp32 (a strided view) within float32 rounding."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x, delta = (torch.randn(rows, n, generator=gen).bfloat16() * 3 for _ in range(2))
+    w = (torch.rand(n, generator=gen) + 0.5).bfloat16()
+
+    def want(v):
+        return w * torch.nn.functional.rms_norm(v.float(), (n,), eps=1e-5).to(v.dtype)
+
+    for got, ref in ((ops.rms_norm(x, w, 1e-5), want(x)),
+                     ops.add_rms_norm(x, d := delta.clone(), w, 1e-5)[1:] + (want(x + delta),)):
+        ulps = bf16_ulps(got, ref)
+        assert ulps.max() <= 2 and (ulps > 0).float().mean() < 0.01
+    assert torch.equal(d, x + delta)  # the sum, written over delta
+    xf, wf = x.float(), w.float()
+    got = ops.rms_norm(xf[:, : n // 2], wf[: n // 2], 1e-6)  # a strided view of the rows
+    ref = wf[: n // 2] * torch.nn.functional.rms_norm(xf[:, : n // 2], (n // 2,), eps=1e-6)
+    assert torch.allclose(got, ref, rtol=2e-5, atol=1e-6)
+
+
+@needs_ops
+@pytest.mark.parametrize("rows,hq,hk,d", [(1, 9, 3, 64), (4, 8, 2, 128), (2, 4, 4, 32)])
+def test_rope_store_equals_torch_bit_for_bit(rows, hq, hk, d):
+    """Rotary embedding of q and k in place and the K/V write to shuffled slots, against
+    ``addcmul(x cos, rotate_half(x), sin)`` in torch and ``index_copy_``."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    y = torch.randn(rows, (hq + 2 * hk) * d, generator=gen).bfloat16()
+    ang = torch.rand(rows, d // 2, generator=gen) * 6.3
+    cos, sin = (torch.cat((f(ang), f(ang)), -1).bfloat16() for f in (torch.cos, torch.sin))
+    pair = torch.randn(2, 6, BS, hk, d, generator=gen).bfloat16()
+    slots = torch.randperm(6 * BS, generator=gen)[:rows]
+    want_pair, want_y = pair.clone(), y.clone()
+    qk = want_y[:, :(hq + hk) * d].view(rows, hq + hk, d)
+    half = d // 2
+    rot = torch.cat((-qk[..., half:], qk[..., :half]), -1)
+    qk.copy_(torch.addcmul(qk * cos[:, None], rot, sin[:, None]))  # torch.addcmul: one rounding
+    want_pair.view(2, -1, hk, d).index_copy_(
+        1, slots, want_y[:, hq * d:].view(rows, 2, hk, d).transpose(0, 1))
+    ops.rope_store(y, cos, sin, pair, slots, hq, hk, d)
+    assert torch.equal(y, want_y) and torch.equal(pair, want_pair)

@@ -18,6 +18,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from localgen.kernels import layer_ops_cpu as cpu_ops
 from localgen.kv import attention as _attention
 from localgen.kv.attention import AttentionMetadata, LayerKV, paged_attention
 from localgen.kv.cpu_decode import cpu_decode_attention
@@ -75,7 +76,10 @@ def global_weight_names(cfg: ModelConfig) -> dict[str, str]:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # float32 statistics, as Hugging Face LlamaRMSNorm does, whatever the compute dtype:
-    # ``weight * (x / rms(x))`` rounded to x's dtype before the weight multiplies it
+    # ``weight * (x / rms(x))`` rounded to x's dtype before the weight multiplies it; on the CPU
+    # one C call instead of ~10 small ops (most of a decode step's norm time)
+    if x.device.type == "cpu" and cpu_ops.supports_norm(x, weight):
+        return cpu_ops.rms_norm(x, weight, eps)
     return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
@@ -192,28 +196,46 @@ def _cpu_decode_mats(cfg: ModelConfig, w: dict, h: torch.Tensor, kv: LayerKV):
 def _cpu_decode_layer(cfg: ModelConfig, w: dict, mats: tuple, h: torch.Tensor,
                       rope: tuple[torch.Tensor, torch.Tensor], kv: LayerKV,
                       meta: AttentionMetadata) -> torch.Tensor:
-    """``layer`` for a CPU decode step of an int4 layer: the same kernels on the same values
-    (bit-identical output) with fewer ops and less Python between them: the int4 kernel called
-    directly, RMSNorm without explicit casts, q/k rotated in place in the q/k/v GEMM's output
-    with rotate-half as a swap of the halves (``flip`` of a ``[.., 2, d/2]`` view, one copy where
-    ``roll`` takes several), the new k and v written to the cache in one ``index_copy_``, the MLP
-    halves sliced instead of chunked (one thread: ~270 µs a layer against ~300)."""
+    """``layer`` for a CPU decode step of an int4 layer: the same values (bit-identical output)
+    with fewer ops and less Python between them. The int4 kernel is called directly; where the
+    C layer ops are built (``localgen.kernels.layer_ops_cpu``) the norms, the rotary embedding
+    with the K/V write, and the residual add are one C call each, as is attention
+    (``cpu_decode_attention``); the torch twin of each is ``_torch_rope_store`` and the two-op
+    add + ``rms_norm``."""
     qkv, o, gate_up, down = mats
     n, hq, hk, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    shape, eps = h.shape[-1:], cfg.norm_eps
-    # F.rms_norm upcasts bf16 to float32 itself: the same values as ``rms_norm``, two ops fewer
-    y = qkv.small(w["input_norm"] * F.rms_norm(h, shape, eps=eps))
-    qk = y[:, :(hq + hk) * d].view(n, hq + hk, d)
+    eps = cfg.norm_eps
+    y = qkv.small(rms_norm(h, w["input_norm"], eps))
     cos, sin = rope
+    fused = (cpu_ops.available() and cos.is_contiguous() and sin.is_contiguous()
+             and meta.slot_mapping.dtype == torch.int64)
+    if fused:
+        cpu_ops.rope_store(y, cos, sin, kv.pair, meta.slot_mapping, hq, hk, d)
+    else:
+        _torch_rope_store(y, cos, sin, kv, meta, hq, hk, d)
+    attn = cpu_decode_attention(y[:, :hq * d].view(n, hq, d), kv, meta, d ** -0.5)
+    delta = o.small(attn.view(n, hq * d))
+    if fused:
+        h, x = cpu_ops.add_rms_norm(h, delta, w["post_norm"], eps)
+    else:
+        h = h + delta
+        x = rms_norm(h, w["post_norm"], eps)
+    gu = gate_up.small(x)
+    inter = gu.shape[1] // 2
+    return h + down.small(F.silu(gu[:, :inter]).mul_(gu[:, inter:]))
+
+
+def _torch_rope_store(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV,
+                      meta: AttentionMetadata, hq: int, hk: int, d: int) -> None:
+    """q/k of ``y`` ``[n, (hq + 2 hk) d]`` rotated in place, rotate-half as a swap of the halves
+    (``flip`` of a ``[.., 2, d/2]`` view, one copy where ``roll`` takes several); then the new
+    k and v written to the cache in one ``index_copy_``."""
+    n = y.shape[0]
+    qk = y[:, :(hq + hk) * d].view(n, hq + hk, d)
     torch.addcmul(qk * cos[:, None, :], qk.view(n, hq + hk, 2, d // 2).flip(2).view(qk.shape),
                   _signed_sin(sin), out=qk)  # rotated in place: y holds q, k, v as written
     kv.pair.view(2, -1, hk, d).index_copy_(
         1, meta.slot_mapping, y[:, hq * d:].view(n, 2, hk, d).transpose(0, 1))
-    attn = cpu_decode_attention(y[:, :hq * d].view(n, hq, d), kv, meta, d ** -0.5)
-    h = h + o.small(attn.view(n, hq * d))
-    gu = gate_up.small(w["post_norm"] * F.rms_norm(h, shape, eps=eps))
-    inter = gu.shape[1] // 2
-    return h + down.small(F.silu(gu[:, :inter]).mul_(gu[:, inter:]))
 
 
 def layer_step(cfg: ModelConfig, w: dict, x: torch.Tensor, residual: torch.Tensor | None,

@@ -1,0 +1,82 @@
+"""A Llama decode layer's elementwise steps on the CPU, one C call each
+(``csrc/layer_ops_cpu.c``): RMSNorm (Zhang & Sennrich 2019) with float32 statistics,
+residual add + RMSNorm, and rotary embedding (Su et al. 2021, rotate-half layout) of q and k in
+place followed by the K/V cache write. Results equal the torch ops they replace bit for bit
+(the C follows torch's bf16 rounding op by op). On a decode step's single row a norm took
+~14 µs as torch's composite ops and ~3 µs here (2-core EPYC, 576 features).
+
+Reference twins: ``weight * F.rms_norm(x.float(), ...).to(x.dtype)`` for the norms;
+``x * cos + rotate_half(x) * sin`` and ``index_copy_`` for ``rope_store``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import cpu_build
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_i64, _int, _p, _f = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+_SIGNATURES = {
+    "lg_rms_norm": [_p, _i64, _p, _p, _int, _int, _f, _int, _int],
+    "lg_add_rms_norm": [_p, _p, _p, _p, _p, _int, _int, _f],
+    "lg_rope_store": [_p, _i64, _p, _p, _p, _p, _p, _int, _int, _int, _int],
+}
+
+
+def _lib():
+    lib = cpu_build.load("layer_ops_cpu")
+    if lib is not None and lib.lg_rms_norm.argtypes is None:
+        for name, args in _SIGNATURES.items():
+            getattr(lib, name).argtypes = args
+            getattr(lib, name).restype = _int
+    return lib
+
+
+def available() -> bool:
+    """True when the C library could be built and loaded on this machine."""
+    return _lib() is not None
+
+
+def supports_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """CPU fp32/bf16 ``x`` ``[rows, n]`` with unit stride along n, ``weight`` ``[n]`` contiguous
+    of x's dtype, and the library built."""
+    return (x.device.type == "cpu" and x.dtype in _DTYPES and weight.dtype == x.dtype
+            and x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous()
+            and weight.shape == x.shape[-1:] and _lib() is not None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` row by row: x ``[rows, n]``, weight ``[n]`` ->
+    ``[rows, n]`` in x's dtype. The caller has checked ``supports_norm``."""
+    rows, n = x.shape
+    y = torch.empty((rows, n), dtype=x.dtype)
+    _lib().lg_rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), rows, n, eps,
+                       _DTYPES[x.dtype], torch.get_num_threads())
+    return y
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h + delta, rms_norm(h + delta) * weight)``; all bf16, h and delta contiguous
+    ``[rows, n]``, weight ``[n]``. The sum is written over ``delta``, which is returned."""
+    rows, n = h.shape
+    y = torch.empty((rows, n), dtype=h.dtype)
+    _lib().lg_add_rms_norm(h.data_ptr(), delta.data_ptr(), weight.data_ptr(), delta.data_ptr(),
+                           y.data_ptr(), rows, n, eps)
+    return delta, y
+
+
+def rope_store(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pair: torch.Tensor,
+               slots: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Rotate the q and k parts of ``y`` ``[rows, (num_heads + 2 num_kv_heads) head_dim]`` (bf16,
+    unit stride along a row) in place by ``cos``, ``sin`` ``[rows, head_dim]`` (contiguous), then
+    write each row's k and v to flat cache slot ``slots[row]`` (int64) of ``pair``
+    ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (contiguous)."""
+    half_planes = pair.shape[1] * pair.shape[2] * num_kv_heads * head_dim
+    k_ptr = pair.data_ptr()
+    _lib().lg_rope_store(y.data_ptr(), y.stride(0), cos.data_ptr(), sin.data_ptr(), k_ptr,
+                         k_ptr + 2 * half_planes, slots.data_ptr(), y.shape[0], num_heads,
+                         num_kv_heads, head_dim)
