@@ -141,9 +141,9 @@ def test_rms_norms_match_torch(rows, n):
     def want(v):
         return w * torch.nn.functional.rms_norm(v.float(), (n,), eps=1e-5).to(v.dtype)
 
-    for got, ref in ((ops.rms_norm(x, w, 1e-5), want(x)),
-                     ops.add_rms_norm(x, d := delta.clone(), w, 1e-5)[1:] + (want(x + delta),)):
-        ulps = bf16_ulps(got, ref)
+    for got, expect in ((ops.rms_norm(x, w, 1e-5), want(x)),
+                        ops.add_rms_norm(x, d := delta.clone(), w, 1e-5)[1:] + (want(x + delta),)):
+        ulps = bf16_ulps(got, expect)
         assert ulps.max() <= 2 and (ulps > 0).float().mean() < 0.01
     assert torch.equal(d, x + delta)  # the sum, written over delta
     xf, wf = x.float(), w.float()
