@@ -20,6 +20,9 @@ from . import cpu_build
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Context tokens below which a split costs more in its partial and combine than it saves.
 MIN_SPLIT_TOKENS = 128
+# K rows (tokens x KV heads, all sequences) below which one thread is faster than a parallel
+# region, whose fork and join cost a few µs and, on a loaded machine, a wait for a time slice.
+MIN_PARALLEL_ROWS = 512
 MAX_GROUP, MAX_DIM = 16, 256  # the C kernel's stack buffers
 
 _i64, _int, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -73,7 +76,8 @@ class Launch:
 def plan(block_tables: torch.Tensor, context_lens: torch.Tensor, kv_heads: int,
          max_len: int) -> Launch:
     """The step's ``Launch``; ``max_len`` is the longest context (tokens)."""
-    threads = torch.get_num_threads()
+    rows = int(context_lens.sum()) * kv_heads
+    threads = torch.get_num_threads() if rows >= MIN_PARALLEL_ROWS else 1
     return Launch(block_tables.to(torch.int64).contiguous(),
                   context_lens.to(torch.int64).contiguous(),
                   choose_splits(len(context_lens), kv_heads, max_len, threads), threads)

@@ -81,6 +81,15 @@ def test_choose_splits_fills_threads_without_short_splits():
     assert pdc.choose_splits(1, 1, 4000, 8) == 16
 
 
+def test_plan_runs_little_work_on_one_thread(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    bt = torch.zeros(2, 40, dtype=torch.long)
+    few = pdc.plan(bt, torch.tensor([37, 20]), 3, 37)         # 171 K rows
+    many = pdc.plan(bt, torch.tensor([600, 20]), 3, 600)      # 1860 K rows
+    assert (few.threads, few.splits) == (1, 1)
+    assert many.threads == 4 and many.splits == pdc.choose_splits(2, 3, 600, 4) == 2
+
+
 @needs_kernel
 def test_rejects_what_it_cannot_take():
     gen = torch.Generator().manual_seed(0)
