@@ -19,6 +19,9 @@
 #   opt30b_peer : OPT-30B, 16 GiB cap: the searched 4-bit policy; accelerate at batch 1
 #   opt30b_w4 : OPT-30B, 16 GiB cap: the H100 profile's searched 4-bit policy (8x7, weights on the CPU,
 #              cache 99% GPU, activations CPU); accelerate at batch 8 (PEERS= for none)
+#   prefill_diag : scripts/offload_prefill_diag.py on the opt30b_w4 policy: cold and warm prefills with the
+#              activation copies on side streams and on the compute stream, the terms alone, a profile of each
+#              (trace to $TRACE_DIR, default $OUT; DIAG_ARGS: more options)
 #   cpuattn  : scripts/cpu_attention_bench.py on the host CPU; llama7b_short: the first llama7b policy, 3 tokens
 #   profile_w4 : scripts/offload_profile.py on Llama-2-7B, 6 GiB: where a 4-bit decode step spends its time
 #   profile_w4_prefill : the same for the prefill step
@@ -91,6 +94,9 @@ for stage in "$@"; do
         --out "$OUT/offload_opt30b_peer_$TAG.json" 2>&1 | tee "$OUT/offload_opt30b_peer_$TAG.txt" ;;
     opt30b_w4) timeout 560 $B --preset opt-30b --gpu-memory 16GiB --policy 8,7,0,100,99,1,0,100,w4,kv4 --peer-batches "${PEERS-8}" \
         --out "$OUT/offload_opt30b_w4_$TAG.json" 2>&1 | tee "$OUT/offload_opt30b_w4_$TAG.txt" ;;
+    prefill_diag) timeout 300 python3 scripts/offload_prefill_diag.py --preset opt-30b --gpu-memory 16GiB \
+        --policy 8,7,0,100,99,1,0,100,w4,kv4 --trace "${TRACE_DIR:-$OUT}/offload_prefill_trace_opt30b_$TAG.json.gz" ${DIAG_ARGS:-} \
+        2>&1 | tee "$OUT/offload_prefill_diag_opt30b_$TAG.txt" ;;
     profile_w4) timeout 300 python3 scripts/offload_profile.py --preset llama-2-7b --gpu-memory 6GiB \
         --policy 4,4,100,0,100,0,100,0,w4,kv4 2>&1 | tee "$OUT/offload_profile_w4_$TAG.txt" ;;
     profile_w4_prefill) timeout 200 python3 scripts/offload_profile.py --preset llama-2-7b --gpu-memory 6GiB \

@@ -100,6 +100,8 @@ def placements():
         "all_cpu": (P((0, 1, 0), (0, 1, 0), (0, 1)), True),
         "all_disk": (P((0, 0, 1), (0, 0, 1), (0, 1), gbs=1, ngb=3), True),
         "mixed": (P((0.25, 0.5, 0.25), (0.5, 0.25, 0.25), (0.5, 0.5), gbs=3, ngb=2), True),
+        # one GPU batch: each layer reads back the activations its own side-stream copy stored
+        "acts_cpu_one_batch": (P((1, 0, 0), (1, 0, 0), (0, 1), gbs=4, ngb=1), True),
         "cpu_attention": (P((0.5, 0.5, 0), (0, 1, 0), gbs=4, ngb=2, cpu_cache_compute=True), True),
         "cpu_attention_disk_cache": (P((0, 1, 0), (0, 0.5, 0.5), gbs=2, ngb=3, cpu_cache_compute=True), True),
         "w4": (P((0.5, 0.5, 0), (1, 0, 0), compress_weight=True), False),
@@ -115,6 +117,8 @@ def placements():
 def main(argv=None) -> int:
     dev = (argv if argv is not None else sys.argv[1:] or ["cuda"])[0]  # "cpu" to try it here
     _alias_kernels()
+    from localgen.runtime.offload import activations
+    activations.OVERLAP_MIN_BYTES = 0  # the tiny model's activations take the side streams too
     torch.backends.cuda.matmul.allow_tf32 = False
     # the in-place read of a pinned CPU cache falls back to copying blocks with only a warning:
     # same tokens, so here the warning is the failure (a refactor once turned the path off unseen)

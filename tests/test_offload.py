@@ -531,3 +531,17 @@ def test_block_dequantization_kernel_matches_reference(head_dim):
     want = dequantize_int4(p[ids], s[ids], z[ids], 64, dim=-1, dtype=torch.float16)
     assert got.shape == (3, 4, 2, head_dim)
     assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * 2 ** -10
+
+
+def test_activation_tier_off_cuda_keeps_tensors():
+    """Off CUDA (and with ``hc`` 0) hidden states stay where they are: store/prefetch/load pass
+    the tensor through, so the CPU schedule is the one the placement tests check."""
+    from localgen.runtime.offload.activations import ActivationTier
+    from localgen.runtime.offload.timers import Timers
+
+    h = torch.randn(6, 8)
+    for hg, hc in ((0.0, 1.0), (1.0, 0.0)):
+        acts = ActivationTier(hg, hc, torch.device("cpu"), Timers(torch.device("cpu")))
+        assert not acts.active
+        held = acts.prefetch(acts.store(h, 0))
+        assert held is h and acts.load(held) is h and acts.host_bytes() == 0

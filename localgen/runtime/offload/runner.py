@@ -6,7 +6,8 @@ each block into ``num_gpu_batches`` GPU batches of ``gbs``. For each layer ``j``
 loading layer ``j+1``'s weights (``LayerWeights.prefetch``; async on CUDA), takes layer ``j``
 (``get``), and runs it for every GPU batch of the block before moving on, so each load is shared by
 the whole block. Hidden states of a GPU batch live between layers on the activation tiers
-(``hg``/``hc``: rows split between the compute device and host memory); the KV cache is placed
+(``hg``/``hc``: rows split between the compute device and host memory; ``activations``: their
+copies run on side streams under the neighbouring GPU batches' compute); the KV cache is placed
 by ``cg/cc/cd`` (``kv.TieredKVCache``).
 """
 
@@ -24,8 +25,9 @@ from localgen.models.rope import inv_frequencies, step_rope
 from localgen.policy.policy import Policy
 from localgen.runtime.cuda_graphs import GraphedModelRunner
 from localgen.runtime.executor import ModelRunner
+from localgen.runtime.offload.activations import ActivationTier
 from localgen.runtime.offload.kv import TieredKVCache, kv_layer_bytes
-from localgen.runtime.offload.memory import assign_tiers, host_empty
+from localgen.runtime.offload.memory import assign_tiers
 from localgen.runtime.offload.prefill_graphs import PrefillGraphs
 from localgen.runtime.offload.timers import Timers
 from localgen.runtime.offload.weights import LayerWeights, compress_layer
@@ -137,41 +139,10 @@ class OffloadRunner(ModelRunner):
         self.graphs = graphs
         self.prefill_graphs = PrefillGraphs(self) if prefill_graphs and graphs is not None else None
         self.cuda = self.device.type == "cuda"
-        self.act_host: dict[int, torch.Tensor] = {}  # GPU batch -> pinned activation buffer (hc)
+        self.acts = ActivationTier(self.policy.hg, self.policy.hc, self.device, self.timers)
         # host-side work each step (CPU attention, gathers, pageable copies) allocates tensors of
         # 100s of MB per layer; fresh mmaps first-touch at a fraction of reused memory's speed
         keep_freed_host_memory()
-
-    # -- activations (hg/hc) --------------------------------------------------------------
-    def _store_act(self, h: torch.Tensor, k: int):
-        """GPU batch ``k``'s hidden states ``[tokens, hidden]`` between layers: all of it on the
-        GPU, or (``hc``) its last rows copied asynchronously into the batch's pinned host buffer.
-        Copies stay in stream order: layer j+1 reads the buffer before it is written again."""
-        if self.policy.hc <= 0 or not self.cuda:
-            return h
-        ng = int(round(self.policy.hg * h.shape[0]))
-        with self.timers.section("gtoc"):
-            host = self._act_buffer(k, h[ng:])
-            host.copy_(h[ng:], non_blocking=True)
-            return (h[:ng], host)
-
-    def _act_buffer(self, k: int, x: torch.Tensor) -> torch.Tensor:
-        """GPU batch ``k``'s pinned host buffer viewed as ``x``'s shape and dtype; grown when a
-        step needs more (a pageable copy would be synchronous and ~5x slower: OPT-30B 8 x 7
-        prefill, 40 ms a layer against the 7.7 the cost model gives at pinned bandwidth)."""
-        nbytes = x.numel() * x.element_size()
-        buf = self.act_host.get(k)
-        if buf is None or buf.numel() < nbytes:
-            if buf is not None:  # queued copies may still use the old buffer (rare: a new maximum)
-                torch.cuda.current_stream(self.device).synchronize()
-            buf = self.act_host[k] = host_empty(nbytes, pin=True)
-        return buf[:nbytes].view(x.dtype).view(x.shape)
-
-    def _load_act(self, a) -> torch.Tensor:
-        if isinstance(a, torch.Tensor):
-            return a
-        with self.timers.section("ctog"):
-            return torch.cat([a[0], a[1].to(self.device, non_blocking=True)])
 
     # -- the block schedule ---------------------------------------------------------------
     @torch.inference_mode()
@@ -215,25 +186,31 @@ class OffloadRunner(ModelRunner):
                 metas.append(meta)
                 h = m.family.embed(cfg, m.global_w, ids, pos).to(m.dtype)
                 ropes.append(step_rope(m.inv_freq, pos, m.dtype, m.fused(h)))
-                hs.append(self._store_act(h, len(hs)))
+                hs.append(self.acts.store(h, len(hs)))
         overlap = not self.timers.enabled  # timed runs measure each term alone
         if overlap:
             m.layers.prefetch(0)
+        nb = len(metas)
         for j in range(L):
             if overlap:
                 m.layers.prefetch(j + 1)
             w = m.layers.get(j)
             kv = self.kv.views[j]
             for k, meta in enumerate(metas):  # every GPU batch uses layer j before layer j+1
-                h = self._load_act(hs[k])
+                h = self.acts.load(hs[k])
+                if nb > 1:  # the next batch's activations cross PCIe under this batch's compute
+                    hs[(k + 1) % nb] = self.acts.prefetch(hs[(k + 1) % nb])
                 with self.timers.section("compute"):
                     h = m.family.layer(cfg, w, h, ropes[k], kv, meta)
-                hs[k] = self._store_act(h, k)
+                hs[k] = self.acts.store(h, k)
             m.layers.release(j)
         logits = []
-        with self.timers.section("compute"):
-            for h, last in zip(hs, lasts):
-                logits.append(m.logits(self._load_act(h)[last]))
+        for k, (h, last) in enumerate(zip(hs, lasts)):
+            h = self.acts.load(h)
+            if k + 1 < nb:
+                hs[k + 1] = self.acts.prefetch(hs[k + 1])
+            with self.timers.section("compute"):
+                logits.append(m.logits(h[last]))
         return torch.cat(logits)
 
     def memory_by_tier(self) -> dict[str, int]:
@@ -242,7 +219,7 @@ class OffloadRunner(ModelRunner):
         mem = self.model.weight_bytes_by_tier()
         st = self.model.layers.staging_bytes()
         mem["gpu"] += st["gpu"]
-        mem["cpu"] += st["cpu"] + sum(b.numel() for b in self.act_host.values())
+        mem["cpu"] += st["cpu"] + self.acts.host_bytes()
         for t in mem:
             mem[t] += self.kv.bytes_on(t)
         return mem
