@@ -92,3 +92,21 @@ def test_engine_config_sizes_the_cache_in_its_storage_format():
         assert n == need + 16  # every sequence's blocks and one spare each, no more
     # 4-bit: 64 code bytes + 2 fp16 scale/min pairs per head and token, for K and V
     assert ec.kv_cache_memory == (need + 16) * 16 * 32 * 32 * 2 * (64 + 8)
+
+
+def test_peer_ratios_against_the_best_and_the_best_within_the_cap():
+    from localgen.bench.offload_bench import GiB, RunResult, peer_ratios
+
+    def acc(batch, tps, peak):
+        return RunResult("accelerate", batch, 1.0, 1.0, tps, tps,
+                         memory_gib={"cuda_max_allocated": peak})
+
+    lg = RunResult("localgen", 56, 1.0, 1.0, 93.0, 110.0)
+    runs = [lg, acc(1, 0.2, 15.6), acc(8, 1.2, 20.6), acc(32, 4.65, 38.1),
+            RunResult("accelerate", 64, 0, 0, 0, 0, error="OOM")]
+    (line,) = peer_ratios(runs, 16 * GiB)
+    assert "best (batch 32, 4.65 tok/s): 20.0x" in line
+    assert "within the 16.0 GiB cap (batch 1, 0.20 tok/s): 465.0x" in line
+    (line,) = peer_ratios(runs[:1] + runs[2:], 16 * GiB)
+    assert "no accelerate batch stayed within the 16.0 GiB cap" in line
+    assert peer_ratios([lg], 16 * GiB) == []

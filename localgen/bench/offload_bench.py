@@ -290,6 +290,31 @@ def print_result(r: RunResult, out=print) -> None:
         out(f"{'':10s} memory GiB: {r.memory_gib}" + (f"; CUDA graphs {r.graphs}" if r.graphs else ""))
 
 
+def peer_ratios(results: list[RunResult], cap: int | None) -> list[str]:
+    """One line per localgen run: its throughput over accelerate's best batch in the same run,
+    and over accelerate's best among the batches whose peak allocated GPU memory stayed within
+    the cap (``max_memory`` places only accelerate's weights; its cache and activations come on
+    top, so on a GPU of the cap's size the larger batches would not run)."""
+    peers = [r for r in results if r.name == "accelerate" and not r.error]
+    fits = [r for r in peers if cap is not None
+            and r.memory_gib.get("cuda_max_allocated", float("inf")) * GiB <= cap]
+    lines = []
+    for r in results:
+        if r.name != "localgen" or r.error or not peers:
+            continue
+        best = max(peers, key=lambda p: p.tokens_per_s)
+        line = (f"localgen batch {r.batch} / accelerate's best (batch {best.batch}, "
+                f"{best.tokens_per_s:.2f} tok/s): {r.tokens_per_s / best.tokens_per_s:.1f}x")
+        if fits:
+            fit = max(fits, key=lambda p: p.tokens_per_s)
+            line += (f"; / its best within the {cap / GiB:.1f} GiB cap (batch {fit.batch}, "
+                     f"{fit.tokens_per_s:.2f} tok/s): {r.tokens_per_s / fit.tokens_per_s:.1f}x")
+        elif cap is not None:
+            line += f"; no accelerate batch stayed within the {cap / GiB:.1f} GiB cap"
+        lines.append(line)
+    return lines
+
+
 def _peer_batches(a) -> list[int]:
     return [int(x) for x in a.peer_batches.split(",") if x]
 
@@ -403,6 +428,8 @@ def main(argv=None) -> int:
         a.isolate = torch.cuda.is_available() and len(a.policy) + len(_peer_batches(a)) > 1
     results = (_run_isolated(a, argv) if a.isolate
                else _run_here(a, cfg, hw, gpu_mem, HF_CONFIGS[a.preset] if a.preset in HF_CONFIGS else None))
+    for line in peer_ratios(results, gpu_mem):
+        print(line)
     if a.out:
         with open(a.out, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=2)
