@@ -94,3 +94,9 @@ def load(name: str) -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("CPU kernel %s not built (%s): using the torch path", name, e)
         return None
+
+
+def build_all() -> dict[str, bool]:
+    """Build (or load from the cache) every kernel in ``csrc/``: a CPU runner calls this at
+    start-up so the first decode step does not pay the compile. Returns name -> loaded."""
+    return {src.stem: load(src.stem) is not None for src in sorted(CSRC.glob("*.c"))}

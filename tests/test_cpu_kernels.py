@@ -181,3 +181,16 @@ def test_rope_store_equals_torch_bit_for_bit(rows, hq, hk, d):
         1, slots, want_y[:, hq * d:].view(rows, 2, hk, d).transpose(0, 1))
     ops.rope_store(y, cos, sin, pair, slots, hq, hk, d)
     assert torch.equal(y, want_y) and torch.equal(pair, want_pair)
+
+
+def test_build_all_builds_every_source_into_the_cache(monkeypatch, tmp_path):
+    if cpu_build._compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("LOCALGEN_KERNEL_CACHE", str(tmp_path))
+    cpu_build.load.cache_clear()
+    try:
+        built = cpu_build.build_all()
+        assert built == {"layer_ops_cpu": True, "paged_decode_cpu": True}
+        assert sorted(p.name.split("-")[0] for p in tmp_path.glob("*.so")) == sorted(built)
+    finally:
+        cpu_build.load.cache_clear()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from localgen.kernels import cpu_build
 from localgen.hostmem import keep_freed_host_memory
 from localgen.kv.attention import AttentionMetadata
 from localgen.kv.cache import PagedKVCache
@@ -32,6 +33,7 @@ class ModelRunner:
         self.device = model.device
         if self.device.type == "cpu":
             keep_freed_host_memory()
+            cpu_build.build_all()  # the C decode kernels: compiled now, not in the first step
 
     def prepare(self, seqs: list[Sequence], is_prefill: bool):
         """Packed token ids, positions ``[num_tokens]`` and the step's AttentionMetadata."""
