@@ -1,12 +1,15 @@
 """A Llama decode layer's elementwise steps on the CPU, one C call each
 (``csrc/layer_ops_cpu.c``): RMSNorm (Zhang & Sennrich 2019) with float32 statistics,
 residual add + RMSNorm, and rotary embedding (Su et al. 2021, rotate-half layout) of q and k in
-place followed by the K/V cache write. Results equal the torch ops they replace bit for bit
-(the C follows torch's bf16 rounding op by op). On a decode step's single row a norm took
-~14 µs as torch's composite ops and ~3 µs here (2-core EPYC, 576 features).
+place followed by the K/V cache write. The C follows torch's bf16 roundings op by op: the
+rotary embedding, the K/V write and the residual sum equal the torch ops bit for bit; the norms
+sum their squares in another order than torch, so a rare element lands one or two bf16 steps
+from torch's (tests/test_cpu_kernels.py). On a decode step's single 576-feature row a norm runs
+2.2-2.4x and the rotary + K/V write 3.8-4.0x faster than the torch ops
+(``scripts/cpu_decode_kernels_bench.py``, 2-core EPYC).
 
 Reference twins: ``weight * F.rms_norm(x.float(), ...).to(x.dtype)`` for the norms;
-``x * cos + rotate_half(x) * sin`` and ``index_copy_`` for ``rope_store``.
+``torch.addcmul(x * cos, rotate_half(x), sin)`` and ``index_copy_`` for ``rope_store``.
 """
 
 from __future__ import annotations
@@ -48,6 +51,17 @@ def supports_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.shape == x.shape[-1:] and _lib() is not None)
 
 
+def supports_rope(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pair: torch.Tensor,
+                  slots: torch.Tensor) -> bool:
+    """What ``rope_store`` takes: bf16 ``y`` rows with unit stride, contiguous bf16 tables and
+    cache, contiguous int64 slots, and the library built."""
+    bf16 = torch.bfloat16
+    return (y.dtype == bf16 and cos.dtype == bf16 and sin.dtype == bf16 and pair.dtype == bf16
+            and y.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()
+            and pair.is_contiguous() and slots.dtype == torch.int64 and slots.is_contiguous()
+            and _lib() is not None)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` row by row: x ``[rows, n]``, weight ``[n]`` ->
     ``[rows, n]`` in x's dtype. The caller has checked ``supports_norm``."""
@@ -72,7 +86,8 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 def rope_store(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pair: torch.Tensor,
                slots: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
     """Rotate the q and k parts of ``y`` ``[rows, (num_heads + 2 num_kv_heads) head_dim]`` (bf16,
-    unit stride along a row) in place by ``cos``, ``sin`` ``[rows, head_dim]`` (contiguous), then
+    unit stride along a row) in place by ``cos``, ``sin`` ``[rows, head_dim]`` (bf16,
+    contiguous; ``supports_rope``), then
     write each row's k and v to flat cache slot ``slots[row]`` (int64) of ``pair``
     ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (contiguous)."""
     half_planes = pair.shape[1] * pair.shape[2] * num_kv_heads * head_dim

@@ -119,7 +119,7 @@ def _torch_only(monkeypatch) -> None:
     """The layer ops' torch twins instead of the C library."""
     from localgen.models import llama
 
-    monkeypatch.setattr(llama.cpu_ops, "available", lambda: False)
+    monkeypatch.setattr(llama.cpu_ops, "supports_rope", lambda *a: False)
     monkeypatch.setattr(llama.cpu_ops, "supports_norm", lambda *a: False)
 
 

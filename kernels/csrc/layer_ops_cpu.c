@@ -5,8 +5,10 @@
  *   lg_rope_store    rotate q and k in place (rotate-half, GPT-NeoX layout) and write k, v into
  *                    the paged cache at their slots
  * Values follow torch's bf16 semantics step by step (float32 arithmetic, a rounding to bf16
- * after each op torch would round after), so the results equal the torch ops' bit for bit;
- * kernels/cpu_build.py compiles this file without FMA contraction for that reason. RMSNorm keeps
+ * after each op torch would round after): the rotary embedding, the K/V write and the residual
+ * sum equal torch's bit for bit (kernels/cpu_build.py compiles this file without FMA contraction
+ * for that); the norms sum their squares in another order than torch, which can move a rare
+ * element by a bf16 step or two. RMSNorm keeps
  * float32 statistics and rounds the normalized row before the weight multiplies it, as Hugging
  * Face's LlamaRMSNorm does.
  */

@@ -207,8 +207,7 @@ def _cpu_decode_layer(cfg: ModelConfig, w: dict, mats: tuple, h: torch.Tensor,
     eps = cfg.norm_eps
     y = qkv.small(rms_norm(h, w["input_norm"], eps))
     cos, sin = rope
-    fused = (cpu_ops.available() and cos.is_contiguous() and sin.is_contiguous()
-             and meta.slot_mapping.dtype == torch.int64)
+    fused = cpu_ops.supports_rope(y, cos, sin, kv.pair, meta.slot_mapping)
     if fused:
         cpu_ops.rope_store(y, cos, sin, kv.pair, meta.slot_mapping, hq, hk, d)
     else:
