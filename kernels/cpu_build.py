@@ -59,9 +59,12 @@ def _version(cc: str) -> str:
 
 def _build(src: Path, cc: str) -> Path:
     """Compile ``src`` into the cache (atomically: concurrent builders each rename a whole file
-    into place). Raises ``RuntimeError`` with the compiler's message on failure."""
+    into place), keyed by the source, the headers beside it, the compiler and the flags.
+    Raises ``RuntimeError`` with the compiler's message on failure."""
     flags = FLAGS + EXTRA_FLAGS.get(src.stem, ())
-    key = hashlib.sha256(src.read_bytes() + _version(cc).encode() + " ".join(flags).encode())
+    headers = b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))
+    key = hashlib.sha256(src.read_bytes() + headers + _version(cc).encode()
+                         + " ".join(flags).encode())
     out = cache_dir() / f"{src.stem}-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out

@@ -16,21 +16,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
-static inline float bf(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+static inline float bf(uint16_t h) { return bf16_to_f32(h); }
 
-static inline uint16_t to_bf(float f) { /* round to nearest even */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+static inline uint16_t to_bf(float f) { return f32_to_bf16(f); }
 
 static inline float rbf(float f) { return bf(to_bf(f)); } /* f rounded to bf16, as a float */
 

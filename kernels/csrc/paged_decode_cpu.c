@@ -15,26 +15,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define TILE 128
 #define MAX_GROUP 16
 #define MAX_DIM 256
 #define PREFETCH 16 /* rows ahead */
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; no NaN in softmax output */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* exp(x) for x <= 0 (scores minus their max): 2^(x log2 e) as 2^n, n the nearest integer,
  * times the degree-6 Taylor polynomial of e^f, |f| <= ln2 / 2; branch-free so loops over it
