@@ -32,6 +32,7 @@
 #   (REPEATS=N before any stage: each localgen policy generates N times; the median is reported)
 #   shape_sweep : scripts/decode_shape_sweep.py: the decode kernels' launch configs at the runtime's 4-bit MHA
 #              shape (16 x 32 heads, 544 tokens, fp own-block pool) and two GQA bench cells; the 4-bit K/V write
+#   profile_opt30b_py : cProfile of OPT-30B 4-bit 8x7 decode steps (16 GiB): the host's Python time by function
 #   cpu_kernels : scripts/cpu_decode_kernels_bench.py on the host CPU (all its threads): the C decode kernels vs torch
 #   probe_kernels : localgen profile's two probes of localgen's own GPU kernels (kernel floor, int4 attention rate)
 #   cpuattn_probe : localgen profile's CPU-attention probe on the host (compare: the runtime's 4.86 GFLOP/s)
@@ -95,6 +96,8 @@ for stage in "$@"; do
         --out "$OUT/offload_opt30b_peer_$TAG.json" 2>&1 | tee "$OUT/offload_opt30b_peer_$TAG.txt" ;;
     opt30b_w4) timeout 560 $B --preset opt-30b --gpu-memory 16GiB --policy 8,7,0,100,99,1,0,100,w4,kv4 --peer-batches "${PEERS-8}" \
         --out "$OUT/offload_opt30b_w4_$TAG.json" 2>&1 | tee "$OUT/offload_opt30b_w4_$TAG.txt" ;;
+    profile_opt30b_py) timeout 400 python3 scripts/offload_profile.py --preset opt-30b --gpu-memory 16GiB \
+        --policy 8,7,0,100,99,1,0,100,w4,kv4 --steps 3 --rows 45 --py-profile 2>&1 | tee "$OUT/offload_profile_opt30b_py_$TAG.txt" ;;
     prefill_diag) timeout 300 python3 scripts/offload_prefill_diag.py --preset opt-30b --gpu-memory 16GiB \
         --policy 8,7,0,100,99,1,0,100,w4,kv4 --trace "${TRACE_DIR:-$OUT}/offload_prefill_trace_opt30b_$TAG.json.gz" ${DIAG_ARGS:-} \
         2>&1 | tee "$OUT/offload_prefill_diag_opt30b_$TAG.txt" ;;

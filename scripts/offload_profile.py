@@ -25,7 +25,7 @@ from gpu_selftest import _alias_kernels  # noqa: E402  (localgen.kernels -> kern
 
 def profile_policy(preset: str, spec: str, device: str, gpu_memory, prompt_len: int, steps: int,
                    rows: int, phase: str = "decode", sync_debug: bool = False,
-                   sync_stacks: bool = False) -> None:
+                   sync_stacks: bool = False, py_profile: bool = False) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from localgen.api import LLM
@@ -49,6 +49,9 @@ def profile_policy(preset: str, spec: str, device: str, gpu_memory, prompt_len: 
     add_random_requests(llm, pol.bls, prompt_len, steps + 1, seed=3)
     if phase == "decode":
         llm.step()  # prefill outside the profile
+    if py_profile:
+        python_profile(llm, phase, rows)
+        return
     before = alloc_counts(device)
     if before:
         torch.cuda.reset_peak_memory_stats()
@@ -87,6 +90,33 @@ def profile_policy(preset: str, spec: str, device: str, gpu_memory, prompt_len: 
         while llm.has_unfinished():
             llm.step()
     llm.engine.model.layers.close()
+
+
+def python_profile(llm, phase: str, rows: int) -> None:
+    """The steps under cProfile: the Python functions that take the host's time (a decode step
+    of an offloaded policy is host-bound when its per-layer Python outlasts the weight load)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    steps = 0
+    prof.enable()
+    while llm.has_unfinished():
+        llm.step()
+        steps += 1
+        if phase == "prefill":
+            break
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    prof.disable()
+    print(f"   cProfile over {steps} {phase} step(s): {(time.perf_counter() - t0) * 1e3:.1f} ms "
+          "(cProfile's own overhead included)", flush=True)
+    st = pstats.Stats(prof)
+    st.sort_stats("tottime").print_stats(rows)
+    st.sort_stats("cumulative").print_stats(rows)
+    while llm.has_unfinished():
+        llm.step()
 
 
 def alloc_counts(device: str) -> dict[str, int]:
@@ -162,6 +192,8 @@ def main(argv=None) -> int:
                     help="also list where a prefill and a decode step synchronize with the GPU")
     ap.add_argument("--sync-stacks", action="store_true",
                     help="profile with Python stacks and list where the host waited on the GPU")
+    ap.add_argument("--py-profile", action="store_true",
+                    help="cProfile the steps instead (the host's Python time by function)")
     a = ap.parse_args(argv)
     _alias_kernels()
     from localgen.bench.offload_bench import parse_size
@@ -170,7 +202,7 @@ def main(argv=None) -> int:
     for spec in a.policy:
         try:
             profile_policy(a.preset, spec, a.device, cap, a.prompt_len, a.steps, a.rows, a.phase, a.sync_debug,
-                            a.sync_stacks)
+                            a.sync_stacks, a.py_profile)
         except Exception as e:  # noqa: BLE001  (report and go on with the next policy)
             print(f"   {spec}: {e!r}"[:400], flush=True)
         if torch.cuda.is_available():
