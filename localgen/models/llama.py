@@ -23,9 +23,9 @@ from localgen.kv import attention as _attention
 from localgen.kv.attention import AttentionMetadata, LayerKV, paged_attention
 from localgen.kv.cpu_decode import cpu_decode_attention
 from localgen.models.config import ModelConfig
+from localgen.models.fuse import fuse_rows
 from localgen.models.rope import RotaryPositions, _signed_sin, apply_rope
 from localgen.quant import linear
-from localgen.quant.int4 import Int4Tensor, cat_rows
 from localgen.quant.cpu_int4 import Int4Linear
 
 _fused_mods = None  # (fused_norm, fused_rope, fused_act) once imported; False when unavailable
@@ -93,30 +93,11 @@ def fuse_weights(cfg: ModelConfig, w: dict) -> dict:
     MergedColumnParallelLinear): decode is memory-bound, and one long GEMV per group reads the
     same bytes in fewer, better-utilized kernels. ``layer`` accepts fused or separate weights."""
     w = dict(w)
-    _fuse(w, "qkv", ("q", "k", "v"))
-    _fuse(w, "qkv_bias", ("q_bias", "k_bias", "v_bias"))  # also when q/k/v come packed
+    fuse_rows(w, "qkv", ("q", "k", "v"))
+    fuse_rows(w, "qkv_bias", ("q_bias", "k_bias", "v_bias"))  # also when q/k/v come packed
     if "gate_bias" not in w:
-        _fuse(w, "gate_up", ("gate", "up"))
+        fuse_rows(w, "gate_up", ("gate", "up"))
     return w
-
-
-def _fuse(w: dict, name: str, parts: tuple[str, ...]) -> None:
-    """``w[name]`` = the ``parts`` stacked along rows, in place, when all are present: dense
-    tensors by ``torch.cat``, 4-bit ones code for code (``int4.cat_rows``; left apart when their
-    groups would straddle the seam)."""
-    if not all(k in w for k in parts):
-        return
-    ts = [w[k] for k in parts]
-    if all(isinstance(t, torch.Tensor) for t in ts):
-        fused = torch.cat(ts)
-    elif all(isinstance(t, Int4Tensor) for t in ts):
-        fused = cat_rows(ts)
-    else:
-        fused = None
-    if fused is not None:
-        for k in parts:
-            del w[k]
-        w[name] = fused
 
 
 def _qkv(cfg: ModelConfig, w: dict, x: torch.Tensor):

@@ -225,13 +225,12 @@ class CostModel:
         return min(subs, key=lambda m: m[0] / 2 / sum(m))[0] / total
 
     def linear_shapes(self) -> list[tuple[int, int]]:
-        """``(N, K)`` of each matrix of a layer as localgen multiplies it (Llama: q/k/v and
-        gate/up fused, ``llama.fuse_weights``; OPT: one matrix each)."""
+        """``(N, K)`` of each matrix of a layer as localgen multiplies it (q/k/v fused, and
+        Llama's gate/up: ``llama.fuse_weights``, ``opt.fuse_weights``)."""
         c = self.cfg
         h, q, kv, h2 = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
-        if c.family == "llama":
-            return [(q + 2 * kv, h), (h, q), (2 * h2, h), (h, h2)]
-        return [(q, h), (kv, h), (kv, h), (h, q), (h2, h), (h, h2)]
+        up = 2 * h2 if c.family == "llama" else h2
+        return [(q + 2 * kv, h), (h, q), (up, h), (h, h2)]
 
     def int4_gemm_times(self) -> GemmTimes | None:
         """The GPU's measured int4 GEMM timings covering this layer, under localgen's runtime
