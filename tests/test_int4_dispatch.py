@@ -288,12 +288,14 @@ def test_model_call_site_goes_through_the_dispatcher(tmp_path, monkeypatch, vari
     assert calls == []  # the CPU path dequantizes up front
     got, llm = run(True)
     try:
-        # one call per 4-bit matrix of each layer: Llama's gate/up fused into one (its q/k/v too
-        # where their row counts are whole groups: not this model's 32-row k and v), OPT's apart
+        # one call per 4-bit matrix of each layer: Llama's gate/up fused into one, q/k/v too
+        # where their row counts are whole groups (not this Llama's 32-row k and v; this OPT's
+        # 64-row ones): Llama q, k, v, o, gate_up, down; OPT qkv, o, fc1, fc2
         qmeta = llm.engine.model.layers.qmeta
         assert all(("gate_up" in meta) == (variant == "llama3") for meta in qmeta)
+        assert all(("qkv" in meta) == (variant == "opt") for meta in qmeta)
         per_pass = sum(len(meta) for meta in qmeta)
-        assert per_pass == 6 * src.config.num_layers
+        assert per_pass == (6 if variant == "llama3" else 4) * src.config.num_layers
         assert len(calls) == per_pass  # one prefill pass over the packed batch
         assert {a[1] for a in calls} == {33}  # M = 3 + 30 tokens
         assert {real(*a) for a in calls} == {"torch"}
