@@ -211,23 +211,24 @@ class Int4Linear:
         dev = "cuda" if (x2.is_cuda or _interpreting()) else x2.device.type
         return route(dev, x2.shape[0], n, k, self.table, self.group_dim)
 
-    def run(self, impl: str, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [M, K] @ W.T`` by ``impl`` (``out``: an ``[M, N]`` tensor to write into)."""
+    def run(self, impl: str, x: torch.Tensor, out: torch.Tensor | None = None,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [M, K] @ W.T (+ bias)`` by ``impl`` (``out``: an ``[M, N]`` tensor to write
+        into). The Triton kernel adds the bias in its store, a launch fewer per call."""
         if impl in ("torch", REFERENCE) or (not x.is_cuda and not _interpreting()):
-            return self._dense_matmul(x, out)
+            y = self._dense_matmul(x, out)
+            return y if bias is None else y + bias
         from .flat_gemm import _num_sms, choose_split_k, flat_gemm_int4
         block_m = 16 if impl == "flat" else 64
         n, k = self.shape
         split_k = choose_split_k(x.shape[0], n, k, _num_sms(x.device), block_m) if x.is_cuda else 1
-        return flat_gemm_int4(x, self.qw, block_m=block_m, split_k=split_k, out=out)
+        return flat_gemm_int4(x, self.qw, block_m=block_m, split_k=split_k, out=out, bias=bias)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         n, k = self.shape
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k)
-        y = self.run(self.route(x2), x2)
-        if bias is not None:
-            y = y + bias
+        y = self.run(self.route(x2), x2, bias=bias)
         return y.reshape(*lead, n)
 
 

@@ -156,20 +156,22 @@ def _dequant(code, sc, mn, DOT_DTYPE: tl.constexpr, FAST: tl.constexpr, IEEE: tl
 
 
 @triton.jit
-def _flat_gemm_int4_pairs(x_ptr, wp_ptr, ws_ptr, wz_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K,
+def _flat_gemm_int4_pairs(x_ptr, wp_ptr, ws_ptr, wz_ptr, y_ptr, part_ptr, cnt_ptr, b_ptr,
+                          M, N, K,
                           stride_xm, stride_xk, stride_pn, stride_pk, stride_sn, stride_sk,
                           stride_ym, stride_yn, k_per_split,
                           GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, SLICES: tl.constexpr, SPLIT_K: tl.constexpr,
                           EVEN: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
-                          FAST: tl.constexpr):
+                          FAST: tl.constexpr, HAS_BIAS: tl.constexpr):
     """FlexGen layout. A program owns ``BLOCK_N`` output rows = ``HALF`` packed byte rows inside
     one scale group (``GROUP % BLOCK_N == 0``), so each K column has one scale and one min for the
     whole tile. Each byte tile is loaded once and gives two code tiles: low nibbles (rows 2p) and
     high nibbles (rows 2p + 1), two dots. The K tile is cut into ``SLICES`` slices, the batch dim
     of the dots: Triton puts the warps on it, so a tile of 16 rows keeps every warp busy without
     duplicated dequantization, and the slices are summed once at the end. W is the dots' A
-    operand, x^T the B (fewer register moves than x as A). EVEN: no tails in N or K (no masks)."""
+    operand, x^T the B (fewer register moves than x as A). EVEN: no tails in N or K (no masks).
+    HAS_BIAS: ``b_ptr`` ``[N]`` added as the store rounds (``_store_pairs``)."""
     HALF: tl.constexpr = BLOCK_N // 2
     KS: tl.constexpr = BLOCK_K // SLICES
     pid_n = tl.program_id(0)
@@ -231,23 +233,32 @@ def _flat_gemm_int4_pairs(x_ptr, wp_ptr, ws_ptr, wz_ptr, y_ptr, part_ptr, cnt_pt
                 sum_e += tl.load(part, mask=y_mask, other=0.0, cache_modifier=".cg")
                 sum_o += tl.load(part + 1, mask=y_mask, other=0.0, cache_modifier=".cg")
             _store_pairs(y_ptr + col_m * stride_ym + row_n * stride_yn, stride_yn, sum_e, sum_o,
-                         y_mask)
+                         y_mask, b_ptr + row_n, p_mask[:, None], HAS_BIAS)
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # zero again for the next call
     else:
         _store_pairs(y_ptr + col_m * stride_ym + row_n * stride_yn, stride_yn, sum_e, sum_o,
-                     y_mask)
+                     y_mask, b_ptr + row_n, p_mask[:, None], HAS_BIAS)
 
 
 @triton.jit
-def _store_pairs(y, stride_yn, sum_e, sum_o, mask):
-    tl.store(y, sum_e.to(y.dtype.element_ty), mask=mask)
-    tl.store(y + stride_yn, sum_o.to(y.dtype.element_ty), mask=mask)
+def _store_pairs(y, stride_yn, sum_e, sum_o, mask, b, b_mask, HAS_BIAS: tl.constexpr):
+    """Rows 2p and 2p + 1 of ``y``; with a bias (``b`` at row 2p) the product is rounded to y's
+    dtype, the bias added in float32 and the sum rounded again: the values of ``y + bias`` in
+    torch, without its launch."""
+    ty = y.dtype.element_ty
+    e, o = sum_e.to(ty), sum_o.to(ty)
+    if HAS_BIAS:
+        e = (e.to(tl.float32) + tl.load(b, mask=b_mask, other=0.0).to(tl.float32)).to(ty)
+        o = (o.to(tl.float32) + tl.load(b + 1, mask=b_mask, other=0.0).to(tl.float32)).to(ty)
+    tl.store(y, e, mask=mask)
+    tl.store(y + stride_yn, o, mask=mask)
 
 
 def flat_gemm_int4(x: torch.Tensor, w: QuantizedWeight, *, block_m: int = 16,
                    block_n: int | None = None, block_k: int | None = None, split_k: int = 1,
                    num_warps: int = 4, num_stages: int | None = None,
-                   out: torch.Tensor | None = None, slices: int = 4) -> torch.Tensor:
+                   out: torch.Tensor | None = None, slices: int = 4,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T`` for ``x`` ``[M, K]`` (bf16/fp16/fp32) and ``W`` ``[N, K]`` int4: a
     ``QuantizedWeight`` or anything with ``packed``/``scale``/``min``/``group_size``/``shape`` and
     ``dim`` (0: grouped along N, FlexGen; 1: grouped along K, GGUF Q4_1).
@@ -256,7 +267,8 @@ def flat_gemm_int4(x: torch.Tensor, w: QuantizedWeight, *, block_m: int = 16,
     atomics. ``block_m`` 16 is the flat configuration; 64+ the tiled one. ``out``: an ``[M, N]``
     tensor of x's dtype to write into (returned). ``block_n``/``block_k``/``num_stages`` default
     per layout and ``block_m`` (``_pairs_config``; GGUF: 16/64/3); ``slices``: K slices per tile
-    shared by the warps (FlexGen kernel only)."""
+    shared by the warps (FlexGen kernel only). ``bias`` ``[N]`` of x's dtype: ``x @ W.T + bias``
+    with torch's values for the add (in the FlexGen kernel's store, else one more op)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got {tuple(x.shape)}")
     M, K = x.shape
@@ -301,16 +313,18 @@ def flat_gemm_int4(x: torch.Tensor, w: QuantizedWeight, *, block_m: int = 16,
             cnt = _counters(x.device, grid[0] * grid[1])  # paged_decode's tickets, same rules
         else:
             part = cnt = y  # unused
+        has_bias = bias is not None and bias.dtype == x.dtype and bias.is_contiguous()
         _flat_gemm_int4_pairs[grid](
-            x, w.packed, w.scale, w.min, y, part, cnt, *args, y.stride(0), y.stride(1),
-            k_per_split, SLICES=slices, EVEN=K % block_k == 0 and N % block_n == 0,
-            FAST=not (ieee or interp), **common)
-        return y
+            x, w.packed, w.scale, w.min, y, part, cnt, bias if has_bias else y, *args,
+            y.stride(0), y.stride(1), k_per_split, SLICES=slices,
+            EVEN=K % block_k == 0 and N % block_n == 0, FAST=not (ieee or interp),
+            HAS_BIAS=has_bias, **common)
+        return y if has_bias or bias is None else y + bias
     _flat_gemm_int4[grid](x, w.packed, w.scale, w.min, y, *args, y.stride(0), y.stride(1),
                           k_per_split, GROUP_K=group_k, **common)
-    if split_k == 1:
-        return y
-    return out.copy_(y) if out is not None else y.to(x.dtype)
+    if split_k > 1:
+        y = out.copy_(y) if out is not None else y.to(x.dtype)
+    return y if bias is None else y + bias
 
 
 def _pairs_config(n: int, block_m: int, group: int, dtype: torch.dtype,

@@ -33,6 +33,7 @@
 #   shape_sweep : scripts/decode_shape_sweep.py: the decode kernels' launch configs at the runtime's 4-bit MHA
 #              shape (16 x 32 heads, 544 tokens, fp own-block pool) and two GQA bench cells; the 4-bit K/V write
 #   profile_opt30b_py : cProfile of OPT-30B 4-bit 8x7 decode steps (16 GiB): the host's Python time by function
+#   bias_check : scripts/bias_epilogue_check.py: the int4 GEMM's bias in its store vs y + bias, bit for bit
 #   cpu_kernels : scripts/cpu_decode_kernels_bench.py on the host CPU (all its threads): the C decode kernels vs torch
 #   probe_kernels : localgen profile's two probes of localgen's own GPU kernels (kernel floor, int4 attention rate)
 #   cpuattn_probe : localgen profile's CPU-attention probe on the host (compare: the runtime's 4.86 GFLOP/s)
@@ -117,6 +118,7 @@ for stage in "$@"; do
         | tee "$OUT/offload_profile_w4_stacks_${ph}_$TAG.txt"; done ;;
     shape_sweep) timeout 420 python3 scripts/decode_shape_sweep.py --cell-seconds 80 \
         --out "$OUT/decode_shape_sweep_$TAG.json" 2>&1 | tee "$OUT/decode_shape_sweep_$TAG.txt" ;;
+    bias_check) timeout 120 python3 scripts/bias_epilogue_check.py 2>&1 | tee "$OUT/bias_epilogue_check_$TAG.txt" ;;
     cpu_kernels) timeout 200 python3 scripts/cpu_decode_kernels_bench.py --cold --calls 50 --repeat 3 2>&1 | tee "$OUT/cpu_decode_kernels_${TAG}_host.txt" ;;
     probe_kernels) timeout 200 python3 -c "from localgen.profiler import probes as p; print('gpu_kernel_floor', p.probe_kernel_floor()); print('gpu_int4_attn_bdw', p.probe_int4_attention())" 2>&1 | tee "$OUT/probe_kernels_$TAG.txt" ;;
     cpuattn_probe) timeout 120 python3 -c "from localgen.profiler import probes; [print('cpu attention probe', s, round(probes.probe_cpu_attention(s) / 1e9, 2), 'GB/s of fp16 K/V') for s in ((16, 32, 128, 544), (8, 32, 128, 544))]" 2>&1 | tee "$OUT/cpuattn_probe.txt" ;;

@@ -312,3 +312,24 @@ def test_model_call_site_goes_through_the_dispatcher(tmp_path, monkeypatch, vari
         assert ms & {1, 2} and {real(*a) for a in calls if a[1] <= 2} == {"flat"}
     finally:
         int4.gemm_table.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k,m,split_k", [(200, 192, 3, 1), (200, 256, 16, 3), (96, 64, 2, 1)])
+def test_flat_gemm_bias_in_the_store_equals_a_separate_add(seed, dtype, n, k, m, split_k):
+    """The FlexGen kernel's bias, added as it stores (rounded product + bias, rounded), gives
+    ``y + bias`` bit for bit: at an N tail, with K slices, and (96 x 64, 16-row tiles) through
+    the general kernel's separate add. bf16 within one bf16 step: the interpreter's float32 ->
+    bf16 conversion does not round as torch's does (the GPU's cvt.rn does)."""
+    t = weight("n64", n, k)
+    x = torch.randn(m, k, dtype=dtype)
+    bias = torch.randn(n, dtype=dtype)
+    kw = dict(block_n=64 if n == 200 else 16, block_k=64, split_k=split_k)
+    plain = flat_gemm_int4(x, t, **kw)
+    got = flat_gemm_int4(x, t, bias=bias, **kw)
+    want = plain + bias
+    if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        steps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+        assert steps.max() <= 1, f"seed={seed}"
+    else:
+        assert torch.equal(got, want), f"seed={seed}"
