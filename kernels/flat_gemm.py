@@ -42,6 +42,11 @@ from .quant_ref import QuantizedWeight
 PAIRS_BLOCK_N = 32  # the FlexGen kernel's default output rows a tile (and its smallest)
 
 
+# The FlexGen kernel adds a bias in its store; LOCALGEN_INT4_BIAS_EPILOGUE=0 keeps the separate
+# add (an A/B switch for scripts/offload_gpu_runs.sh opt30b_bias_ab), read once at import.
+BIAS_IN_STORE = os.environ.get("LOCALGEN_INT4_BIAS_EPILOGUE", "1") != "0"
+
+
 @triton.jit
 def _flat_gemm_int4(x_ptr, wp_ptr, ws_ptr, wz_ptr, y_ptr, M, N, K,
                     stride_xm, stride_xk, stride_pn, stride_pk, stride_sn, stride_sk,
@@ -313,7 +318,8 @@ def flat_gemm_int4(x: torch.Tensor, w: QuantizedWeight, *, block_m: int = 16,
             cnt = _counters(x.device, grid[0] * grid[1])  # paged_decode's tickets, same rules
         else:
             part = cnt = y  # unused
-        has_bias = bias is not None and bias.dtype == x.dtype and bias.is_contiguous()
+        has_bias = (BIAS_IN_STORE and bias is not None and bias.dtype == x.dtype
+                    and bias.is_contiguous())
         _flat_gemm_int4_pairs[grid](
             x, w.packed, w.scale, w.min, y, part, cnt, bias if has_bias else y, *args,
             y.stride(0), y.stride(1), k_per_split, SLICES=slices,

@@ -33,6 +33,7 @@
 #   shape_sweep : scripts/decode_shape_sweep.py: the decode kernels' launch configs at the runtime's 4-bit MHA
 #              shape (16 x 32 heads, 544 tokens, fp own-block pool) and two GQA bench cells; the 4-bit K/V write
 #   profile_opt30b_py : cProfile of OPT-30B 4-bit 8x7 decode steps (16 GiB): the host's Python time by function
+#   opt30b_bias_ab : the opt30b_w4 policy four times, the GEMM's bias in its store on / off / on / off
 #   bias_check : scripts/bias_epilogue_check.py: the int4 GEMM's bias in its store vs y + bias, bit for bit
 #   cpu_kernels : scripts/cpu_decode_kernels_bench.py on the host CPU (all its threads): the C decode kernels vs torch
 #   probe_kernels : localgen profile's two probes of localgen's own GPU kernels (kernel floor, int4 attention rate)
@@ -118,6 +119,9 @@ for stage in "$@"; do
         | tee "$OUT/offload_profile_w4_stacks_${ph}_$TAG.txt"; done ;;
     shape_sweep) timeout 420 python3 scripts/decode_shape_sweep.py --cell-seconds 80 \
         --out "$OUT/decode_shape_sweep_$TAG.json" 2>&1 | tee "$OUT/decode_shape_sweep_$TAG.txt" ;;
+    opt30b_bias_ab) for ep in 1 0 1 0; do LOCALGEN_INT4_BIAS_EPILOGUE=$ep timeout 200 $B --preset opt-30b --gpu-memory 16GiB \
+        --policy 8,7,0,100,99,1,0,100,w4,kv4 --peer-batches "" 2>&1 | grep -E "^localgen|generated" | sed "s/^/epilogue=$ep /" \
+        | tee -a "$OUT/offload_opt30b_bias_ab_$TAG.txt"; done ;;
     bias_check) timeout 120 python3 scripts/bias_epilogue_check.py 2>&1 | tee "$OUT/bias_epilogue_check_$TAG.txt" ;;
     cpu_kernels) timeout 200 python3 scripts/cpu_decode_kernels_bench.py --cold --calls 50 --repeat 3 2>&1 | tee "$OUT/cpu_decode_kernels_${TAG}_host.txt" ;;
     probe_kernels) timeout 200 python3 -c "from localgen.profiler import probes as p; print('gpu_kernel_floor', p.probe_kernel_floor()); print('gpu_int4_attn_bdw', p.probe_int4_attention())" 2>&1 | tee "$OUT/probe_kernels_$TAG.txt" ;;
