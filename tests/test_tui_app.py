@@ -168,7 +168,9 @@ def real_service(model_dir, metrics_interval: float = 0.1, step_delay: float = 0
 
 @pytest.mark.asyncio
 async def test_real_model_streams_and_panels_update(model_dir):
-    svc = real_service(model_dir, metrics_interval=0.02)  # many refreshes even in a fast answer
+    # many refreshes even in a fast answer: a 48-token answer of the tiny model can finish within
+    # two 20 ms refreshes on a quick CPU path, so each step is held to at least 10 ms
+    svc = real_service(model_dir, metrics_interval=0.02, step_delay=0.01)
     conv = Conversation(sampling=SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
     app = ChatApp(svc, conv)
     async with app.run_test(size=SIZE) as pilot:
