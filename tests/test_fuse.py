@@ -55,3 +55,15 @@ def test_opt_fused_qkv_gives_the_unfused_layer(four_bit):
     (want, want_kv), (got, got_kv) = run_layer(cfg, w, h), run_layer(cfg, fused, h)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
     assert torch.allclose(got_kv, want_kv, rtol=1e-5, atol=1e-6)
+
+
+def test_biases_stay_apart_when_the_matrices_cannot_fuse():
+    """4-bit q/k/v of 32 rows (half a group of 64: a group would straddle each seam) stay
+    apart, and so do their biases: a fused bias beside unfused matrices would be dropped."""
+    from localgen.models import llama
+
+    q, k, v = (int4.quantize(torch.randn(32, 64)) for _ in range(3))
+    w = {"q": q, "k": k, "v": v, **{f"{p}_bias": torch.zeros(32) for p in "qkv"}}
+    for fam in (opt, llama):
+        fused = fam.fuse_weights(None, w)
+        assert "qkv" not in fused and "qkv_bias" not in fused and "q_bias" in fused
