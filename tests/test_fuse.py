@@ -67,3 +67,6 @@ def test_biases_stay_apart_when_the_matrices_cannot_fuse():
     for fam in (opt, llama):
         fused = fam.fuse_weights(None, w)
         assert "qkv" not in fused and "qkv_bias" not in fused and "q_bias" in fused
+    # q/k/v packed elsewhere (the CPU int4 path's "qkv"): the biases fuse to match it
+    packed = {k: t for k, t in w.items() if k.endswith("_bias")}
+    assert "qkv_bias" in llama.fuse_weights(None, packed)

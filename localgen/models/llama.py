@@ -94,8 +94,8 @@ def fuse_weights(cfg: ModelConfig, w: dict) -> dict:
     same bytes in fewer, better-utilized kernels. ``layer`` accepts fused or separate weights."""
     w = dict(w)
     fuse_rows(w, "qkv", ("q", "k", "v"))
-    if "qkv" in w:  # fused here or packed at the source; 4-bit q/k/v may stay apart
-        fuse_rows(w, "qkv_bias", ("q_bias", "k_bias", "v_bias"))
+    if not {"q", "k", "v"} & w.keys():  # fused here or packed elsewhere (the CPU int4 "qkv"),
+        fuse_rows(w, "qkv_bias", ("q_bias", "k_bias", "v_bias"))  # not left apart (4-bit seams)
     if "gate_bias" not in w:
         fuse_rows(w, "gate_up", ("gate", "up"))
     return w

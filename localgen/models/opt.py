@@ -67,7 +67,7 @@ def fuse_weights(cfg: ModelConfig, w: dict) -> dict:
     ~2.1 ms of host time for each of a step's 336 layer calls). ``layer`` takes either form."""
     w = dict(w)
     fuse_rows(w, "qkv", ("q", "k", "v"))
-    if "qkv" in w:  # 4-bit q/k/v whose groups would straddle the seams stay apart, biases too
+    if not {"q", "k", "v"} & w.keys():  # 4-bit q/k/v left apart (group seams) keep their biases
         fuse_rows(w, "qkv_bias", ("q_bias", "k_bias", "v_bias"))
     return w
 
