@@ -17,6 +17,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -57,14 +58,28 @@ def _version(cc: str) -> str:
     return out.stdout.splitlines()[0] if out.stdout else cc
 
 
+def _cpu_id() -> str:
+    """What ``-march=native`` compiles for: the machine and its CPU's feature flags (Linux), so
+    a cache folder shared between machines (a network home) never hands one CPU another's
+    instructions."""
+    ident = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+        return ident + flags
+    except OSError:
+        return ident + platform.processor()
+
+
 def _build(src: Path, cc: str) -> Path:
     """Compile ``src`` into the cache (atomically: concurrent builders each rename a whole file
-    into place), keyed by the source, the headers beside it, the compiler and the flags.
+    into place), keyed by the source, the headers beside it, the compiler, the flags and the
+    CPU.
     Raises ``RuntimeError`` with the compiler's message on failure."""
     flags = FLAGS + EXTRA_FLAGS.get(src.stem, ())
     headers = b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))
     key = hashlib.sha256(src.read_bytes() + headers + _version(cc).encode()
-                         + " ".join(flags).encode())
+                         + " ".join(flags).encode() + _cpu_id().encode())
     out = cache_dir() / f"{src.stem}-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
