@@ -114,6 +114,22 @@ def load(name: str) -> ctypes.CDLL | None:
         return None
 
 
+# The kernels' dtype argument (``enum`` in the C sources): float32 0, bfloat16 1.
+DTYPE_CODES = {"float32": 0, "bfloat16": 1}
+
+
+def library(name: str, signatures: dict[str, list]) -> ctypes.CDLL | None:
+    """``load(name)`` with each listed function's ``argtypes`` set (``restype`` int: every
+    kernel returns 0 or -1), once; None where it cannot be built."""
+    lib = load(name)
+    if lib is not None and not getattr(lib, "_lg_typed", False):
+        for fn, args in signatures.items():
+            getattr(lib, fn).argtypes = args
+            getattr(lib, fn).restype = ctypes.c_int
+        lib._lg_typed = True
+    return lib
+
+
 def build_all() -> dict[str, bool]:
     """Build (or load from the cache) every kernel in ``csrc/``: a CPU runner calls this at
     start-up so the first decode step does not pay the compile. Returns name -> loaded."""

@@ -20,7 +20,8 @@ import torch
 
 from . import cpu_build
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPES = {torch.float32: cpu_build.DTYPE_CODES["float32"],
+           torch.bfloat16: cpu_build.DTYPE_CODES["bfloat16"]}
 _i64, _int, _p, _f = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
     "lg_rms_norm": [_p, _i64, _p, _p, _int, _int, _f, _int, _int],
@@ -30,12 +31,7 @@ _SIGNATURES = {
 
 
 def _lib():
-    lib = cpu_build.load("layer_ops_cpu")
-    if lib is not None and lib.lg_rms_norm.argtypes is None:
-        for name, args in _SIGNATURES.items():
-            getattr(lib, name).argtypes = args
-            getattr(lib, name).restype = _int
-    return lib
+    return cpu_build.library("layer_ops_cpu", _SIGNATURES)
 
 
 def available() -> bool:

@@ -17,7 +17,8 @@ import torch
 
 from . import cpu_build
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPES = {torch.float32: cpu_build.DTYPE_CODES["float32"],
+           torch.bfloat16: cpu_build.DTYPE_CODES["bfloat16"]}
 # Context tokens below which a split costs more in its partial and combine than it saves.
 MIN_SPLIT_TOKENS = 128
 # K rows (tokens x KV heads, all sequences) below which one thread is faster than a parallel
@@ -31,11 +32,7 @@ _ARGTYPES = [_p, _i64, _p, _p, _i64, _i64, _i64, _p, _i64, _p, _p, _int, _int, _
 
 
 def _lib():
-    lib = cpu_build.load("paged_decode_cpu")
-    if lib is not None and lib.lg_paged_decode.argtypes is None:
-        lib.lg_paged_decode.argtypes = _ARGTYPES
-        lib.lg_paged_decode.restype = _int
-    return lib
+    return cpu_build.library("paged_decode_cpu", {"lg_paged_decode": _ARGTYPES})
 
 
 def available() -> bool:

@@ -50,7 +50,7 @@ def build(preset: str, spec: str, gpu_memory, prompt_len: int):
     ecfg = engine_config(cfg, pol, pol.bls, prompt_len, 2)
     t0 = time.perf_counter()
     llm = LLM.from_parts(cfg, DummyStore(cfg, family_of(cfg)), None, ecfg, device="cuda",
-                         dtype=torch.float16, name="diag", policy=pol, offload_dir="/tmp/lg_diag_off",
+                         dtype=torch.float16, name="diag", policy=pol, offload_dir=os.path.join(tempfile.gettempdir(), "lg_diag_off"),
                          gpu_memory=gpu_memory)
     print(f"== {preset} [{pol.describe()}] built in {time.perf_counter() - t0:.1f} s", flush=True)
     generate_random(llm, pol.bls, 8, 2, seed=1)  # the bench's warm-up until the seventh session

@@ -12,6 +12,8 @@ this script is how that gap is found (kept so the measurement can be repeated).
 from __future__ import annotations
 
 import argparse
+import io
+import re
 import sys
 import time
 from collections import Counter
@@ -112,11 +114,20 @@ def python_profile(llm, phase: str, rows: int) -> None:
     prof.disable()
     print(f"   cProfile over {steps} {phase} step(s): {(time.perf_counter() - t0) * 1e3:.1f} ms "
           "(cProfile's own overhead included)", flush=True)
-    st = pstats.Stats(prof)
+    out = io.StringIO()
+    st = pstats.Stats(prof, stream=out)
     st.sort_stats("tottime").print_stats(rows)
     st.sort_stats("cumulative").print_stats(rows)
+    print(relative_paths(out.getvalue()), flush=True)
     while llm.has_unfinished():
         llm.step()
+
+
+def relative_paths(text: str) -> str:
+    """File paths in profiler output as the repo and packages name them (``localgen/...``,
+    ``site-packages/triton/...``), not as the machine that ran them does."""
+    text = text.replace(str(Path(__file__).resolve().parents[1]) + "/", "")
+    return re.sub(r"\S*/site-packages/", "site-packages/", text)
 
 
 def alloc_counts(device: str) -> dict[str, int]:
