@@ -43,6 +43,8 @@
 #   gemm_table16 : the same, float16 only
 #   llama7b_w4g : the graphed 4-bit policy alone (4x4, everything on the GPU)
 #   llama7b_w4g_ab : the same four times, alternating prefill graphs on / off (--no-prefill-graphs)
+#   kernels  : localgen bench kernels (issue 5) with the L2 flushed by a read, then by a write (the old method)
+#   kernel_sweep : scripts/decode_sweep.py over the B >= 8, context >= 4k cells (sync configs, read flush)
 #   gemm_table : M1/M2 inflection points (FlashDecoding++ §5) of Llama-2-7B's and SmolLM2's [N, K], fp16 and bf16
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -54,6 +56,11 @@ B="python3 -m localgen.bench.offload_bench --profile ${TAG/gpu/h200} --timed-ste
 for stage in "$@"; do
   case $stage in
     int4kv) timeout 150 python3 scripts/gpu_selftest.py --int4-kv 2>&1 | tee "$OUT/int4kv_selftest_$TAG.txt" ;;
+    kernels) for fl in read write; do timeout 240 python3 -m localgen.bench.kernels_bench --flush $fl \
+        $([ $fl = write ] && echo --no-ref --no-int4) --out "$OUT/kernels_bench_${TAG}_$fl.json" 2>&1 \
+        | tee "$OUT/kernels_bench_${TAG}_$fl.txt"; done ;;
+    kernel_sweep) timeout 400 python3 scripts/decode_sweep.py --batches 8,32,128 --contexts 4096,32768 --no-int4 \
+        --deadline 300 --out "$OUT/decode_sweep_$TAG.json" 2>&1 | tail -60 | tee "$OUT/decode_sweep_$TAG.txt" ;;
     selftest) timeout 200 python3 scripts/offload_selftest.py 2>&1 | tee "$OUT/offload_selftest_$TAG.txt" ;;
     selftest_exact) LOCALGEN_EXACT_PIN_MIN=0 timeout 150 python3 scripts/offload_selftest.py 2>&1 | tee "$OUT/offload_selftest_exactpin_$TAG.txt" ;;
     llama7b_fp) timeout 200 $B --preset llama-2-7b --gpu-memory 6GiB --policy 16,8,26,74,0,100,100,0 \

@@ -10,8 +10,12 @@ Measures on one CUDA GPU, in the same run (issue 5; FlashDecoding / FlashDecodin
 Shapes: B in {1, 8, 32, 128}, context in {512, 4k, 32k}, 32 query heads, 8 KV heads, head_dim 128,
 bf16, KV block size 16, shuffled block tables. Cells that do not fit in memory are skipped.
 
-Timing: CUDA events around one call, median of ``--repeat`` after warm-up, L2 flushed (a 256 MiB
-write) before every timed call. Ours and SDPA are timed as CUDA-graph replays ("us", pure GPU
+Timing: CUDA events around one call, median of ``--repeat`` after warm-up, L2 flushed before every
+timed call by reading a 256 MiB buffer (``--flush read``). A flush that writes (``--flush write``, the
+method before 2026-11-24) leaves the L2 (50 MiB on an H100, 60 on an H200) full of dirty lines, and
+their write-back then lands inside the timed call: up to ~15 us of extra DRAM traffic, which a
+decode step, whose preceding kernels write only small activations, does not pay. The timing floor
+(one tiny kernel timed the same way) is printed with the table. Ours and SDPA are timed as CUDA-graph replays ("us", pure GPU
 time) and as eager calls ("eager_us", with Python launch overhead); the reference eagerly (it reads
 ``context_lens.max()`` on the host). GB/s = KV bytes read / time; % copy = GB/s over the copy
 bandwidth; "x sdpa" = SDPA time / our time (> 1: we are faster).
@@ -24,6 +28,7 @@ Only argparse + torch + triton are needed (GPU machines without typer/rich):
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import json
 import os
@@ -55,15 +60,30 @@ def import_kernels():
     return paged_decode, paged_attention_ref, quant_ref
 
 
+FLUSH_MODES = ("read", "write")
+
+
 class Timer:
-    def __init__(self, repeat: int, warmup: int, flush_bytes: int = 256 << 20):
-        self.repeat, self.warmup = repeat, warmup
-        self.flush = torch.empty(flush_bytes, dtype=torch.uint8, device="cuda")
+    """Median µs of ``fn`` over ``repeat`` calls, each after an L2 flush: ``flush`` "read" (a
+    reduction over a 256 MiB buffer: the L2 ends holding clean lines) or "write" (``zero_()``: the
+    L2 ends holding dirty lines that the timed call writes back)."""
+
+    def __init__(self, repeat: int, warmup: int, flush_bytes: int = 256 << 20, flush: str = "read"):
+        if flush not in FLUSH_MODES:
+            raise ValueError(f"flush must be one of {FLUSH_MODES}, got {flush!r}")
+        self.repeat, self.warmup, self.mode = repeat, warmup, flush
+        self.flush = torch.ones(flush_bytes // 4, dtype=torch.int32, device="cuda")
+
+    def _flush(self) -> None:
+        if self.mode == "read":
+            self.flush.amax()
+        else:
+            self.flush.fill_(1)
 
     def _events(self, fn) -> float:
         times = []
         for _ in range(self.repeat):
-            self.flush.zero_()
+            self._flush()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             fn()
@@ -108,6 +128,13 @@ def copy_bandwidth(timer: Timer, nbytes: int = 1 << 30) -> float:
     us = timer.eager(lambda: dst.copy_(src))
     del src, dst
     return 2 * nbytes / (us * 1e-6)
+
+
+def timing_floor(timer: Timer) -> float | None:
+    """µs of a CUDA-graph replay of one tiny kernel, timed as the kernels are: what a cold call
+    costs before it reads anything."""
+    x = torch.zeros(1024, device="cuda")
+    return timer.graph(lambda: x.add_(1))
 
 
 def free_bytes() -> int:
@@ -177,8 +204,8 @@ def bench_cell(b: int, ctx: int, timer: Timer, mods, args, copy_bw: float) -> li
         fn = lambda: ref.paged_decode_attention(q, k, v, tables, lens, scale)  # noqa: E731
         r = ref.paged_decode_attention(q, k, v, tables, lens, scale)
         err = float((r.float() - want.float()).abs().max())
-        slow = Timer(max(3, args.repeat // 4), 1)
-        slow.flush = timer.flush
+        slow = copy.copy(timer)  # same flush buffer and mode, fewer calls
+        slow.repeat, slow.warmup = max(3, args.repeat // 4), 1
         record("ref", None, slow.eager(fn), exact_bytes, {"max_abs_diff_vs_sync": err})
         del r
     else:
@@ -216,8 +243,10 @@ def bench_cell(b: int, ctx: int, timer: Timer, mods, args, copy_bw: float) -> li
     return rows
 
 
-def print_table(rows: list[dict], copy_bw: float) -> None:
-    print(f"\nHBM copy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write)")
+def print_table(rows: list[dict], copy_bw: float, floor_us: float | None = None,
+                flush: str = "read") -> None:
+    print(f"\nHBM copy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write); L2 flush: {flush}; "
+          f"timing floor (one tiny kernel): {floor_us or float('nan'):.1f} us")
     hdr = f"{'B':>4} {'ctx':>6} {'impl':>6} {'us':>9} {'eager_us':>9} {'GB/s':>7} {'%copy':>6} {'x sdpa':>7}  note"
     print(hdr)
     print("-" * len(hdr))
@@ -246,22 +275,26 @@ def main(argv=None) -> dict:
                     help="unified max for the async variant (scores here are ~N(0, 1))")
     ap.add_argument("--no-ref", action="store_true", help="skip the pure-torch reference")
     ap.add_argument("--no-int4", action="store_true")
+    ap.add_argument("--flush", choices=FLUSH_MODES, default="read",
+                    help="how the L2 is flushed before each timed call (see the module doc)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("localgen bench kernels needs a CUDA GPU")
     import triton
     mods = import_kernels()
-    timer = Timer(args.repeat, args.warmup)
+    timer = Timer(args.repeat, args.warmup, flush=args.flush)
     copy_bw = copy_bandwidth(timer)
+    floor_us = timing_floor(timer)
     t0 = time.time()
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
         for ctx in (int(x) for x in args.contexts.split(",")):
             print(f"  B={b} ctx={ctx} ...", flush=True)
             rows += bench_cell(b, ctx, timer, mods, args, copy_bw)
-    print_table(rows, copy_bw)
+    print_table(rows, copy_bw, floor_us, args.flush)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": triton.__version__, "copy_GBps": copy_bw / 1e9,
+              "triton": triton.__version__, "copy_GBps": copy_bw / 1e9, "flush": args.flush,
+              "timing_floor_us": floor_us,
               "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                         "block_size": BLOCK_SIZE, "dtype": "bfloat16"},
               "repeat": args.repeat, "seconds": time.time() - t0, "rows": rows}
