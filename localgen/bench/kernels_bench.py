@@ -220,6 +220,9 @@ def bench_cell(b: int, ctx: int, timer: Timer, mods, args, copy_bw: float) -> li
         fn = lambda: pd.paged_decode_attention_int4(q, qk, qv, tables, lens, scale, out=out,  # noqa
                                                     max_context_len=ctx)
         record("int4", timer.graph(fn), timer.eager(fn), q4, {"num_splits": splits4, "config": cfg4})
+        fn = lambda: pd.paged_decode_attention_int4(q, qk, qv, tables, lens, scale, out=out,  # noqa
+                                                    max_context_len=ctx, phi=args.phi)
+        record("int4_async", timer.graph(fn), timer.eager(fn), q4, {"num_splits": splits4})
         o4 = pd.paged_decode_attention_int4(q, qk, qv, tables, lens, scale, max_context_len=ctx)
         rows[-1]["max_abs_diff_vs_sync_bf16"] = float((o4.float() - want.float()).abs().max())
         del qk, qv
@@ -247,12 +250,12 @@ def print_table(rows: list[dict], copy_bw: float, floor_us: float | None = None,
                 flush: str = "read") -> None:
     print(f"\nHBM copy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write); L2 flush: {flush}; "
           f"timing floor (one tiny kernel): {floor_us or float('nan'):.1f} us")
-    hdr = f"{'B':>4} {'ctx':>6} {'impl':>6} {'us':>9} {'eager_us':>9} {'GB/s':>7} {'%copy':>6} {'x sdpa':>7}  note"
+    hdr = f"{'B':>4} {'ctx':>6} {'impl':>10} {'us':>9} {'eager_us':>9} {'GB/s':>7} {'%copy':>6} {'x sdpa':>7}  note"
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         if "skipped" in r:
-            print(f"{r['B']:>4} {r['ctx']:>6} {r['impl']:>6}  skipped ({r['skipped']})")
+            print(f"{r['B']:>4} {r['ctx']:>6} {r['impl']:>10}  skipped ({r['skipped']})")
             continue
         us = f"{r['us']:.1f}" if r["us"] is not None else "-"
         note = ""
@@ -260,7 +263,7 @@ def print_table(rows: list[dict], copy_bw: float, floor_us: float | None = None,
             note += f"splits={r['num_splits']} "
         if "recomputed_rows" in r:
             note += f"recomputed={r['recomputed_rows']} "
-        print(f"{r['B']:>4} {r['ctx']:>6} {r['impl']:>6} {us:>9} {r['eager_us']:>9.1f} "
+        print(f"{r['B']:>4} {r['ctx']:>6} {r['impl']:>10} {us:>9} {r['eager_us']:>9.1f} "
               f"{r['GBps']:>7.0f} {r['pct_copy']:>6.1f} {r['x_sdpa']:>7.2f}  {note}")
 
 
