@@ -51,10 +51,6 @@ LOG2E = 1.4426950408889634
 DEFAULT_BOUNDS = {torch.bfloat16: (-64.0, 64.0), torch.float32: (-64.0, 64.0),
                   torch.float16: (-9.0, 11.0)}
 
-# L2 eviction hint of the plain K/V tile loads ("", "evict_first", "evict_last"): each tile is
-# read once per step. Read at import; an A/B knob for scripts/decode_sweep.py.
-KV_EVICTION = tl.constexpr(os.environ.get("LOCALGEN_KV_EVICTION", ""))
-
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -95,8 +91,7 @@ def _load_kv_tile(c_ptr, rows, offs_d, tok_mask, d_mask):
     """A ``[BLOCK_N, BLOCK_D]`` tile of K or V in the cache dtype (rows of head_dim contiguous
     elements: 16-byte vector loads, coalesced along head_dim)."""
     return tl.load(c_ptr + rows[:, None] + offs_d[None, :],
-                   mask=tok_mask[:, None] & d_mask[None, :], other=0.0,
-                   eviction_policy=KV_EVICTION)
+                   mask=tok_mask[:, None] & d_mask[None, :], other=0.0)
 
 
 @triton.jit

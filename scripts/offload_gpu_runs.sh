@@ -45,7 +45,6 @@
 #   llama7b_w4g_ab : the same four times, alternating prefill graphs on / off (--no-prefill-graphs)
 #   kernels  : localgen bench kernels (issue 5) with the L2 flushed by a read, then by a write (the old method)
 #   kernel_sweep : scripts/decode_sweep.py over the B >= 8, context >= 4k cells (sync configs, read flush)
-#   evict_sweep : the same over split counts 1-8, K/V loads with the default L2 policy, then evict_first
 #   gemm_table : M1/M2 inflection points (FlashDecoding++ §5) of Llama-2-7B's and SmolLM2's [N, K], fp16 and bf16
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -62,10 +61,6 @@ for stage in "$@"; do
         | tee "$OUT/kernels_bench_${TAG}_$fl.txt"; done ;;
     kernel_sweep) timeout 400 python3 scripts/decode_sweep.py --batches 8,32,128 --contexts 4096,32768 --no-int4 \
         --deadline 300 --out "$OUT/decode_sweep_$TAG.json" 2>&1 | tail -60 | tee "$OUT/decode_sweep_$TAG.txt" ;;
-    evict_sweep) for ev in "" evict_first; do LOCALGEN_KV_EVICTION=$ev timeout 200 python3 scripts/decode_sweep.py \
-        --batches 8,32,128 --contexts 4096,32768 --no-int4 --block-n 64,128 --warps 4 --stages 2,3 --splits 1,2,3,4,5,6,8 \
-        --deadline 150 --out "$OUT/decode_sweep_evict${ev:+_$ev}_$TAG.json" 2>&1 | grep -E "best|done" \
-        | tee "$OUT/decode_sweep_evict${ev:+_$ev}_$TAG.txt"; done ;;
     selftest) timeout 200 python3 scripts/offload_selftest.py 2>&1 | tee "$OUT/offload_selftest_$TAG.txt" ;;
     selftest_exact) LOCALGEN_EXACT_PIN_MIN=0 timeout 150 python3 scripts/offload_selftest.py 2>&1 | tee "$OUT/offload_selftest_exactpin_$TAG.txt" ;;
     llama7b_fp) timeout 200 $B --preset llama-2-7b --gpu-memory 6GiB --policy 16,8,26,74,0,100,100,0 \
