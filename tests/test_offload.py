@@ -107,6 +107,31 @@ def test_block_shapes_and_layer_reuse(dirs, tmp_path, gbs, ngb):
     assert layers.disk_reads == len(calls)  # every use of a disk layer reads its file
 
 
+@pytest.mark.parametrize("cache,one_batch", [((1, 0, 0), True), ((0, 1, 0), False), ((0, 0, 1), False)])
+def test_decode_runs_the_block_as_one_batch_when_the_cache_is_read_in_place(dirs, tmp_path, cache,
+                                                                            one_batch):
+    """A decode step whose every cache layer is read in place (the compute device's tier) runs
+    its block as one GPU batch: one call per layer, however many GPU batches the policy has; a
+    cache gathered per call (host or disk tier here) keeps the GPU batches, and prefill always
+    does. Greedy tokens equal the plain path's either way."""
+    pol = P(w=(0, 1, 0), c=cache, h=(0.5, 0.5), gbs=1, ngb=4)
+    llm = LLM.load(str(dirs["llama3"]), device="cpu", kv_cache_memory=KV, block_size=4, policy=pol,
+                   offload_dir=str(tmp_path / "off"))
+    runner = llm.engine.runner
+    assert runner.one_batch_decode == one_batch
+    shapes = {True: [], False: []}  # is_prefill -> sequences of each GPU batch of each block
+    fwd = runner.forward_block
+    runner.forward_block = lambda steps, lasts: shapes[steps[0][2].is_prefill].append(
+        [len(m.query_lens) for _, _, m in steps]) or fwd(steps, lasts)
+    assert staggered(llm, prompts()) == plain(dirs, "llama3")
+    assert all(n == 1 for b in shapes[True] for n in b)  # prefill keeps GPU batches of gbs
+    decode = shapes[False]
+    if one_batch:
+        assert all(len(b) == 1 for b in decode) and max(b[0] for b in decode) > 1
+    else:
+        assert max(len(b) for b in decode) > 1 and all(n == 1 for b in decode for n in b)
+
+
 def test_disk_placement_reads_the_files(dirs, tmp_path):
     off = tmp_path / "off"
     llm = LLM.load(str(dirs["llama3"]), device="cpu", kv_cache_memory=KV, block_size=4,
@@ -441,7 +466,7 @@ def test_pinning_failure_falls_back_to_pageable(monkeypatch):
 
 
 def test_assign_tiers_layer_granularity():
-    from localgen.runtime.offload.memory import assign_tiers
+    from localgen.policy.policy import assign_tiers
 
     assert assign_tiers([1] * 4, (0.25, 0.5, 0.25)) == ["gpu", "cpu", "cpu", "disk"]
     assert assign_tiers([1] * 3, (0, 1, 0)) == ["cpu"] * 3

@@ -245,7 +245,7 @@ def test_localgen_int4_gemms_from_the_measured_table(monkeypatch):
     local, flexgen = CostModel(cfg, hw, wl, runtime="localgen"), CostModel(cfg, hw, wl)
     attn = lambda m: m.terms(8, 2, True)  # noqa: E731
     t_eager = attn(local).decode["comp"][-1]
-    t_graph = local.terms(8, 2, True, graphed=True).decode["comp"][-1]
+    t_graph = local.terms(8, 2, True, one_batch=True).decode["comp"][-1]
     kv_attn = 2 * cfg.kv_size * 2 * (4 + 1.5) * 16 / 1e12  # fp16 cache read in place
     # elementwise passes of 16 tokens: norms 8h, output add 3h, rotary 2(q+kv), silu*mul 3I, K/V
     # write 2kv in and out (h = q = kv = 4096, I = 11008), fp16, at 1e12 B/s; no kernel floor
@@ -266,7 +266,7 @@ def test_localgen_kernel_floor_and_int4_attention_rate():
     wl = Workload(512, 32)
     hw0 = round_hw(gpu_mem_bdw=2e12)
     hw1 = round_hw(gpu_mem_bdw=2e12, gpu_kernel_floor=2e-6, gpu_int4_attn_bdw=5e11)
-    t0, t1 = (CostModel(cfg, hw, wl, runtime="localgen").terms(4, 4, False, True, graphed=g)
+    t0, t1 = (CostModel(cfg, hw, wl, runtime="localgen").terms(4, 4, False, True, one_batch=g)
               for hw, g in ((hw0, True), (hw1, True)))
     r = compressed_ratio()
     kv4 = 2 * 4096 * 2 * r * (512 + 16) * 16  # 4-bit bytes a step reads, 16 sequences
@@ -280,3 +280,30 @@ def test_localgen_kernel_floor_and_int4_attention_rate():
     flexgen = CostModel(cfg, hw1, wl).terms(4, 4, False, True)
     assert t1.prefill["comp"][-1] - flexgen.prefill["comp"][-1] == pytest.approx(
         512 * 16 * prefill_elems * 2 / 2e12)
+
+
+@pytest.mark.parametrize("cache,compress,deleg,one_batch", [
+    ((1, 0, 0), True, False, True),      # 4-bit cache on the GPU: the int4 kernels read it
+    ((0.99, 0.01, 0), True, False, True),  # 1% rounds to no layer off the GPU (32 layers)
+    ((0.9, 0.1, 0), True, False, False),  # 4-bit layers in host memory are gathered
+    ((0.5, 0.5, 0), False, False, True),  # pinned fp16 host cache, mapped into the kernels
+    ((0.5, 0.5, 0), False, True, False),  # attention delegated to the CPU
+    ((0.5, 0.3, 0.2), False, False, False),  # disk layers are gathered
+])
+def test_one_batch_decode_when_the_gpu_reads_the_cache_in_place(cache, compress, deleg, one_batch):
+    """localgen decodes a block as one batch when every cache layer (placed whole, as the runtime
+    places them) is read in place by the GPU's kernels; ``predict`` then reads each layer's
+    weights once a step (``terms(one_batch=True)``). FlexGen's runtime never does."""
+    cfg, wl = preset_config("llama-2-7b"), Workload(512, 32)
+    hw = round_hw(gpu_mem_bdw=1e12, mm_flops_gen=1e20)  # decode GEMMs bound by weight reads
+    pol = Policy(gbs=4, num_gpu_batches=3, wg=0, wc=1, cg=cache[0], cc=cache[1], cd=cache[2],
+                 hg=1, hc=0, compress_weight=True, compress_cache=compress, cpu_cache_compute=deleg)
+    local = CostModel(cfg, hw, wl, runtime="localgen")
+    assert local.one_batch_decode(pol) is one_batch
+    assert not CostModel(cfg, hw, wl).one_batch_decode(pol)
+    t = local.terms(4, 3, True, compress, deleg, one_batch=one_batch)
+    want = {k: float(v @ (list(pol.fractions()) + [1.0])) for k, v in t.decode.items()}
+    assert local.predict(pol).decode_terms == pytest.approx(want)
+    if one_batch:  # the block's GEMMs once at M = 12, not three times at M = 4
+        per_batch = local.terms(4, 3, True, compress, deleg).decode["comp"][-1]
+        assert t.decode["comp"][-1] < per_batch

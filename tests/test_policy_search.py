@@ -196,4 +196,4 @@ def test_localgen_search_offers_graphed_all_gpu_policies():
     assert res.throughput == pytest.approx(cm.predict(p).throughput)
     eager = cm.terms(p.gbs, p.num_gpu_batches, True, True, p.cpu_cache_compute)
     assert eager.decode["comp"][-1] > cm.terms(p.gbs, p.num_gpu_batches, True, True,
-                                               p.cpu_cache_compute, graphed=True).decode["comp"][-1]
+                                               p.cpu_cache_compute, one_batch=True).decode["comp"][-1]

@@ -161,7 +161,8 @@ class CostModel:
     GEMM and attends with bmm. "localgen" keeps that cache pinned and the GPU kernels read and
     write it in place (``runtime/offload/kv.py``), at the pinned bandwidth; its 4-bit GEMMs take
     the GPU's measured dispatch timings (``gemm_times``); its paged-decode kernels read the cache
-    as stored; and an all-GPU policy decodes as CUDA graphs (``terms(graphed=True)``).
+    as stored; and a policy whose cache the GPU reads in place decodes a block as one batch
+    (``terms(one_batch=True)``; as CUDA graphs when everything is on the GPU).
     Raises ValueError for an unknown model family, form or runtime.
     """
 
@@ -303,15 +304,15 @@ class CostModel:
     # -- terms ----------------------------------------------------------------------------------
     def terms(self, gbs: int, num_gpu_batches: int, compress_weight: bool = False,
               compress_cache: bool = False, cpu_cache_compute: bool = False,
-              graphed: bool = False) -> Terms:
+              one_batch: bool = False) -> Terms:
         """Affine cost and memory terms (App. A.3) for this batch shape and options.
 
-        ``graphed``: decode runs all ``bls`` sequences of a step as one batch (localgen's CUDA
-        graphs, taken when weights, cache and activations are all on the GPU), so each layer's
-        weights are read once a step, not once per GPU batch. Under localgen's runtime with 4-bit
-        weights and a measured GEMM table for this GPU (``int4_gemm_times``), the layer's GEMMs
-        take the table's time at M = gbs (decode; bls when graphed) and gbs * s (prefill), with no
-        separate dequantization pass."""
+        ``one_batch``: decode runs all ``bls`` sequences of a step as one batch (localgen, when
+        every cache layer is read in place on the GPU: ``one_batch_decode``; as CUDA graphs when
+        everything is on the GPU), so each layer's weights are read once a step, not once per GPU
+        batch. Under localgen's runtime with 4-bit weights and a measured GEMM table for this GPU
+        (``int4_gemm_times``), the layer's GEMMs take the table's time at M = gbs (decode; bls
+        with ``one_batch``) and gbs * s (prefill), with no separate dequantization pass."""
         c, wl, hw = self.cfg, self.wl, self.hw
         gpu = hw.has_gpu
         cpu_cache_compute = cpu_cache_compute and gpu  # no GPU: all attention is on the CPU already
@@ -347,7 +348,7 @@ class CostModel:
         in_place = self.runtime == "localgen" and not compress_cache
         ctog_cc, gtoc_cc = (ctog, gtoc) if in_place else (ctog_cache, gtoc_cache)
 
-        reads = 1 if graphed else num_gpu_batches  # weight passes of a decode step
+        reads = 1 if one_batch else num_gpu_batches  # weight passes of a decode step
         gt = self.int4_gemm_times() if compress_weight else None
         if gt is not None:  # localgen's measured int4 GEMMs (dequantization included)
             mm_p = num_gpu_batches * gt.layer_seconds(self.linear_shapes(), gbs * s)
@@ -483,10 +484,22 @@ class CostModel:
         """Whether localgen decodes ``policy`` as CUDA graphs (everything on the GPU)."""
         return self.graphs and min(policy.wg, policy.cg, policy.hg) >= 1 - 1e-9
 
+    def one_batch_decode(self, policy: Policy) -> bool:
+        """Whether localgen decodes a step's block as one batch (``runtime/offload/runner.py``):
+        on a GPU, with every cache layer read in place by the GPU's kernels, i.e. on the GPU, or
+        (uncompressed, not delegated to the CPU) in pinned host memory; layers placed whole as
+        the runtime places them (``Policy.cache_tiers``)."""
+        if not self.graphs:
+            return False
+        tiers = set(policy.cache_tiers(self.cfg.num_layers))
+        if policy.compress_cache or policy.cpu_cache_compute:
+            return tiers == {"gpu"}
+        return "disk" not in tiers
+
     def predict(self, policy: Policy) -> Prediction:
         """Predicted times, throughput and peak memory of ``policy`` (App. A.3 T, peak memory)."""
         t = self.terms(policy.gbs, policy.num_gpu_batches, policy.compress_weight,
-                       policy.compress_cache, policy.cpu_cache_compute, self.graphed(policy))
+                       policy.compress_cache, policy.cpu_cache_compute, self.one_batch_decode(policy))
         return evaluate_terms(t, np.array(policy.fractions()))
 
 

@@ -99,6 +99,10 @@ class Policy:
         ``cpu_cache_compute`` means nothing when the whole cache is on the GPU."""
         return self.cpu_cache_compute and self.cg < 1
 
+    def cache_tiers(self, num_layers: int) -> list[str]:
+        """The tier of each layer's KV cache as the runtime places it (``assign_tiers``)."""
+        return assign_tiers([1] * num_layers, (self.cg, self.cc, self.cd))
+
     def describe(self) -> str:
         """One line: batch shape, placement percentages and options."""
         opts = [o for o, on in (("4-bit weights", self.compress_weight), ("4-bit KV", self.compress_cache),
@@ -108,3 +112,17 @@ class Policy:
         h = f"activations {self.hg:.0%}/{self.hc:.0%}/{self.hd:.0%}"
         return (f"gbs {self.gbs} x {self.num_gpu_batches} (block {self.bls}); {w}, {c}, {h} "
                 f"(GPU/CPU/disk)" + (f"; {', '.join(opts)}" if opts else ""))
+
+
+def assign_tiers(sizes: list[int], fractions: tuple[float, float, float]) -> list[str]:
+    """Tier of each item (layer) so that about ``fractions`` (gpu, cpu, disk) of the total bytes
+    land on each tier, in item order: an item goes where the midpoint of its byte range falls
+    (FlexGen's ``get_choice`` on cumulative sizes). Items are whole: layer granularity."""
+    total = float(sum(sizes)) or 1.0
+    g, c, _ = fractions
+    out, cum = [], 0.0
+    for s in sizes:
+        mid = (cum + s / 2) / total
+        cum += s
+        out.append("gpu" if mid < g else "cpu" if mid < g + c else "disk")
+    return out

@@ -215,14 +215,14 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
             f"CPU x {fr['cpu']}, disk x {fr['disk']})" + (f" within {latency_bound} s" if latency_bound else ""))
     found.sort(key=lambda f: -f[0])
     picked = [found[0]] + _distinct_runners_up(found, num_alternatives)
-    cands = [_finish(f, latency_bound) for f in picked]
+    cands = [_finish(f, latency_bound, cm) for f in picked]
     return SearchResult(cands[0], cands[1:], counter[0])
 
 
 def _all_gpu_graphed(cm: CostModel, gbs: int, nb: int, opts: tuple, latency_bound) -> list:
     """The all-GPU policy of this shape as localgen runs it (decode as CUDA graphs: each layer's
     weights read once a step); [] when it does not fit."""
-    terms = cm.terms(gbs, nb, *opts, graphed=True)
+    terms = cm.terms(gbs, nb, *opts, one_batch=True)
     over = {WG: (1.0, 1.0), CG: (1.0, 1.0), HG: (1.0, 1.0)}
     x = solve_lp(terms, latency_bound, bounds_override=over)
     if x is None:
@@ -280,9 +280,14 @@ def _distinct_runners_up(found, k):
     return out
 
 
-def _finish(f, latency_bound) -> Candidate:
+def _finish(f, latency_bound, cm: CostModel) -> Candidate:
+    """The candidate's policy (the tie-break LP in its region) with ``predict``'s prediction,
+    which prices a block whose cache the GPU reads in place as one decode batch, as localgen runs
+    it. Candidates are ranked by their per-GPU-batch cost: eager one-batch decodes are not
+    searched for, since the model has no term for the host's per-call work, which CUDA graphs
+    (the all-GPU form) remove and eager steps pay; the ranking stays conservative."""
     _, (gbs, nb, (cw, ck, deleg)), terms, _, over = f
     x = solve_lp(terms, latency_bound, tie_break=True, bounds_override=over)
     policy = Policy.from_fractions(x, gbs=gbs, num_gpu_batches=nb, compress_weight=cw,
                                    compress_cache=ck, cpu_cache_compute=deleg)
-    return Candidate(policy, evaluate_terms(terms, np.array(policy.fractions())))
+    return Candidate(policy, cm.predict(policy))

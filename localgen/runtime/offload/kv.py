@@ -810,6 +810,13 @@ class TieredKVCache:
         return (self.device.type == "cuda" and all(t == "gpu" for t in self.tiers)
                 and all(isinstance(v, LayerKV) or v._int4_kernels() for v in self.views))
 
+    def decodes_in_place(self) -> bool:
+        """Whether every layer's decode attention reads the cache where it is stored, through the
+        compute device's kernels: plain layers on the compute device, 4-bit layers there through
+        the Triton kernels, a pinned host cache mapped into them. A decode batch of any size then
+        needs no copy of its blocks (the gather path and CPU attention make one per call)."""
+        return all(isinstance(v, LayerKV) or v._int4_kernels() or v._zero_copy() for v in self.views)
+
     def graph_pool_rows(self, tables: list[list[int]], context_lens: list[int]) -> list[int] | None:
         """The pool row of each sequence of a decode step about to be replayed as a CUDA graph
         (``runtime.cuda_graphs``), assigned on the host once for all layers; rows made while their

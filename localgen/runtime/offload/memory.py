@@ -1,5 +1,5 @@
 """Host buffers (pinned when a GPU is the compute device, pageable otherwise or when pinning fails),
-flat byte buffers that hold several tensors, and the layer -> tier assignment.
+and flat byte buffers that hold several tensors.
 
 Pinning can fail or be capped (WSL, small ``ulimit -l``, containers): ``host_empty`` then warns
 once and returns pageable memory, so a policy still runs (copies become synchronous and slower).
@@ -123,17 +123,3 @@ class Layout:
 
     def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         return {e.key: self.view(buf, e) for e in self.entries}
-
-
-def assign_tiers(sizes: list[int], fractions: tuple[float, float, float]) -> list[str]:
-    """Tier of each item (layer) so that about ``fractions`` (gpu, cpu, disk) of the total bytes
-    land on each tier, in item order: an item goes where the midpoint of its byte range falls
-    (FlexGen's ``get_choice`` on cumulative sizes). Items are whole: layer granularity."""
-    total = float(sum(sizes)) or 1.0
-    g, c, _ = fractions
-    out, cum = [], 0.0
-    for s in sizes:
-        mid = (cum + s / 2) / total
-        cum += s
-        out.append("gpu" if mid < g else "cpu" if mid < g + c else "disk")
-    return out
