@@ -15,8 +15,9 @@ timed call by reading a 256 MiB buffer (``--flush read``). A flush that writes (
 method before 2026-11-24) leaves the L2 (50 MiB on an H100, 60 on an H200) full of dirty lines, and
 their write-back then lands inside the timed call: up to ~15 us of extra DRAM traffic, which a
 decode step, whose preceding kernels write only small activations, does not pay. The timing floor
-(one tiny kernel timed the same way) is printed with the table. Ours and SDPA are timed as CUDA-graph replays ("us", pure GPU
-time) and as eager calls ("eager_us", with Python launch overhead); the reference eagerly (it reads
+(one tiny kernel timed the same way) is printed with the table. Ours and SDPA are timed as
+CUDA-graph replays ("us", pure GPU time) and as eager calls ("eager_us", with Python launch
+overhead); the reference eagerly (it reads
 ``context_lens.max()`` on the host). GB/s = KV bytes read / time; % copy = GB/s over the copy
 bandwidth; "x sdpa" = SDPA time / our time (> 1: we are faster).
 
