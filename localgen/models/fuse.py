@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from localgen.models.config import ModelConfig
+from localgen.quant import linear
 from localgen.quant.int4 import Int4Tensor, cat_rows
 
 
@@ -26,3 +28,25 @@ def fuse_rows(w: dict, name: str, parts: tuple[str, ...]) -> None:
         for k in parts:
             del w[k]
         w[name] = fused
+
+
+def fuse_qkv(w: dict) -> None:
+    """q/k/v as one matrix ``qkv``, in place; their biases as ``qkv_bias`` whenever q/k/v are
+    no longer apart (fused here, or packed elsewhere, as the CPU int4 path's ``qkv``): 4-bit
+    q/k/v left apart at a group seam keep their own biases."""
+    fuse_rows(w, "qkv", ("q", "k", "v"))
+    if not {"q", "k", "v"} & w.keys():
+        fuse_rows(w, "qkv_bias", ("q_bias", "k_bias", "v_bias"))
+
+
+def project_qkv(cfg: ModelConfig, w: dict, x: torch.Tensor):
+    """q ``[n, heads, head_dim]``, k and v ``[n, kv_heads, head_dim]`` from ``x`` ``[n,
+    hidden]``, through the fused ``qkv`` matrix (views of one GEMM's output) or the three apart."""
+    n = x.shape[0]
+    if "qkv" in w:
+        q, k, v = linear(x, w["qkv"], w.get("qkv_bias")).split(
+            [cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+    else:
+        q, k, v = (linear(x, w[p], w.get(f"{p}_bias")) for p in "qkv")
+    return (q.reshape(n, cfg.num_heads, cfg.head_dim), k.reshape(n, cfg.num_kv_heads, cfg.head_dim),
+            v.reshape(n, cfg.num_kv_heads, cfg.head_dim))

@@ -23,7 +23,7 @@ from localgen.kv import attention as _attention
 from localgen.kv.attention import AttentionMetadata, LayerKV, paged_attention
 from localgen.kv.cpu_decode import cpu_decode_attention
 from localgen.models.config import ModelConfig
-from localgen.models.fuse import fuse_rows
+from localgen.models.fuse import fuse_qkv, fuse_rows, project_qkv
 from localgen.models.rope import RotaryPositions, _signed_sin, apply_rope
 from localgen.quant import linear
 from localgen.quant.cpu_int4 import Int4Linear
@@ -93,25 +93,10 @@ def fuse_weights(cfg: ModelConfig, w: dict) -> dict:
     MergedColumnParallelLinear): decode is memory-bound, and one long GEMV per group reads the
     same bytes in fewer, better-utilized kernels. ``layer`` accepts fused or separate weights."""
     w = dict(w)
-    fuse_rows(w, "qkv", ("q", "k", "v"))
-    if not {"q", "k", "v"} & w.keys():  # fused here or packed elsewhere (the CPU int4 "qkv"),
-        fuse_rows(w, "qkv_bias", ("q_bias", "k_bias", "v_bias"))  # not left apart (4-bit seams)
+    fuse_qkv(w)
     if "gate_bias" not in w:
         fuse_rows(w, "gate_up", ("gate", "up"))
     return w
-
-
-def _qkv(cfg: ModelConfig, w: dict, x: torch.Tensor):
-    n = x.shape[0]
-    if "qkv" in w:
-        q, k, v = linear(x, w["qkv"], w.get("qkv_bias")).split(
-            [cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-    else:
-        q = linear(x, w["q"], w.get("q_bias"))
-        k = linear(x, w["k"], w.get("k_bias"))
-        v = linear(x, w["v"], w.get("v_bias"))
-    return (q.reshape(n, cfg.num_heads, cfg.head_dim), k.reshape(n, cfg.num_kv_heads, cfg.head_dim),
-            v.reshape(n, cfg.num_kv_heads, cfg.head_dim))
 
 
 def _qkv_roped(cfg: ModelConfig, w: dict, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
@@ -120,7 +105,7 @@ def _qkv_roped(cfg: ModelConfig, w: dict, x: torch.Tensor, rope: tuple[torch.Ten
     (one rotary pass, no split copies)."""
     cos, sin = rope
     if "qkv" not in w:
-        q, k, v = _qkv(cfg, w, x)
+        q, k, v = project_qkv(cfg, w, x)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
     n, hq, hk, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     y = linear(x, w["qkv"], w.get("qkv_bias"))
@@ -231,7 +216,7 @@ def layer_step(cfg: ModelConfig, w: dict, x: torch.Tensor, residual: torch.Tenso
     fnorm, frope, fact = _fused()
     n = x.shape[0]
     xn, residual = fnorm.add_rms_norm(x, residual, w["input_norm"], cfg.norm_eps)
-    q, k, v = _qkv(cfg, w, xn)
+    q, k, v = project_qkv(cfg, w, xn)
     if isinstance(rope, RotaryPositions):
         q, k = frope.rope_qk(q, k, rope.positions, rope.inv_freq)
     else:

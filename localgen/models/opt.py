@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from localgen.kv.attention import AttentionMetadata, LayerKV, paged_attention
 from localgen.models.config import ModelConfig
-from localgen.models.fuse import fuse_rows
+from localgen.models.fuse import fuse_qkv, project_qkv
 from localgen.quant import linear
 
 POSITION_OFFSET = 2  # OPTLearnedPositionalEmbedding reserves the first two rows
@@ -66,23 +66,8 @@ def fuse_weights(cfg: ModelConfig, w: dict) -> dict:
     offloaded decode step, bound by the host's launches, feels (OPT-30B 4-bit 8 x 7 on an H100:
     ~2.1 ms of host time for each of a step's 336 layer calls). ``layer`` takes either form."""
     w = dict(w)
-    fuse_rows(w, "qkv", ("q", "k", "v"))
-    if not {"q", "k", "v"} & w.keys():  # 4-bit q/k/v left apart (group seams) keep their biases
-        fuse_rows(w, "qkv_bias", ("q_bias", "k_bias", "v_bias"))
+    fuse_qkv(w)
     return w
-
-
-def _qkv(cfg: ModelConfig, w: dict, x: torch.Tensor):
-    """q ``[n, heads, head_dim]``, k and v ``[n, kv_heads, head_dim]`` (views of one GEMM's
-    output when the weights are fused)."""
-    n, d = x.shape[0], cfg.head_dim
-    if "qkv" in w:
-        q, k, v = linear(x, w["qkv"], w.get("qkv_bias")).split(
-            [cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-    else:
-        q, k, v = (linear(x, w[p], w.get(f"{p}_bias")) for p in "qkv")
-    return (q.view(n, cfg.num_heads, d), k.view(n, cfg.num_kv_heads, d),
-            v.view(n, cfg.num_kv_heads, d))
 
 
 def layer(cfg: ModelConfig, w: dict, h: torch.Tensor, rope, kv: LayerKV,
@@ -90,7 +75,7 @@ def layer(cfg: ModelConfig, w: dict, h: torch.Tensor, rope, kv: LayerKV,
     """One decoder layer; norms before (pre-LN) or after (post-LN) each residual block."""
     n, pre = h.shape[0], cfg.do_layer_norm_before
     x = _ln(cfg, h, w["attn_norm"], w.get("attn_norm_bias")) if pre else h
-    q, k, v = _qkv(cfg, w, x)
+    q, k, v = project_qkv(cfg, w, x)
     attn = paged_attention(q, k, v, kv, meta, cfg.head_dim ** -0.5)
     h = h + linear(attn.reshape(n, cfg.q_size), w["o"], w.get("o_bias"))
     if not pre:
