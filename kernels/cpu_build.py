@@ -1,10 +1,11 @@
 """Build and load the C kernels under ``csrc/`` for the CPU this process runs on.
 
 Each source is compiled once per machine with the system C compiler (``$CC``, else ``cc``) at
-``-O3 -march=native -fopenmp`` (and reassociation) into a per-user cache folder keyed by a hash of the source, the
-compiler's version and the flags, and loaded with ``ctypes``. Compiling plain C takes about a
-second and needs no torch headers. A shared object linking ``libgomp.so.1`` resolves to the copy
-torch already loaded (same soname), so the kernels run on torch's OpenMP threads.
+``-O3 -march=native -fopenmp`` (and reassociation) into a per-user cache folder keyed by a hash
+of the source, its headers, the compiler's version, the flags and the CPU, and loaded with
+``ctypes``. Compiling plain C takes about a second and needs no torch headers. A shared object
+linking ``libgomp.so.1`` resolves to the copy torch already loaded (same soname), so the kernels
+run on torch's OpenMP threads.
 
 Where there is no compiler, the build fails, or ``LOCALGEN_CPU_KERNELS=0``, ``load`` returns None
 and callers keep their torch path; the reason is logged once.
@@ -22,6 +23,8 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+import torch  # loaded before any kernel: its libgomp is the one the kernels link
 
 log = logging.getLogger(__name__)
 
@@ -106,16 +109,14 @@ def load(name: str) -> ctypes.CDLL | None:
         log.warning("no C compiler found: CPU kernel %s not built, using the torch path", name)
         return None
     try:
-        import torch  # noqa: F401  (loads torch's libgomp first, so the kernel shares it)
-
         return ctypes.CDLL(str(_build(CSRC / f"{name}.c", cc)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("CPU kernel %s not built (%s): using the torch path", name, e)
         return None
 
 
-# The kernels' dtype argument (``enum`` in the C sources): float32 0, bfloat16 1.
-DTYPE_CODES = {"float32": 0, "bfloat16": 1}
+# The kernels' dtype argument (``enum`` in the C sources), by the tensors' dtype.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def library(name: str, signatures: dict[str, list]) -> ctypes.CDLL | None:

@@ -20,8 +20,6 @@ import torch
 
 from . import cpu_build
 
-_DTYPES = {torch.float32: cpu_build.DTYPE_CODES["float32"],
-           torch.bfloat16: cpu_build.DTYPE_CODES["bfloat16"]}
 _i64, _int, _p, _f = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
     "lg_rms_norm": [_p, _i64, _p, _p, _int, _int, _f, _int, _int],
@@ -42,7 +40,7 @@ def available() -> bool:
 def supports_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """CPU fp32/bf16 ``x`` ``[rows, n]`` with unit stride along n, ``weight`` ``[n]`` contiguous
     of x's dtype, and the library built."""
-    return (x.device.type == "cpu" and x.dtype in _DTYPES and weight.dtype == x.dtype
+    return (x.device.type == "cpu" and x.dtype in cpu_build.DTYPE_CODES and weight.dtype == x.dtype
             and x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous()
             and weight.shape == x.shape[-1:] and _lib() is not None)
 
@@ -64,7 +62,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows, n = x.shape
     y = torch.empty((rows, n), dtype=x.dtype)
     _lib().lg_rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), rows, n, eps,
-                       _DTYPES[x.dtype], torch.get_num_threads())
+                       cpu_build.DTYPE_CODES[x.dtype], torch.get_num_threads())
     return y
 
 

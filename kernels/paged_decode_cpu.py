@@ -17,8 +17,6 @@ import torch
 
 from . import cpu_build
 
-_DTYPES = {torch.float32: cpu_build.DTYPE_CODES["float32"],
-           torch.bfloat16: cpu_build.DTYPE_CODES["bfloat16"]}
 # Context tokens below which a split costs more in its partial and combine than it saves.
 MIN_SPLIT_TOKENS = 128
 # K rows (tokens x KV heads, all sequences) below which one thread is faster than a parallel
@@ -44,7 +42,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
     """Whether the kernel takes these tensors: CPU, fp32 or bf16 alike, head_dim <= 256, at
     most 16 query heads per KV head, q's heads and head_dim contiguous, K and V with equal
     strides and unit stride along head_dim."""
-    return (q.device.type == "cpu" and q.dtype in _DTYPES and k_cache.dtype == q.dtype
+    return (q.device.type == "cpu" and q.dtype in cpu_build.DTYPE_CODES and k_cache.dtype == q.dtype
             and v_cache.dtype == q.dtype and k_cache.stride() == v_cache.stride()
             and k_cache.stride(-1) == 1 and q.stride(-1) == 1 and q.stride(1) == q.shape[-1]
             and q.shape[-1] <= MAX_DIM and q.shape[1] % k_cache.shape[2] == 0
@@ -93,7 +91,7 @@ def run(launch: Launch, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     rc = _lib().lg_paged_decode(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                 stride[0], stride[1], stride[2], bt.data_ptr(), bt.stride(0),
                                 lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, kv_heads,
-                                d, block_size, scale, _DTYPES[q.dtype], launch.splits,
+                                d, block_size, scale, cpu_build.DTYPE_CODES[q.dtype], launch.splits,
                                 launch.threads)
     if rc:
         raise ValueError(f"paged_decode_cpu: the kernel rejected q {tuple(q.shape)}")
