@@ -140,7 +140,6 @@ class OffloadRunner(ModelRunner):
     def __init__(self, model: OffloadedLM, kv: TieredKVCache, graphs: GraphedModelRunner | None = None,
                  prefill_graphs: bool = False):
         super().__init__(model, kv)
-        self.one_batch_decode = kv.decodes_in_place()
         self.policy = model.policy
         self.timers = model.timers
         self.graphs = graphs
@@ -150,6 +149,12 @@ class OffloadRunner(ModelRunner):
         # host-side work each step (CPU attention, gathers, pageable copies) allocates tensors of
         # 100s of MB per layer; fresh mmaps first-touch at a fraction of reused memory's speed
         keep_freed_host_memory()
+
+    @property
+    def one_batch_decode(self) -> bool:
+        """Whether decode steps run each block as one GPU batch (class doc); asked each step, as
+        a mapped host layer that the kernels refuse falls back to gathering."""
+        return self.kv.decodes_in_place()
 
     # -- the block schedule ---------------------------------------------------------------
     @torch.inference_mode()
