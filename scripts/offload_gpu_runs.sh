@@ -46,6 +46,8 @@
 #   kernels  : localgen bench kernels (issue 5) with the L2 flushed by a read, then by a write (the old method)
 #   kernel_sweep : scripts/decode_sweep.py over the B >= 8, context >= 4k cells (sync configs, read flush)
 #   gemm_table : M1/M2 inflection points (FlashDecoding++ §5) of Llama-2-7B's and SmolLM2's [N, K], fp16 and bf16
+#   gemm_table_opt : the same for OPT-6.7B's and OPT-30B's [N, K], fp16, installed as profiles/gemm_${TAG}_opt_float16.json
+#              for the stages after it (the dispatcher and the cost model merge every matching file)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 TAG=${TAG:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -o -i -E 'h100|h200' | head -1 | tr A-Z a-z)}
@@ -140,6 +142,10 @@ for stage in "$@"; do
       for dt in $dts; do timeout 200 python3 -m localgen.kernels.dispatch --dtype $dt \
         --shapes 4096x4096,11008x4096,4096x11008,12288x4096,22016x4096,960x576,576x576,3072x576,576x1536 \
         --out "$OUT/gemm_$dt.json" 2>&1 | tee "$OUT/gemm_$dt.txt"; done ;;
+  gemm_table_opt) timeout 300 python3 -m localgen.kernels.dispatch --dtype float16 \
+        --shapes 12288x4096,16384x4096,4096x16384,21504x7168,7168x7168,28672x7168,7168x28672 \
+        --out "$OUT/gemm_opt_float16.json" 2>&1 | tee "$OUT/gemm_opt_float16.txt" \
+        && cp "$OUT/gemm_opt_float16.json" "profiles/gemm_${TAG}_opt_float16.json" ;;
   esac
   free -g | head -2; dmesg 2>/dev/null | tail -3
   nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv 2>/dev/null
