@@ -46,6 +46,11 @@
 #   kernels  : localgen bench kernels (issue 5) with the L2 flushed by a read, then by a write (the old method)
 #   kernel_sweep : scripts/decode_sweep.py over the B >= 8, context >= 4k cells (sync configs, read flush)
 #   gemm_table : M1/M2 inflection points (FlashDecoding++ §5) of Llama-2-7B's and SmolLM2's [N, K], fp16 and bf16
+#   search_picks : localgen profile's eager-layer host probe, then the search's pick (the H100/H200 profile with
+#              that host time) for OPT-30B at 16 GiB and Llama-2-7B at 6 GiB, 4-bit and fp16 (SEARCH_CASES to
+#              change), each run as a localgen policy (REPEATS applies)
+#   memory_llama_fp : scripts/offload_memory.py: GPU memory of the search's Llama-2-7B fp16 pick (4 x 85) at a
+#              12 GiB cap and of the 16 x 8 policy of record, beside the predicted peak
 #   gemm_table_opt : the same for OPT-6.7B's and OPT-30B's [N, K], fp16, installed as profiles/gemm_${TAG}_opt_float16.json
 #              for the stages after it (the dispatcher and the cost model merge every matching file)
 set -u
@@ -142,6 +147,17 @@ for stage in "$@"; do
       for dt in $dts; do timeout 200 python3 -m localgen.kernels.dispatch --dtype $dt \
         --shapes 4096x4096,11008x4096,4096x11008,12288x4096,22016x4096,960x576,576x576,3072x576,576x1536 \
         --out "$OUT/gemm_$dt.json" 2>&1 | tee "$OUT/gemm_$dt.txt"; done ;;
+  search_picks) host=$(timeout 120 python3 -c "from localgen.profiler.probes import probe_layer_host; print(probe_layer_host())" | tail -1)
+      echo "gpu_layer_host_s $host" | tee "$OUT/layer_host_$TAG.txt"
+      timeout 200 python3 scripts/search_picks.py --profile ${TAG/gpu/h200} --layer-host-s "$host" \
+        $(for c in ${SEARCH_CASES:-opt-30b:16:on opt-30b:16:off llama-2-7b:6:on llama-2-7b:6:off}; do echo --case $c; done) \
+        | tee -a "$OUT/layer_host_$TAG.txt" | while read -r preset cap spec pred; do
+          echo "search pick: $preset ${cap} GiB --policy $spec (predicted $pred tok/s)"
+          timeout 300 $B --preset "$preset" --gpu-memory "${cap}GiB" --policy "$spec" --peer-batches '' \
+            --out "$OUT/offload_pick_${preset}_${spec//,/_}_$TAG.json" < /dev/null 2>&1 | tee -a "$OUT/search_picks_$TAG.txt"
+        done ;;
+  memory_llama_fp) for spec in 4,85,38.0497,61.9503,0,100,0,100 16,8,26,74,0,100,100,0; do timeout 200 python3 \
+        scripts/offload_memory.py --preset llama-2-7b --gpu-memory 12GiB --policy $spec 2>&1 | tee -a "$OUT/offload_memory_$TAG.txt"; done ;;
   gemm_table_opt) timeout 300 python3 -m localgen.kernels.dispatch --dtype float16 \
         --shapes 12288x4096,16384x4096,4096x16384,21504x7168,7168x7168,28672x7168,7168x28672 \
         --out "$OUT/gemm_opt_float16.json" 2>&1 | tee "$OUT/gemm_opt_float16.txt" \

@@ -2,10 +2,11 @@
 
 import math
 
+import numpy as np
 import pytest
 
 from localgen.models.config import ModelConfig
-from localgen.policy.cost_model import CostModel, Workload, compressed_ratio
+from localgen.policy.cost_model import CostModel, Workload, compressed_ratio, evaluate_terms
 from localgen.policy.policy import Policy
 from localgen.policy.presets import preset_config
 from localgen.profiler.hardware import HardwareProfile, load_profile
@@ -341,3 +342,25 @@ def test_localgen_predictions_within_25_percent_of_h100_runs(preset, cap_gib, sp
     assert measured["batch"] == policy.bls
     pred = CostModel(preset_config(preset), hw, Workload(512, 32), runtime="localgen").predict(policy)
     assert abs(measured["tokens_per_s"] / pred.throughput - 1) <= 0.25
+
+
+def test_localgen_host_term_per_eager_layer_call():
+    """Under localgen's runtime the host issues one eager layer call per GPU batch (prefill, and
+    decode per GPU batch) or one a decode step (one-batch), ``gpu_layer_host_s`` each, and none
+    under CUDA graphs or FlexGen's runtime. It is a row of its own in the max: a layer's decode
+    time is at least the host's (hand-computed: 3 calls x 1 ms, above every other term)."""
+    cfg, wl = preset_config("llama-2-7b"), Workload(8, 4)
+    hw = round_hw(gpu_mem_bdw=1e15, mm_flops=1e20, mm_flops_gen=1e20, bmm_flops=1e20,
+                  bmm_flops_gen=1e20, ctog_bdw=1e15, gtoc_bdw=1e15, gpu_layer_host_s=1e-3)
+    local = CostModel(cfg, hw, wl, runtime="localgen")
+    x = [1.0] + [0.0] * 8
+    x[3] = x[6] = 1.0  # everything on the GPU
+    hosts = {}
+    for one_batch, graphed in ((False, False), (True, False), (True, True)):
+        t = local.terms(2, 3, one_batch=one_batch, graphed=graphed)
+        hosts[one_batch, graphed] = (t.prefill["host"][-1], t.decode["host"][-1])
+        if not graphed:
+            pred = evaluate_terms(t, np.array(x))
+            assert pred.decode_time == pytest.approx(t.decode["host"][-1] * cfg.num_layers * 3)
+    assert hosts == {(False, False): (3e-3, 3e-3), (True, False): (3e-3, 1e-3), (True, True): (0, 0)}
+    assert CostModel(cfg, hw, wl).terms(2, 3).decode["host"][-1] == 0  # FlexGen's runtime

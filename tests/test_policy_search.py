@@ -197,3 +197,24 @@ def test_localgen_search_offers_graphed_all_gpu_policies():
     eager = cm.terms(p.gbs, p.num_gpu_batches, True, True, p.cpu_cache_compute)
     assert eager.decode["comp"][-1] > cm.terms(p.gbs, p.num_gpu_batches, True, True,
                                                p.cpu_cache_compute, one_batch=True).decode["comp"][-1]
+
+
+@pytest.mark.parametrize("preset, cap_gib, compression", [("opt-30b", 16, "on"), ("llama-2-7b", 6, "off")])
+def test_localgen_search_ranks_by_the_prediction_of_how_it_runs(preset, cap_gib, compression):
+    """Under localgen's runtime the search ranks candidates by ``predict``, which knows the
+    runtime's decode forms (one batch a step where the GPU reads the cache in place, CUDA graphs
+    when everything is on the GPU, the host's work per eager layer call): the best candidate's
+    figure is its prediction and no alternative predicts more. The alternatives are distinct
+    policies; none claims CPU attention with its whole cache on the GPU."""
+    import dataclasses
+
+    hw = dataclasses.replace(load_profile("h100"), gpu_mem=cap_gib * 2**30)
+    cfg, wl = preset_config(preset), Workload(512, 32)
+    res = search(cfg, hw, wl, compression=compression, runtime="localgen")
+    cm = CostModel(cfg, hw, wl, runtime="localgen")
+    cands = [res.best] + res.alternatives
+    for c in cands:
+        assert c.throughput == pytest.approx(cm.predict(c.policy).throughput)
+        assert not c.policy.cpu_cache_compute or set(c.policy.cache_tiers(cfg.num_layers)) != {"gpu"}
+    assert all(c.throughput <= res.throughput * (1 + 1e-9) for c in res.alternatives)
+    assert len({c.policy.to_json() for c in cands}) == len(cands)

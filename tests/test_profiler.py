@@ -150,3 +150,15 @@ def test_gpu_kernel_probes_time_the_runtime_kernels(monkeypatch):
     monkeypatch.setattr(probes, "int4_attention_case", lambda shape, dev: (call, 1000))
     assert probes.probe_int4_attention(calls=5) == pytest.approx(5 * 1000 / 6e-5)
     assert timed == [12, 5]
+
+
+def test_layer_host_probe_is_the_slope_over_the_layer_count(monkeypatch):
+    """The eager-layer host probe runs the offloaded runtime's decode path (4-bit weights
+    streamed, 4-bit KV; on the CPU here) and reports the slope of a step's time over the layer
+    count: per-step work, the same for both models, cancels. With the runtime replaced by a
+    clock of 3 ms a step plus 0.5 ms a layer, the slope is 0.5 ms."""
+    decode = probes.layer_host_case(2, "cpu", batch=2, prompt_len=4)
+    assert decode(2) > 0  # two real decode steps of the tiny model
+    monkeypatch.setattr(probes, "layer_host_case",
+                        lambda n, dev: lambda steps: steps * (3e-3 + n * 5e-4))
+    assert probes.probe_layer_host("cpu", layers=(2, 10), steps=4, repeats=2) == pytest.approx(5e-4)

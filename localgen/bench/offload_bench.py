@@ -269,6 +269,14 @@ def policy_from_args(s: str):
                   cpu_cache_compute="cpuattn" in flags).validate()
 
 
+def policy_to_args(p) -> str:
+    """The ``policy_from_args`` form of Policy ``p`` (fractions in percent)."""
+    pct = ",".join(f"{v * 100:.6g}" for v in (p.wg, p.wc, p.cg, p.cc, p.hg, p.hc))
+    flags = [f for f, on in (("w4", p.compress_weight), ("kv4", p.compress_cache),
+                             ("cpuattn", p.cpu_cache_compute)) if on]
+    return ",".join([f"{p.gbs},{p.num_gpu_batches},{pct}"] + flags)
+
+
 def print_result(r: RunResult, out=print) -> None:
     out(f"{r.name:10s} batch {r.batch:4d}: {r.tokens_per_s:9.2f} tokens/s (decode {r.decode_tokens_per_s:.2f}); "
         f"prefill {r.prefill_s:.2f} s, decode {r.decode_s:.2f} s  [{r.policy}]" + (f" ERROR {r.error}" if r.error else ""))

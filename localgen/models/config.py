@@ -81,21 +81,26 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         """Parameter count (elements) from the shapes, embeddings counted once when tied."""
+        return self.num_layers * self.layer_parameters() + self.global_parameters()
+
+    def layer_parameters(self) -> int:
+        """Elements of one decoder layer: its matrices, norms and biases."""
         h, f = self.hidden_size, self.intermediate_size
         if self.family == "opt":
-            per_layer = 2 * h * self.q_size + 2 * h * self.kv_size + 2 * h * f
-            per_layer += (self.q_size + 2 * self.kv_size + h + f + h + 4 * h) if self.enable_bias else 4 * h
+            n = 2 * h * self.q_size + 2 * h * self.kv_size + 2 * h * f
+            return n + ((self.q_size + 2 * self.kv_size + h + f + h + 4 * h) if self.enable_bias else 4 * h)
+        n = 2 * h * self.q_size + 2 * h * self.kv_size + 3 * h * f + 2 * h
+        return n + (self.q_size + 2 * self.kv_size if self.attention_bias else 0)
+
+    def global_parameters(self) -> int:
+        """Elements outside the decoder layers: embeddings (token, OPT's positions and
+        projections), the final norm and the lm_head unless tied."""
+        h = self.hidden_size
+        if self.family == "opt":
             e = self.word_embed_proj_dim or h
-            emb = self.vocab_size * e + (self.max_position_embeddings + 2) * h
-            if e != h:
-                emb += 2 * e * h
-            head = 0 if self.tie_word_embeddings else self.vocab_size * e
-            return self.num_layers * per_layer + emb + head + 2 * h
-        per_layer = 2 * h * self.q_size + 2 * h * self.kv_size + 3 * h * f + 2 * h
-        if self.attention_bias:
-            per_layer += self.q_size + 2 * self.kv_size
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.num_layers * per_layer + self.vocab_size * h + head + h
+            emb = self.vocab_size * e + (self.max_position_embeddings + 2) * h + (2 * e * h if e != h else 0)
+            return emb + (0 if self.tie_word_embeddings else self.vocab_size * e) + 2 * h
+        return self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V, all layers, for one token."""

@@ -139,7 +139,9 @@ def layer(cfg: ModelConfig, w: dict, h: torch.Tensor, rope: tuple[torch.Tensor, 
     x = rms_norm(h, w["input_norm"], cfg.norm_eps)
     q, k, v = _qkv_roped(cfg, w, x, rope)
     attn = paged_attention(q, k, v, kv, meta, cfg.head_dim ** -0.5)
+    del q, k, v  # free the q/k/v GEMM output before the MLP's peak (prefill)
     h = h + linear(attn.reshape(n, cfg.q_size), w["o"], w.get("o_bias"))
+    del attn
     x = rms_norm(h, w["post_norm"], cfg.norm_eps)
     gate, up = _gate_up(w, x)
     return h + linear(_act(cfg)(gate).mul_(up), w["down"], w.get("down_bias"))
@@ -222,8 +224,11 @@ def layer_step(cfg: ModelConfig, w: dict, x: torch.Tensor, residual: torch.Tenso
     else:
         q, k = frope.rope_qk_cos_sin(q, k, *rope)
     attn = paged_attention(q, k, v, kv, meta, cfg.head_dim ** -0.5)
+    del q, k, v  # free the q/k/v GEMM output (v views it) before the MLP's peak (prefill)
     o = linear(attn.reshape(n, cfg.q_size), w["o"], w.get("o_bias"))
+    del attn
     xn, residual = fnorm.add_rms_norm(o, residual, w["post_norm"], cfg.norm_eps)
+    del o
     if cfg.activation in ("silu", "swish"):
         if "gate_up" in w:
             act = fact.silu_mul_fused(linear(xn, w["gate_up"]))

@@ -77,7 +77,9 @@ def layer(cfg: ModelConfig, w: dict, h: torch.Tensor, rope, kv: LayerKV,
     x = _ln(cfg, h, w["attn_norm"], w.get("attn_norm_bias")) if pre else h
     q, k, v = project_qkv(cfg, w, x)
     attn = paged_attention(q, k, v, kv, meta, cfg.head_dim ** -0.5)
+    del q, k, v, x  # free the q/k/v GEMM output (views of it) before the MLP's peak (prefill)
     h = h + linear(attn.reshape(n, cfg.q_size), w["o"], w.get("o_bias"))
+    del attn
     if not pre:
         h = _ln(cfg, h, w["attn_norm"], w.get("attn_norm_bias"))
     x = _ln(cfg, h, w["ffn_norm"], w.get("ffn_norm_bias")) if pre else h

@@ -42,7 +42,7 @@ from localgen.profiler.hardware import HardwareProfile
 
 WG, WC, WD, CG, CC, CD, HG, HC, HD = range(9)
 NVARS = 9
-TERMS = ("ctog", "gtoc", "dtoc", "ctod", "comp")
+TERMS = ("ctog", "gtoc", "dtoc", "ctod", "comp", "host")
 TIERS = ("gpu", "cpu", "disk")
 Form = Literal["released", "paper"]
 DEFAULT_MEM_FRACTION = 0.9  # GPU: headroom for allocator fragmentation and the CUDA context
@@ -304,7 +304,7 @@ class CostModel:
     # -- terms ----------------------------------------------------------------------------------
     def terms(self, gbs: int, num_gpu_batches: int, compress_weight: bool = False,
               compress_cache: bool = False, cpu_cache_compute: bool = False,
-              one_batch: bool = False) -> Terms:
+              one_batch: bool = False, graphed: bool = False) -> Terms:
         """Affine cost and memory terms (App. A.3) for this batch shape and options.
 
         ``one_batch``: decode runs all ``bls`` sequences of a step as one batch (localgen, when
@@ -312,7 +312,12 @@ class CostModel:
         everything is on the GPU), so each layer's weights are read once a step, not once per GPU
         batch. Under localgen's runtime with 4-bit weights and a measured GEMM table for this GPU
         (``int4_gemm_times``), the layer's GEMMs take the table's time at M = gbs (decode; bls
-        with ``one_batch``) and gbs * s (prefill), with no separate dequantization pass."""
+        with ``one_batch``) and gbs * s (prefill), with no separate dequantization pass.
+        ``host``: under localgen's runtime on a GPU, the host's work of issuing the eager layer
+        calls (``HardwareProfile.gpu_layer_host_s`` per call: one per GPU batch, one a decode
+        step with ``one_batch``); ``graphed`` (CUDA-graph replays, everything on the GPU) pays
+        none. Its own row of the max in either form: the host runs ahead of the streams, so it
+        bounds a layer only when the GPU's work is shorter."""
         c, wl, hw = self.cfg, self.wl, self.hw
         gpu = hw.has_gpu
         cpu_cache_compute = cpu_cache_compute and gpu  # no GPU: all attention is on the CPU already
@@ -366,12 +371,14 @@ class CostModel:
             comp_p += s * bls * self.activation_elems(compress_cache, True) * B / hw.gpu_mem_bdw
             elem_g = (bls * self.activation_elems(compress_cache, False) * B / hw.gpu_mem_bdw
                       + reads * self.small_kernels(compress_cache) * (hw.gpu_kernel_floor or 0.0))
+        host = (hw.gpu_layer_host_s or 0.0) if self.runtime == "localgen" and gpu and not graphed else 0.0
         prefill = {
             "ctog": _affine(wc=wi / ctog, wd=wi / ctog, hc=hid_p / ctog, hd=hid_p / ctog),
             "gtoc": _affine(cc=kv_p / gtoc_cc, cd=kv_p / gtoc_cache, hc=hid_p / gtoc, hd=hid_p / gtoc),
             "dtoc": _affine(wd=wi / dtoc, hd=hid_p / dtoc),
             "ctod": _affine(cd=kv_p / ctod, hd=hid_p / ctod),
             "comp": _affine(comp_p),
+            "host": _affine(num_gpu_batches * host),
         }
 
         deq_kv = kv16 * (1 + r) if compress_cache else 0.0
@@ -403,6 +410,7 @@ class CostModel:
             "dtoc": _affine(cd=kv_read / dtoc, wd=wi / dtoc, hd=hid_g / dtoc),
             "ctod": _affine(cd=kv_new / ctod, hd=hid_g / ctod),
             "comp": comp_g,
+            "host": _affine(reads * host),
         }
         if not gpu:  # the CPU computes in place: no PCIe copies
             for t in (prefill, decode):
@@ -425,6 +433,11 @@ class CostModel:
         h1, q, kv, nh, h2 = c.hidden_size, c.q_size, c.kv_size, c.num_heads, c.intermediate_size
         n_mlp = 2 if c.family == "opt" else 3
         wtot = self.total_weight_bytes(compress_weight)
+        # localgen keeps the embeddings, final norm and lm_head on the GPU, whole and
+        # uncompressed (runtime/offload/runner.py OffloadedLM); the fractions place the layers
+        fixed_gpu = c.global_parameters() * B if self.runtime == "localgen" and gpu else 0.0
+        if fixed_gpu:
+            wtot = c.num_layers * c.layer_parameters() * B * self._cw(compress_weight)
         cache_full = 2 * kv * B * ck * (s + n) * bls * c.num_layers  # all layers, final length
         kv_gbs = 2 * kv * B * ck * (s + n) * gbs  # one layer, one GPU batch, final length
         deq_buf = wi16 if compress_weight else 0.0
@@ -441,7 +454,7 @@ class CostModel:
             home_p = dict(wg=wtot, hg=s * h1 * B * bls, cg=cache_full + pool)
             home_g = dict(wg=wtot, hg=h1 * B * bls, cg=cache_full + pool)
             for op in ops_p:  # double-buffered streamed layer + one GPU batch's activations
-                rows.append(("gpu", _affine(2 * wi + deq_buf + s * h1 * B * gbs + op,
+                rows.append(("gpu", _affine(fixed_gpu + 2 * wi + deq_buf + s * h1 * B * gbs + op,
                                             **_add(home_p, wg=-2 * wi, hg=-s * h1 * B * gbs))))
             for i, op in enumerate(ops_g):
                 extra = {}
@@ -449,7 +462,7 @@ class CostModel:
                     op, extra = 0.0, dict(cg=att_g)
                 elif not cpu_cache_compute:  # CPU/disk cache streamed in, double-buffered
                     extra = dict(cc=2 * kv_gbs, cd=2 * kv_gbs)
-                rows.append(("gpu", _affine(2 * wi + deq_buf + h1 * B * gbs + op,
+                rows.append(("gpu", _affine(fixed_gpu + 2 * wi + deq_buf + h1 * B * gbs + op,
                                             **_add(home_g, extra, wg=-2 * wi, hg=-h1 * B * gbs))))
             work_p, work_g = 0.0, [0.0]
         else:  # the CPU is the compute device: its working buffers land in RAM
@@ -499,7 +512,8 @@ class CostModel:
     def predict(self, policy: Policy) -> Prediction:
         """Predicted times, throughput and peak memory of ``policy`` (App. A.3 T, peak memory)."""
         t = self.terms(policy.gbs, policy.num_gpu_batches, policy.compress_weight,
-                       policy.compress_cache, policy.cpu_cache_compute, self.one_batch_decode(policy))
+                       policy.compress_cache, policy.cpu_cache_compute, self.one_batch_decode(policy),
+                       self.graphed(policy))
         return evaluate_terms(t, np.array(policy.fractions()))
 
 
@@ -520,8 +534,8 @@ def evaluate_terms(t: Terms, x: np.ndarray) -> Prediction:
 def _overlap_rows(pre: dict, dec: dict, form: str) -> tuple[list, list]:
     if form == "paper":
         return [pre[k] for k in TERMS], [dec[k] for k in TERMS]
-    return ([pre["ctog"] + pre["dtoc"], pre["gtoc"] + pre["ctod"], pre["comp"]],
-            [dec["ctog"] + dec[k] for k in ("gtoc", "dtoc", "ctod", "comp")])
+    return ([pre["ctog"] + pre["dtoc"], pre["gtoc"] + pre["ctod"], pre["comp"], pre["host"]],
+            [dec["ctog"] + dec[k] for k in ("gtoc", "dtoc", "ctod", "comp")] + [dec["host"]])
 
 
 def _add(base: dict, extra: dict | None = None, **more) -> dict:

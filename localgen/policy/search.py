@@ -10,6 +10,7 @@ keeps weights nearest the GPU, then the cache, then activations (FlexGen leaves 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from itertools import product
 from typing import Iterable, Literal
@@ -197,12 +198,14 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
                 sol = _solve_granular(terms, latency_bound, wg_min, counter, off_min)
                 if sol is None:
                     break  # memory and time only grow with the block size
-                x, over = sol
                 feasible_any = True
-                thr = evaluate_terms(terms, x).throughput
-                found.append((thr, (gbs, nb, opts), terms, x, over))
-                if cm.graphs:  # all-GPU policies decode as CUDA graphs
-                    found += _all_gpu_graphed(cm, gbs, nb, opts, latency_bound)
+                shape = (gbs, nb, opts)
+                here = [_as_run(cm, shape, terms, *sol)]
+                if cm.graphs:  # the decode forms only localgen's runtime has
+                    here += _one_batch(cm, shape, latency_bound, wg_min, counter, off_min)
+                    here += _all_gpu_graphed(cm, shape, latency_bound)
+                found += here
+                thr = max(f[0] for f in here)
                 if early_stop and thr < prev:
                     break  # FlexGen solve(): stop growing the block once throughput drops
                 prev = thr
@@ -214,23 +217,49 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
             f"no policy fits {hw.name} for this model and workload (usable capacity GPU x {fr['gpu']}, "
             f"CPU x {fr['cpu']}, disk x {fr['disk']})" + (f" within {latency_bound} s" if latency_bound else ""))
     found.sort(key=lambda f: -f[0])
-    picked = [found[0]] + _distinct_runners_up(found, num_alternatives)
-    cands = [_finish(f, latency_bound, cm) for f in picked]
+    cands = _distinct_candidates(found, num_alternatives, latency_bound, cm)
     return SearchResult(cands[0], cands[1:], counter[0])
 
 
-def _all_gpu_graphed(cm: CostModel, gbs: int, nb: int, opts: tuple, latency_bound) -> list:
+def _as_run(cm: CostModel, shape: tuple, terms: Terms, x: np.ndarray, over: dict | None) -> tuple:
+    """A found entry ``(throughput, shape, terms, x, over)`` for fractions ``x`` solved under
+    per-GPU-batch ``terms``, ranked as the runtime would run them (``CostModel.predict``: one
+    decode batch, or CUDA graphs, where the placement allows; the LP does not see that)."""
+    gbs, nb, (cw, ck, deleg) = shape
+    policy = Policy.from_fractions(x, gbs=gbs, num_gpu_batches=nb, compress_weight=cw,
+                                   compress_cache=ck, cpu_cache_compute=deleg)
+    return cm.predict(policy).throughput, shape, terms, x, over
+
+
+def _one_batch(cm: CostModel, shape: tuple, latency_bound, wg_min: float, counter: list,
+               off_min: float) -> list:
+    """The best placement of this shape among those localgen decodes as one batch a step
+    (``CostModel.one_batch_decode``: the GPU's kernels read every cache layer in place): the
+    cache kept off the disk (fp, not delegated) or all on the GPU (4-bit); [] when none fits.
+    A delegated cache on the GPU is the undelegated case, searched with its options."""
+    gbs, nb, (cw, ck, deleg) = shape
+    if deleg:
+        return []
+    terms = cm.terms(gbs, nb, cw, ck, deleg, one_batch=True)
+    cache = {CG: (1.0, 1.0)} if ck else {CD: (0.0, 0.0)}
+    sol = _solve_granular(terms, latency_bound, wg_min, counter, off_min, cache)
+    return [] if sol is None else [_as_run(cm, shape, terms, *sol)]
+
+
+def _all_gpu_graphed(cm: CostModel, shape: tuple, latency_bound) -> list:
     """The all-GPU policy of this shape as localgen runs it (decode as CUDA graphs: each layer's
-    weights read once a step); [] when it does not fit."""
-    terms = cm.terms(gbs, nb, *opts, one_batch=True)
+    weights read once a step, no host work per layer); [] when it does not fit."""
+    gbs, nb, opts = shape
+    terms = cm.terms(gbs, nb, *opts, one_batch=True, graphed=True)
     over = {WG: (1.0, 1.0), CG: (1.0, 1.0), HG: (1.0, 1.0)}
     x = solve_lp(terms, latency_bound, bounds_override=over)
     if x is None:
         return []
-    return [(evaluate_terms(terms, x).throughput, (gbs, nb, opts), terms, x, over)]
+    return [(evaluate_terms(terms, x).throughput, shape, terms, x, over)]
 
 
-def _solve_granular(terms: Terms, latency_bound, wg_min: float, counter: list, off_min: float = 0.0):
+def _solve_granular(terms: Terms, latency_bound, wg_min: float, counter: list, off_min: float = 0.0,
+                    fixed: dict[int, tuple[float, float]] | None = None):
     """The LP with wg restricted to {0}, [wg_min, 1 - off_min] or {1} (a disjunction: the branches are
     solved when the plain LP lands in a gap, the fastest kept). Returns (fractions, bounds_override) or None.
 
@@ -240,13 +269,15 @@ def _solve_granular(terms: Terms, latency_bound, wg_min: float, counter: list, o
     (``CostModel.min_gpu_weight_share``) puts no matrix on the GPU (only biases and layer norms), and
     a CPU/disk share below the smallest head matrix (``min_offload_weight_share``) keeps every matrix on
     the GPU: "2% of the weights on the GPU" is realized as 0%, "1% on the CPU" as 100% on the GPU.
+    ``fixed``: bounds every branch keeps (index -> (lo, hi)).
     """
+    fixed = fixed or {}
     counter[0] += 1
-    x = solve_lp(terms, latency_bound)
+    x = solve_lp(terms, latency_bound, bounds_override=fixed)
     if x is None or WG in terms.fixed_zero or (wg_min <= 0 and off_min <= 0):
-        return None if x is None else (x, None)
+        return None if x is None else (x, fixed or None)
     lo, hi = wg_min, 1.0 - off_min
-    branches = [{WG: (0.0, 0.0)}, {WG: (1.0, 1.0)}] + ([{WG: (lo, hi)}] if lo <= hi else [])
+    branches = [{**fixed, WG: b} for b in [(0.0, 0.0), (1.0, 1.0)] + ([(lo, hi)] if lo <= hi else [])]
     w = x[WG]
     # an allowed solution keeps its region as the override, so the tie-break LP (``_finish``) stays in it
     for over, inside in zip(branches, (w <= 1e-9, w >= 1 - 1e-9, lo - 1e-9 <= w <= hi + 1e-9)):
@@ -263,31 +294,37 @@ def _solve_granular(terms: Terms, latency_bound, wg_min: float, counter: list, o
     return None if best is None else (best[1], best[2])
 
 
-def _kind(f) -> tuple:
+def _kind(policy: Policy) -> tuple:
     """What makes two policies different in kind: the options and the slowest tier holding weights."""
-    (_, _, opts), x = f[1], f[3]
-    return opts + (max((i for i in range(3) if x[i] > 1e-3), default=0),)
+    p = policy
+    slowest = max((i for i, w in enumerate((p.wg, p.wc, p.wd)) if w > 1e-3), default=0)
+    return p.compress_weight, p.compress_cache, p.cpu_cache_compute, slowest
 
 
-def _distinct_runners_up(found, k):
-    seen, out = {_kind(found[0])}, []
-    for f in found[1:]:
-        if _kind(f) not in seen:
-            seen.add(_kind(f))
-            out.append(f)
-        if len(out) == k:
+def _distinct_candidates(found, k: int, latency_bound, cm: CostModel) -> list[Candidate]:
+    """The best found entry and up to ``k`` runners-up of other kinds (``_kind``), each
+    finished (``_finish``); kinds are told apart on the finished policies, which the tie-break
+    may move (an entry solved as "some weights on the CPU" can finish all on the GPU)."""
+    out: list[Candidate] = []
+    seen: set = set()
+    for f in found:
+        c = _finish(f, latency_bound, cm)
+        if _kind(c.policy) in seen:
+            continue
+        seen.add(_kind(c.policy))
+        out.append(c)
+        if len(out) == k + 1:
             break
     return out
 
 
 def _finish(f, latency_bound, cm: CostModel) -> Candidate:
     """The candidate's policy (the tie-break LP in its region) with ``predict``'s prediction,
-    which prices a block whose cache the GPU reads in place as one decode batch, as localgen runs
-    it. Candidates are ranked by their per-GPU-batch cost: eager one-batch decodes are not
-    searched for, since the model has no term for the host's per-call work, which CUDA graphs
-    (the all-GPU form) remove and eager steps pay; the ranking stays conservative."""
+    by which the candidates were ranked."""
     _, (gbs, nb, (cw, ck, deleg)), terms, _, over = f
     x = solve_lp(terms, latency_bound, tie_break=True, bounds_override=over)
     policy = Policy.from_fractions(x, gbs=gbs, num_gpu_batches=nb, compress_weight=cw,
                                    compress_cache=ck, cpu_cache_compute=deleg)
+    if deleg and set(policy.cache_tiers(cm.cfg.num_layers)) == {"gpu"}:
+        policy = dataclasses.replace(policy, cpu_cache_compute=False)  # no CPU layer to attend
     return Candidate(policy, cm.predict(policy))

@@ -60,6 +60,9 @@ class HardwareProfile:
     # bytes/s of 4-bit KV cache (codes + scale/min) the paged int4 decode kernel reads, which
     # unpacks in registers and runs below the copy bandwidth. None: gpu_mem_bdw
     gpu_int4_attn_bdw: float | None = None
+    # host seconds of one eager decoder-layer call (per GPU batch) of localgen's offloaded
+    # runtime: Python, launches, stream/event bookkeeping; CUDA-graph replays skip it. None: 0
+    gpu_layer_host_s: float | None = None
     cpu_cores: int | None = None
     # FlexGen's fitted small-batch correction of CPU attention FLOP/s, (c1, c2, c3): the rate is
     # cpu_flops * max(0.1, 1 + c1*a*b - c2*a - c3*b), a = max(0, log2(64/gbs)), b = max(0, log2(4096/h1))

@@ -237,6 +237,52 @@ def probe_int4_attention(shape: tuple[int, int, int, int] = (16, 32, 128, 544), 
     return nbytes / cuda_timer([call] * calls, repeat=repeats)
 
 
+def layer_host_case(num_layers: int, device: str, batch: int = 4, prompt_len: int = 16):
+    """A tiny Llama (MHA: 4 heads of 64, hidden 256) of ``num_layers`` dummy-weight layers, every
+    layer's 4-bit weights streamed from CPU memory and its 4-bit KV cache on ``device``: localgen's
+    eager offloaded decode path (``runtime/offload``, one GPU batch of ``batch`` sequences), with
+    GPU work too small to hide the host's. Returns ``decode(steps) -> seconds`` of ``steps``
+    decode steps after a ``prompt_len``-token prefill."""
+    import torch
+
+    from localgen.api import LLM
+    from localgen.bench.offload_bench import engine_config, generate_random_timed
+    from localgen.models.config import ModelConfig
+    from localgen.models.dummy import DummyStore
+    from localgen.models.model import family_of
+    from localgen.policy.policy import Policy
+
+    cfg = ModelConfig.from_hf_dict({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": num_layers, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "max_position_embeddings": 512, "rms_norm_eps": 1e-5})
+    policy = Policy(gbs=batch, num_gpu_batches=1, wg=0.0, wc=1.0, cg=1.0, hg=1.0,
+                    compress_weight=True, compress_cache=True).validate()
+    llm = LLM.from_parts(cfg, DummyStore(cfg, family_of(cfg)), None,
+                         engine_config(cfg, policy, batch, prompt_len, 64), device=device,
+                         dtype=torch.float16, name="probe", policy=policy)
+
+    def decode(steps: int) -> float:
+        return generate_random_timed(llm, batch, prompt_len, steps + 1)[1]
+
+    return decode
+
+
+def probe_layer_host(device: str = "cuda", layers: tuple[int, int] = (2, 10), steps: int = 16,
+                     repeats: int = 3) -> float:
+    """``HardwareProfile.gpu_layer_host_s``: seconds the host spends issuing one eager decoder
+    layer call of localgen's offloaded runtime (Python, kernel launches, stream and event
+    bookkeeping), which CUDA-graph replays do not pay. The slope of a decode step's time over the
+    layer count of two ``layer_host_case`` models, so that per-step work (embedding, sampling,
+    scheduling) cancels; the best of ``repeats`` after a warm-up for each."""
+    per_step = []
+    for n in layers:
+        decode = layer_host_case(n, device)
+        decode(2)  # warm-up: kernels compiled, buffers allocated
+        per_step.append(min(decode(steps) for _ in range(repeats)) / steps)
+    return max(0.0, (per_step[1] - per_step[0]) / (layers[1] - layers[0]))
+
+
 def probe_disk_bdw(offload_dir: str | os.PathLike, nbytes: int = ProbeSizes.disk_bytes,
                    repeats: int = 3) -> tuple[float, float, str]:
     """(dtoc_bdw, ctod_bdw, method) for a scratch file in ``offload_dir``, page cache bypassed.
@@ -371,6 +417,7 @@ def run_profile(offload_dir: str | os.PathLike, name: str = "local", sizes: Prob
         if importlib.util.find_spec("triton") is not None:  # localgen's own kernels
             steps.append(("kernel floor", lambda: {"gpu_kernel_floor": probe_kernel_floor(repeats=sizes.repeats)}))
             steps.append(("int4 attention", lambda: {"gpu_int4_attn_bdw": probe_int4_attention(repeats=sizes.repeats)}))
+            steps.append(("eager layer host", lambda: {"gpu_layer_host_s": probe_layer_host(repeats=sizes.repeats)}))
     steps += [
         ("CPU memory", lambda: {"cpu_mem_bdw": probe_mem_bdw("cpu", sizes.mem_bytes, sizes.repeats)}),
         ("disk", lambda: dict(zip(("dtoc_bdw", "ctod_bdw", "disk_method"), probe_disk_bdw(offload_dir, sizes.disk_bytes, sizes.repeats)))),
@@ -412,9 +459,12 @@ def _assemble(vals: dict, name: str, offload_dir, sizes: ProbeSizes, gpu: bool) 
                gpu_int4_attn_bdw=f"measured {today}: paged int4 decode kernel, 16 sequences x 32 "
                                  "heads x 544 tokens, codes + scale/min bytes per second in a "
                                  "CUDA-graph replay",
+               gpu_layer_host_s=f"measured {today}: host seconds per eager decoder layer call of "
+                                "the offloaded runtime (4-bit weights streamed, 4-bit KV on the "
+                                "GPU), the slope over 2 and 10 layers of a tiny Llama",
                cpu_mem="psutil available RAM", disk_mem="free space in the offload dir",
                gpu_mem="torch.cuda.mem_get_info free bytes (or NVML)" if gpu else "no GPU")
-    for k in ("gpu_kernel_floor", "gpu_int4_attn_bdw"):  # GPU with triton only
+    for k in ("gpu_kernel_floor", "gpu_int4_attn_bdw", "gpu_layer_host_s"):  # GPU with triton only
         if k not in vals:
             src.pop(k)
     if not gpu:
