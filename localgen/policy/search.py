@@ -303,16 +303,21 @@ def _kind(policy: Policy) -> tuple:
 
 def _distinct_candidates(found, k: int, latency_bound, cm: CostModel) -> list[Candidate]:
     """The best found entry and up to ``k`` runners-up of other kinds (``_kind``), each
-    finished (``_finish``); kinds are told apart on the finished policies, which the tie-break
-    may move (an entry solved as "some weights on the CPU" can finish all on the GPU)."""
+    finished (``_finish``: two LPs, so once per kind of the solved fractions); kinds are also
+    told apart on the finished policies, which the tie-break may move (an entry solved as "some
+    weights on the CPU" can finish all on the GPU)."""
     out: list[Candidate] = []
     seen: set = set()
     for f in found:
-        c = _finish(f, latency_bound, cm)
-        if _kind(c.policy) in seen:
+        (gbs, nb, (cw, ck, deleg)), x = f[1], f[3]
+        raw = _kind(Policy.from_fractions(x, gbs=gbs, num_gpu_batches=nb, compress_weight=cw,
+                                          compress_cache=ck, cpu_cache_compute=deleg))
+        if raw in seen:
             continue
-        seen.add(_kind(c.policy))
-        out.append(c)
+        seen.add(raw)
+        c = _finish(f, latency_bound, cm)
+        if all(_kind(o.policy) != _kind(c.policy) for o in out):
+            out.append(c)
         if len(out) == k + 1:
             break
     return out
