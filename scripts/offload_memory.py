@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import os
+import tempfile
 from collections import Counter
 
 import torch
@@ -66,11 +68,8 @@ def live_at_peak(snapshot: dict, top: int) -> list[tuple[str, int]]:
 
 
 def main(argv=None) -> None:
-    from localgen.api import LLM
-    from localgen.bench.offload_bench import (add_random_requests, engine_config, parse_size,
-                                              policy_from_args)
-    from localgen.models.dummy import DummyStore
-    from localgen.models.model import family_of
+    from localgen.bench.offload_bench import (add_random_requests, parse_size, policy_from_args,
+                                              policy_llm)
     from localgen.policy.cost_model import CostModel, Workload
     from localgen.policy.presets import preset_config
     from localgen.profiler.hardware import load_profile
@@ -90,10 +89,8 @@ def main(argv=None) -> None:
     pred = CostModel(cfg, hw, Workload(a.prompt_len, 32), runtime="localgen").predict(pol)
     print(f"{a.preset} [{pol.describe()}], cap {cap / GiB:.1f} GiB; predicted peak GiB "
           f"{ {k: round(v / GiB, 3) for k, v in pred.peak_mem.items()} }", flush=True)
-    llm = LLM.from_parts(cfg, DummyStore(cfg, family_of(cfg)), None,
-                         engine_config(cfg, pol, pol.bls, a.prompt_len, 32), device=a.device,
-                         dtype=torch.float16, name="memory", policy=pol,
-                         offload_dir="/tmp/lg_mem_off", gpu_memory=cap)
+    llm = policy_llm(cfg, pol, pol.bls, a.prompt_len, 32, device=a.device, gpu_memory=cap,
+                     offload_dir=os.path.join(tempfile.gettempdir(), "lg_mem_off"), name="memory")
     cuda = a.device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize()

@@ -39,19 +39,14 @@ BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchron
 
 
 def build(preset: str, spec: str, gpu_memory, prompt_len: int):
-    from localgen.api import LLM
-    from localgen.bench.offload_bench import engine_config, generate_random, policy_from_args
-    from localgen.models.dummy import DummyStore
-    from localgen.models.model import family_of
+    from localgen.bench.offload_bench import generate_random, policy_from_args, policy_llm
     from localgen.policy.presets import preset_config
 
     cfg = preset_config(preset)
     pol = policy_from_args(spec)
-    ecfg = engine_config(cfg, pol, pol.bls, prompt_len, 2)
     t0 = time.perf_counter()
-    llm = LLM.from_parts(cfg, DummyStore(cfg, family_of(cfg)), None, ecfg, device="cuda",
-                         dtype=torch.float16, name="diag", policy=pol, offload_dir=os.path.join(tempfile.gettempdir(), "lg_diag_off"),
-                         gpu_memory=gpu_memory)
+    llm = policy_llm(cfg, pol, pol.bls, prompt_len, 2, gpu_memory=gpu_memory, name="diag",
+                     offload_dir=os.path.join(tempfile.gettempdir(), "lg_diag_off"))
     print(f"== {preset} [{pol.describe()}] built in {time.perf_counter() - t0:.1f} s", flush=True)
     generate_random(llm, pol.bls, 8, 2, seed=1)  # the bench's warm-up until the seventh session
     return cfg, pol, llm

@@ -30,19 +30,14 @@ def profile_policy(preset: str, spec: str, device: str, gpu_memory, prompt_len: 
                    sync_stacks: bool = False, py_profile: bool = False) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from localgen.api import LLM
-    from localgen.bench.offload_bench import (add_random_requests, engine_config, generate_random,
-                                              policy_from_args)
-    from localgen.models.dummy import DummyStore
-    from localgen.models.model import family_of
+    from localgen.bench.offload_bench import (add_random_requests, generate_random, policy_from_args,
+                                              policy_llm)
     from localgen.policy.presets import preset_config
 
     cfg = preset_config(preset)
     pol = policy_from_args(spec)
-    store = DummyStore(cfg, family_of(cfg))
-    ecfg = engine_config(cfg, pol, pol.bls, prompt_len, steps + 1)
-    llm = LLM.from_parts(cfg, store, None, ecfg, device=device, dtype=torch.float16, name="profile",
-                         policy=pol, offload_dir="/tmp/lg_prof_off", gpu_memory=gpu_memory)
+    llm = policy_llm(cfg, pol, pol.bls, prompt_len, steps + 1, device=device, gpu_memory=gpu_memory,
+                     offload_dir="/tmp/lg_prof_off", name="profile")
     generate_random(llm, pol.bls, prompt_len, 2, seed=1)  # warm-up: kernels, allocator, decode graph
     pre, dec = generate_random(llm, pol.bls, prompt_len, steps + 1, seed=2)
     print(f"\n== {preset} [{pol.describe()}]\n   unprofiled: prefill {pre * 1e3:.1f} ms, "

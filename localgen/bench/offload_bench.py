@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from localgen.models.dummy import DummyStore  # noqa: F401  (re-exported for callers)
+from localgen.models.dummy import DummyStore
 
 if "psutil" not in sys.modules:  # the GPU machines lack psutil; the engine only needs RAM size
     try:
@@ -131,6 +131,21 @@ def engine_config(cfg, policy, batch: int, prompt_len: int, gen_len: int, dtype=
                         prefill_graphs=prefill_graphs)
 
 
+def policy_llm(cfg, policy, batch: int, prompt_len: int, gen_len: int, *, store=None,
+               device="cuda", dtype=torch.float16, gpu_memory=None, offload_dir=None,
+               block_size: int = 16, prefill_graphs: bool = True, name: str = "bench"):
+    """An ``LLM`` running ``policy`` over ``store`` (default: dummy weights of ``cfg``'s shapes,
+    ``DummyStore``), its KV cache sized for ``batch`` prompts of ``prompt_len`` + ``gen_len``
+    tokens (``engine_config``): what the bench, the probes and the diagnostic scripts run."""
+    from localgen.api import LLM
+    from localgen.models.model import family_of
+
+    store = store if store is not None else DummyStore(cfg, family_of(cfg), dtype)
+    ecfg = engine_config(cfg, policy, batch, prompt_len, gen_len, dtype, block_size, prefill_graphs)
+    return LLM.from_parts(cfg, store, None, ecfg, device=device, dtype=dtype, name=name,
+                          policy=policy, offload_dir=offload_dir, gpu_memory=gpu_memory)
+
+
 def run_localgen(cfg, store, policy, batch: int, prompt_len: int, gen_len: int, *, device="cuda",
                  dtype=torch.float16, gpu_memory=None, offload_dir=None, timed_steps: int = 3,
                  hw=None, block_size: int = 16, repeats: int = 1, prefill_graphs: bool = True) -> RunResult:
@@ -138,12 +153,10 @@ def run_localgen(cfg, store, policy, batch: int, prompt_len: int, gen_len: int, 
     times (the result is the repeat of median throughput; all are kept in ``repeats``); then a
     short timed run (``timed_steps`` tokens) for the per-term breakdown; plus the cost model's
     prediction. ``prefill_graphs``: ``EngineConfig.prefill_graphs``."""
-    from localgen.api import LLM
-
-    ecfg = engine_config(cfg, policy, batch, prompt_len, gen_len, dtype, block_size, prefill_graphs)
     t0 = time.perf_counter()
-    llm = LLM.from_parts(cfg, store, None, ecfg, device=device, dtype=dtype, name="bench",
-                         policy=policy, offload_dir=offload_dir, gpu_memory=gpu_memory)
+    llm = policy_llm(cfg, policy, batch, prompt_len, gen_len, store=store, device=device,
+                     dtype=dtype, gpu_memory=gpu_memory, offload_dir=offload_dir,
+                     block_size=block_size, prefill_graphs=prefill_graphs)
     _log(f"  built in {time.perf_counter() - t0:.1f} s; {policy.describe()}")
     if getattr(llm.engine.runner, "graphs", None) is not None:  # capture the measured shapes' graphs
         for _ in range(2):  # a prefill graph is captured at its shape's second sighting

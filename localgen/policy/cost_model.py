@@ -432,12 +432,11 @@ class CostModel:
         s, n, B = wl.prompt_len, wl.gen_len, wl.dtype_bytes
         h1, q, kv, nh, h2 = c.hidden_size, c.q_size, c.kv_size, c.num_heads, c.intermediate_size
         n_mlp = 2 if c.family == "opt" else 3
-        wtot = self.total_weight_bytes(compress_weight)
         # localgen keeps the embeddings, final norm and lm_head on the GPU, whole and
-        # uncompressed (runtime/offload/runner.py OffloadedLM); the fractions place the layers
+        # uncompressed (runtime/offload/runner.py OffloadedLM): the fractions place the layers
         fixed_gpu = c.global_parameters() * B if self.runtime == "localgen" and gpu else 0.0
-        if fixed_gpu:
-            wtot = c.num_layers * c.layer_parameters() * B * self._cw(compress_weight)
+        wtot = (c.num_layers * c.layer_parameters() * B * self._cw(compress_weight) if fixed_gpu
+                else self.total_weight_bytes(compress_weight))
         cache_full = 2 * kv * B * ck * (s + n) * bls * c.num_layers  # all layers, final length
         kv_gbs = 2 * kv * B * ck * (s + n) * gbs  # one layer, one GPU batch, final length
         deq_buf = wi16 if compress_weight else 0.0

@@ -221,14 +221,18 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
     return SearchResult(cands[0], cands[1:], counter[0])
 
 
+def _policy(shape: tuple, x: np.ndarray) -> Policy:
+    """The Policy of a found entry's ``shape`` ``(gbs, nb, (cw, ck, deleg))`` and fractions."""
+    gbs, nb, (cw, ck, deleg) = shape
+    return Policy.from_fractions(x, gbs=gbs, num_gpu_batches=nb, compress_weight=cw,
+                                 compress_cache=ck, cpu_cache_compute=deleg)
+
+
 def _as_run(cm: CostModel, shape: tuple, terms: Terms, x: np.ndarray, over: dict | None) -> tuple:
     """A found entry ``(throughput, shape, terms, x, over)`` for fractions ``x`` solved under
     per-GPU-batch ``terms``, ranked as the runtime would run them (``CostModel.predict``: one
     decode batch, or CUDA graphs, where the placement allows; the LP does not see that)."""
-    gbs, nb, (cw, ck, deleg) = shape
-    policy = Policy.from_fractions(x, gbs=gbs, num_gpu_batches=nb, compress_weight=cw,
-                                   compress_cache=ck, cpu_cache_compute=deleg)
-    return cm.predict(policy).throughput, shape, terms, x, over
+    return cm.predict(_policy(shape, x)).throughput, shape, terms, x, over
 
 
 def _one_batch(cm: CostModel, shape: tuple, latency_bound, wg_min: float, counter: list,
@@ -309,9 +313,7 @@ def _distinct_candidates(found, k: int, latency_bound, cm: CostModel) -> list[Ca
     out: list[Candidate] = []
     seen: set = set()
     for f in found:
-        (gbs, nb, (cw, ck, deleg)), x = f[1], f[3]
-        raw = _kind(Policy.from_fractions(x, gbs=gbs, num_gpu_batches=nb, compress_weight=cw,
-                                          compress_cache=ck, cpu_cache_compute=deleg))
+        raw = _kind(_policy(f[1], f[3]))
         if raw in seen:
             continue
         seen.add(raw)
@@ -326,10 +328,9 @@ def _distinct_candidates(found, k: int, latency_bound, cm: CostModel) -> list[Ca
 def _finish(f, latency_bound, cm: CostModel) -> Candidate:
     """The candidate's policy (the tie-break LP in its region) with ``predict``'s prediction,
     by which the candidates were ranked."""
-    _, (gbs, nb, (cw, ck, deleg)), terms, _, over = f
+    _, shape, terms, _, over = f
     x = solve_lp(terms, latency_bound, tie_break=True, bounds_override=over)
-    policy = Policy.from_fractions(x, gbs=gbs, num_gpu_batches=nb, compress_weight=cw,
-                                   compress_cache=ck, cpu_cache_compute=deleg)
-    if deleg and set(policy.cache_tiers(cm.cfg.num_layers)) == {"gpu"}:
+    policy = _policy(shape, x)
+    if policy.cpu_cache_compute and set(policy.cache_tiers(cm.cfg.num_layers)) == {"gpu"}:
         policy = dataclasses.replace(policy, cpu_cache_compute=False)  # no CPU layer to attend
     return Candidate(policy, cm.predict(policy))

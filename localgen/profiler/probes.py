@@ -243,13 +243,8 @@ def layer_host_case(num_layers: int, device: str, batch: int = 4, prompt_len: in
     eager offloaded decode path (``runtime/offload``, one GPU batch of ``batch`` sequences), with
     GPU work too small to hide the host's. Returns ``decode(steps) -> seconds`` of ``steps``
     decode steps after a ``prompt_len``-token prefill."""
-    import torch
-
-    from localgen.api import LLM
-    from localgen.bench.offload_bench import engine_config, generate_random_timed
+    from localgen.bench.offload_bench import generate_random_timed, policy_llm
     from localgen.models.config import ModelConfig
-    from localgen.models.dummy import DummyStore
-    from localgen.models.model import family_of
     from localgen.policy.policy import Policy
 
     cfg = ModelConfig.from_hf_dict({
@@ -258,9 +253,7 @@ def layer_host_case(num_layers: int, device: str, batch: int = 4, prompt_len: in
         "num_key_value_heads": 4, "max_position_embeddings": 512, "rms_norm_eps": 1e-5})
     policy = Policy(gbs=batch, num_gpu_batches=1, wg=0.0, wc=1.0, cg=1.0, hg=1.0,
                     compress_weight=True, compress_cache=True).validate()
-    llm = LLM.from_parts(cfg, DummyStore(cfg, family_of(cfg)), None,
-                         engine_config(cfg, policy, batch, prompt_len, 64), device=device,
-                         dtype=torch.float16, name="probe", policy=policy)
+    llm = policy_llm(cfg, policy, batch, prompt_len, 64, device=device, name="probe")
 
     def decode(steps: int) -> float:
         return generate_random_timed(llm, batch, prompt_len, steps + 1)[1]

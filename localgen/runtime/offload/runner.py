@@ -144,7 +144,6 @@ class OffloadRunner(ModelRunner):
         self.timers = model.timers
         self.graphs = graphs
         self.prefill_graphs = PrefillGraphs(self) if prefill_graphs and graphs is not None else None
-        self.cuda = self.device.type == "cuda"
         self.acts = ActivationTier(self.policy.hg, self.policy.hc, self.device, self.timers)
         # host-side work each step (CPU attention, gathers, pageable copies) allocates tensors of
         # 100s of MB per layer; fresh mmaps first-touch at a fraction of reused memory's speed
