@@ -17,6 +17,9 @@
 #   opt30b   : OPT-30B, 16 GiB cap: FlexGen's placement (its "20/80" keeps 8% of the weight bytes on the
 #              GPU by its per-tensor rule; whole layers here: 10/90), 32x2, cache on the CPU
 #   opt30b_peer : OPT-30B, 16 GiB cap: the searched 4-bit policy; accelerate at batch 1
+#   opt30b_pick : OPT-30B, 16 GiB cap: POLICIES (default: the H100 search's pick with the 4-bit cache in
+#              pinned host memory, read in place, 16x25) each in its own process; accelerate within the cap
+#              (--peer-fit) at PEERS (default: fit, the largest batch whose cache and activations fit)
 #   opt30b_w4 : OPT-30B, 16 GiB cap: the H100 profile's searched 4-bit policy (8x7, weights on the CPU,
 #              cache 99% GPU, activations CPU); accelerate at batch 8 (PEERS= for none)
 #   prefill_diag : scripts/offload_prefill_diag.py on the opt30b_w4 policy: cold and warm prefills with the
@@ -110,6 +113,10 @@ for stage in "$@"; do
         --policy 16,8,26,74,0,100,100,0,cpuattn --peer-batches '' 2>&1 | tee "$OUT/offload_llama7b_short_$TAG.txt" ;;
     opt30b_peer) timeout 560 $B --preset opt-30b --gpu-memory 16GiB --policy 4,14,9,91,100,0,0,100,w4,kv4 --peer-batches 1 \
         --out "$OUT/offload_opt30b_peer_$TAG.json" 2>&1 | tee "$OUT/offload_opt30b_peer_$TAG.txt" ;;
+    opt30b_pick) timeout 580 $B --preset opt-30b --gpu-memory 16GiB \
+        $(for p in ${POLICIES:-16,25,72.766,27.234,0,100,0,100,w4,kv4}; do echo --policy $p; done) \
+        --peer-batches "${PEERS-fit}" --peer-fit --out "$OUT/offload_opt30b_pick_$TAG.json" 2>&1 \
+        | tee "$OUT/offload_opt30b_pick_$TAG.txt" ;;
     opt30b_w4) timeout 560 $B --preset opt-30b --gpu-memory 16GiB --policy 8,7,0,100,99,1,0,100,w4,kv4 --peer-batches "${PEERS-8}" \
         --out "$OUT/offload_opt30b_w4_$TAG.json" 2>&1 | tee "$OUT/offload_opt30b_w4_$TAG.txt" ;;
     profile_opt30b_py) timeout 400 python3 scripts/offload_profile.py --preset opt-30b --gpu-memory 16GiB \

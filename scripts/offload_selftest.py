@@ -105,7 +105,10 @@ def placements():
         "cpu_attention": (P((0.5, 0.5, 0), (0, 1, 0), gbs=4, ngb=2, cpu_cache_compute=True), True),
         "cpu_attention_disk_cache": (P((0, 1, 0), (0, 0.5, 0.5), gbs=2, ngb=3, cpu_cache_compute=True), True),
         "w4": (P((0.5, 0.5, 0), (1, 0, 0), compress_weight=True), False),
-        "kv4_cpu": (P((1, 0, 0), (0, 1, 0), compress_cache=True), False),
+        # a pinned 4-bit host cache, written and read in place by the int4 kernels (mapped)
+        "kv4_cpu_kernels": (P((1, 0, 0), (0, 1, 0), compress_cache=True), False),
+        "w4_kv4_split_kernels": (P((0.5, 0.5, 0), (0.5, 0.5, 0), (0, 1), compress_weight=True,
+                                   compress_cache=True, gbs=2, ngb=3), False),
         "kv4_gpu_kernels": (P((1, 0, 0), (1, 0, 0), compress_cache=True), False),
         "w4_kv4_gpu_kernels": (P((1, 0, 0), (1, 0, 0), compress_weight=True, compress_cache=True,
                                  gbs=4, ngb=2), False),

@@ -3,6 +3,7 @@ end-to-end wall throughput, on a tiny Llama with dummy weights."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from localgen.bench.offload_bench import RunResult, print_result, run_localgen
@@ -110,3 +111,33 @@ def test_peer_ratios_against_the_best_and_the_best_within_the_cap():
     (line,) = peer_ratios(runs[:1] + runs[2:], 16 * GiB)
     assert "no accelerate batch stayed within the 16.0 GiB cap" in line
     assert peer_ratios([lg], 16 * GiB) == []
+
+
+def test_accelerate_within_the_cap_leaves_room_for_its_cache_and_activations():
+    """``--peer-fit``: accelerate's weights get the cap less its fp16 KV cache (every layer, prompt
+    + generated tokens) and its prefill activations less 1 GiB; ``--peer-batches fit`` is the
+    largest batch whose budget still holds the embeddings and the one offloaded layer accelerate
+    reserves room for. OPT-30B at 16 GiB, hand-computed: 16 sequences."""
+    from localgen.bench.offload_bench import GiB, accelerate_fit_batch, accelerate_weight_budget
+
+    cfg = ModelConfig.from_hf_dict(HF_CONFIGS["opt-30b"])
+    cache = 544 * 48 * 2 * 7168 * 2  # per sequence: 748,683,264 bytes
+    acts = 512 * (4 * 7168 + 2 * 28672) * 2  # per sequence: 88,080,384 bytes
+    assert accelerate_weight_budget(cfg, 16, 512, 32, 16 * GiB) == 16 * GiB - 16 * (cache + acts) - GiB
+    need = (cfg.global_parameters() + cfg.layer_parameters()) * 2
+    assert accelerate_weight_budget(cfg, 16, 512, 32, 16 * GiB) >= need  # 2.53 GiB
+    assert accelerate_weight_budget(cfg, 17, 512, 32, 16 * GiB) < need  # 1.75 GiB < 1.85
+    assert accelerate_fit_batch(cfg, 512, 32, 16 * GiB) == 16
+    assert accelerate_fit_batch(cfg, 512, 32, 2 * GiB) == 0  # not even one sequence fits
+
+
+def test_peer_batches_fit_resolves_to_the_largest_batch_within_the_cap():
+    import argparse
+
+    from localgen.bench.offload_bench import GiB, _peer_batches
+
+    cfg = ModelConfig.from_hf_dict(HF_CONFIGS["opt-30b"])
+    a = argparse.Namespace(peer_batches="1,fit", prompt_len=512, gen_len=32)
+    assert _peer_batches(a, cfg, 16 * GiB) == [1, 16]
+    with pytest.raises(ValueError, match="cap"):
+        _peer_batches(a, cfg, None)

@@ -166,8 +166,8 @@ def test_weight_share_granularity_opt():
 
 
 def test_localgen_runtime_reads_a_cpu_cache_at_the_pinned_bandwidth():
-    """runtime="localgen": an uncompressed CPU-held cache crosses PCIe at ctog/gtoc_bdw (read and
-    written in place by the kernels); FlexGen's runtime copies it at the pageable bandwidth. Weights
+    """runtime="localgen": a CPU-held cache crosses PCIe at ctog/gtoc_bdw (read and written in
+    place by the kernels); FlexGen's runtime copies it at the pageable bandwidth. Weights
     and activations on the GPU, so the decode ctog/gtoc terms are the cache alone."""
     cfg, wl = tiny_opt(), Workload(4, 4)
     hw = round_hw(ctog_bdw_pageable=250.0, gtoc_bdw_pageable=400.0)
@@ -178,10 +178,15 @@ def test_localgen_runtime_reads_a_cpu_cache_at_the_pinned_bandwidth():
     assert flex.decode_terms["ctog"] == pytest.approx(kv_read / 250.0)
     assert ours.decode_terms["ctog"] == pytest.approx(kv_read / 1e3)
     assert ours.decode_terms["gtoc"] == pytest.approx(flex.decode_terms["gtoc"] * 400.0 / 2e3)
-    # a compressed cache still goes through the gather path: no difference
-    pol4 = Policy(gbs=2, num_gpu_batches=1, wg=1, wc=0, cg=0, cc=1, hg=1, hc=0, compress_cache=True)
-    assert (CostModel(cfg, hw, wl, runtime="localgen").predict(pol4).decode_terms
-            == CostModel(cfg, hw, wl).predict(pol4).decode_terms)
+    # a 4-bit cache too (its packed bytes, read in place by the int4 kernels), unless its
+    # attention is delegated to the CPU: then ours writes it like FlexGen's runtime
+    for deleg, ratio in ((False, 250.0 / 1e3), (True, 1.0)):
+        pol4 = Policy(gbs=2, num_gpu_batches=1, wg=1, wc=0, cg=0, cc=1, hg=1, hc=0, compress_cache=True,
+                      cpu_cache_compute=deleg)
+        flex4, ours4 = (CostModel(cfg, hw, wl, runtime=r).predict(pol4).decode_terms
+                        for r in ("flexgen", "localgen"))
+        assert ours4["ctog"] == pytest.approx(flex4["ctog"] * ratio)
+        assert ours4["gtoc"] == pytest.approx(flex4["gtoc"] * (400.0 / 2e3 if not deleg else 1.0))
     with pytest.raises(ValueError, match="runtime"):
         CostModel(cfg, hw, wl, runtime="vllm")
 
@@ -286,7 +291,8 @@ def test_localgen_kernel_floor_and_int4_attention_rate():
 @pytest.mark.parametrize("cache,compress,deleg,one_batch", [
     ((1, 0, 0), True, False, True),      # 4-bit cache on the GPU: the int4 kernels read it
     ((0.99, 0.01, 0), True, False, True),  # 1% rounds to no layer off the GPU (32 layers)
-    ((0.9, 0.1, 0), True, False, False),  # 4-bit layers in host memory are gathered
+    ((0.9, 0.1, 0), True, False, True),  # pinned 4-bit host layers, mapped into the int4 kernels
+    ((0.9, 0.1, 0), True, True, False),  # ... unless their attention is delegated to the CPU
     ((0.5, 0.5, 0), False, False, True),  # pinned fp16 host cache, mapped into the kernels
     ((0.5, 0.5, 0), False, True, False),  # attention delegated to the CPU
     ((0.5, 0.3, 0.2), False, False, False),  # disk layers are gathered

@@ -211,17 +211,53 @@ def run_localgen(cfg, store, policy, batch: int, prompt_len: int, gen_len: int, 
     return res
 
 
+def accelerate_weight_budget(cfg, batch: int, prompt_len: int, gen_len: int, cap: int,
+                             dtype_bytes: int = 2) -> int:
+    """GPU bytes accelerate's weights may take (its ``max_memory``) when its whole run must stay
+    within ``cap`` bytes: the cap less its KV cache (transformers' cache keeps every layer's K/V on
+    the GPU, fp16, prompt + generated tokens), less the prefill's largest activations (hidden
+    states and the MLP's intermediate of ``batch`` prompts, ``4h + 2f`` values a token), less
+    1 GiB for the allocator, logits and the attention's temporaries. Negative when even no
+    weights would leave room."""
+    cache = batch * (prompt_len + gen_len) * cfg.num_layers * 2 * cfg.kv_size * dtype_bytes
+    acts = batch * prompt_len * (4 * cfg.hidden_size + 2 * cfg.intermediate_size) * dtype_bytes
+    return cap - cache - acts - GiB
+
+
+def accelerate_fit_batch(cfg, prompt_len: int, gen_len: int, cap: int, dtype_bytes: int = 2) -> int:
+    """The largest batch accelerate runs within ``cap``: its weight budget
+    (``accelerate_weight_budget``) still holds the embeddings (so that the model executes on the
+    GPU) plus the one offloaded layer that ``infer_auto_device_map`` reserves room for. 0 if none."""
+    need = (cfg.global_parameters() + cfg.layer_parameters()) * dtype_bytes
+    b = 0
+    while accelerate_weight_budget(cfg, b + 1, prompt_len, gen_len, cap, dtype_bytes) >= need:
+        b += 1
+    return b
+
+
 def run_accelerate(hf_config: dict, batch: int, prompt_len: int, gen_len: int, gpu_memory: int,
-                   cpu_memory: int = 200 * GiB, dtype=torch.float16) -> RunResult:
+                   cpu_memory: int = 200 * GiB, dtype=torch.float16, fit: bool = False) -> RunResult:
     """Hugging Face accelerate offloading: ``device_map`` from ``max_memory={0: gpu_memory, "cpu": ...}``
-    (layers that do not fit stay on the CPU and move to the GPU on each forward), dummy weights."""
+    (layers that do not fit stay on the CPU and move to the GPU on each forward), dummy weights.
+    ``fit``: a GPU of ``gpu_memory`` bytes, as localgen's runs get: the allocator is capped there
+    and ``max_memory`` leaves room for accelerate's cache and activations
+    (``accelerate_weight_budget``); otherwise, like the issue's anchor, only its weights are
+    limited (the cache and activations come on top)."""
     from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    # no allocator cap (a localgen run in this process may have set one): like the anchor, the
-    # peer is limited only by max_memory, which places weights; its KV cache and activations may
-    # exceed it (cuda_max_allocated in the result says by how much)
-    torch.cuda.set_per_process_memory_fraction(1.0)
+    total = torch.cuda.get_device_properties(0).total_memory
+    # a localgen run in this process may have set a cap: set this run's own
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_memory / total) if fit else 1.0)
+    weight_memory = gpu_memory
+    if fit:
+        from localgen.models.config import ModelConfig
+
+        weight_memory = accelerate_weight_budget(ModelConfig.from_hf_dict(hf_config), batch, prompt_len,
+                                                 gen_len, gpu_memory)
+        if weight_memory <= 0:
+            raise ValueError(f"accelerate's cache and activations at batch {batch} exceed the "
+                             f"{gpu_memory / GiB:.1f} GiB GPU")
 
     cfg = AutoConfig.for_model(**{k: v for k, v in hf_config.items() if k != "architectures"})
     with init_empty_weights():
@@ -241,7 +277,7 @@ def run_accelerate(hf_config: dict, batch: int, prompt_len: int, gen_len: int, g
             mod.inv_freq = inv
             if hasattr(mod, "original_inv_freq"):
                 mod.original_inv_freq = inv
-    dmap = infer_auto_device_map(model, max_memory={0: gpu_memory, "cpu": cpu_memory},
+    dmap = infer_auto_device_map(model, max_memory={0: weight_memory, "cpu": cpu_memory},
                                  no_split_module_classes=model._no_split_modules, dtype=dtype)
     model = dispatch_model(model, device_map=dmap)
     ids = torch.randint(10, cfg.vocab_size - 10, (batch, prompt_len), generator=g).to("cuda")
@@ -260,7 +296,8 @@ def run_accelerate(hf_config: dict, batch: int, prompt_len: int, gen_len: int, g
     on_gpu = sum(1 for v in dmap.values() if v == 0)
     res = RunResult("accelerate", batch, pre, total - pre, batch * gen_len / total,
                     batch * (gen_len - 1) / max(total - pre, 1e-9),
-                    f"device_map: {on_gpu}/{len(dmap)} modules on GPU, max_memory GPU {gpu_memory / GiB:.1f} GiB")
+                    f"device_map: {on_gpu}/{len(dmap)} modules on GPU, max_memory GPU {weight_memory / GiB:.1f} GiB"
+                    + (f", allocator capped at {gpu_memory / GiB:.1f} GiB" if fit else ""))
     res.memory_gib = {"cuda_max_allocated": round(torch.cuda.max_memory_allocated() / GiB, 3)}
     del model
     _free_cuda_memory()
@@ -336,8 +373,17 @@ def peer_ratios(results: list[RunResult], cap: int | None) -> list[str]:
     return lines
 
 
-def _peer_batches(a) -> list[int]:
-    return [int(x) for x in a.peer_batches.split(",") if x]
+def _peer_batches(a, cfg=None, gpu_mem=None) -> list[int]:
+    """``--peer-batches``; ``fit`` among them: ``accelerate_fit_batch`` for the cap."""
+    out = []
+    for x in a.peer_batches.split(","):
+        if x == "fit":
+            if cfg is None or gpu_mem is None:
+                raise ValueError("--peer-batches fit needs a preset and a GPU memory cap")
+            x = accelerate_fit_batch(cfg, a.prompt_len, a.gen_len, gpu_mem)
+        if x:
+            out.append(int(x))
+    return out
 
 
 def _run_here(a, cfg, hw, gpu_mem, hf_config) -> list[RunResult]:
@@ -360,9 +406,9 @@ def _run_here(a, cfg, hw, gpu_mem, hf_config) -> list[RunResult]:
         print_result(r)
         sys.stdout.flush()
         results.append(r)
-    for b in _peer_batches(a):
+    for b in _peer_batches(a, cfg, gpu_mem):
         try:
-            r = run_accelerate(hf_config, b, a.prompt_len, a.gen_len, gpu_mem)
+            r = run_accelerate(hf_config, b, a.prompt_len, a.gen_len, gpu_mem, fit=a.peer_fit)
         except Exception as e:
             r = RunResult("accelerate", b, 0, 0, 0, 0, error=repr(e)[:300])
         print_result(r)
@@ -371,7 +417,7 @@ def _run_here(a, cfg, hw, gpu_mem, hf_config) -> list[RunResult]:
     return results
 
 
-def _run_isolated(a, argv) -> list[RunResult]:
+def _run_isolated(a, argv, cfg, gpu_mem) -> list[RunResult]:
     """Each policy and each accelerate batch in a fresh process of this module (same machine,
     same invocation): a run inherits nothing from the one before it (pinned host memory, the
     allocator's cache and cap, a host heap grown by an offloaded run), as each would start on
@@ -389,7 +435,7 @@ def _run_isolated(a, argv) -> list[RunResult]:
                   or x in ("--isolate", "--no-isolate")):
             keep.append(x)
     jobs = [["--policy", p, "--peer-batches", ""] for p in a.policy]
-    jobs += [["--peer-batches", str(b)] for b in _peer_batches(a)]
+    jobs += [["--peer-batches", str(b)] for b in _peer_batches(a, cfg, gpu_mem)]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, job in enumerate(jobs):
@@ -416,7 +462,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen-len", type=int, default=32)
     ap.add_argument("--gpu-memory", default="6GiB", help="GPU memory cap ('none': the whole GPU)")
-    ap.add_argument("--peer-batches", default="1,8", help="batch sizes for accelerate ('' = none)")
+    ap.add_argument("--peer-batches", default="1,8",
+                    help="batch sizes for accelerate ('' = none; 'fit': the largest that --peer-fit allows)")
+    ap.add_argument("--peer-fit", action="store_true",
+                    help="accelerate within the GPU cap, as localgen: allocator capped, max_memory less its cache")
     ap.add_argument("--profile", default=None, help="HardwareProfile name/path for predictions")
     ap.add_argument("--offload-dir", default="/tmp/localgen_offload")
     ap.add_argument("--device", default="cuda")
@@ -446,8 +495,8 @@ def main(argv=None) -> int:
         import dataclasses
         hw = dataclasses.replace(hw, gpu_mem=min(hw.gpu_mem, gpu_mem))
     if a.isolate is None:
-        a.isolate = torch.cuda.is_available() and len(a.policy) + len(_peer_batches(a)) > 1
-    results = (_run_isolated(a, argv) if a.isolate
+        a.isolate = torch.cuda.is_available() and len(a.policy) + len(_peer_batches(a, cfg, gpu_mem)) > 1
+    results = (_run_isolated(a, argv, cfg, gpu_mem) if a.isolate
                else _run_here(a, cfg, hw, gpu_mem, HF_CONFIGS[a.preset] if a.preset in HF_CONFIGS else None))
     for line in peer_ratios(results, gpu_mem):
         print(line)

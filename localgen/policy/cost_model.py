@@ -349,8 +349,9 @@ class CostModel:
         gtoc_cache = (hw.gtoc_bdw_cache or hw.gtoc_bdw_pageable or hw.gtoc_bdw) if gpu else inf
         ctog_cache = (hw.ctog_bdw_pageable or hw.gtoc_bdw_cache or hw.ctog_bdw) if gpu else inf
         dtoc, ctod = hw.dtoc_bdw, hw.ctod_bdw
-        # a CPU-held cache (cc; not disk) under localgen's runtime: pinned, read/written in place
-        in_place = self.runtime == "localgen" and not compress_cache
+        # a CPU-held cache (cc; not disk) under localgen's runtime: pinned, read/written in place by
+        # the GPU's kernels (fp or 4-bit), except a 4-bit one that the CPU attends to
+        in_place = self.runtime == "localgen" and not (compress_cache and cpu_cache_compute)
         ctog_cc, gtoc_cc = (ctog, gtoc) if in_place else (ctog_cache, gtoc_cache)
 
         reads = 1 if one_batch else num_gpu_batches  # weight passes of a decode step
@@ -398,12 +399,13 @@ class CostModel:
             comp_g = _affine(mm_g + elem_g, cg=gpu_attn, cc=cpu_attn, cd=cpu_attn)
         else:
             attn = gpu_attn if gpu else kv16 / hw.cpu_flops + self._elementwise_time(deq_kv, False)
-            # localgen gathers (and dequantizes) an off-GPU cache before the kernel reads it
+            # localgen gathers (and dequantizes) a disk-held cache before the kernel reads it; a
+            # CPU-held one too unless the kernels read it in place
             off_gpu = self._elementwise_time(deq_kv, True) if kernel_attn else 0.0
             ctog_g = _affine(wc=wi / ctog, wd=wi / ctog, hc=hid_g / ctog, hd=hid_g / ctog,
                              cc=kv_read / ctog_cc, cd=kv_read / ctog_cache)
             gtoc_g = _affine(hc=hid_g / gtoc, hd=hid_g / gtoc, cc=kv_new / gtoc_cc, cd=kv_new / gtoc_cache)
-            comp_g = _affine(mm_g + attn + elem_g, cc=off_gpu, cd=off_gpu)
+            comp_g = _affine(mm_g + attn + elem_g, cc=0.0 if in_place else off_gpu, cd=off_gpu)
         decode = {
             "ctog": ctog_g,
             "gtoc": gtoc_g,
@@ -499,12 +501,12 @@ class CostModel:
     def one_batch_decode(self, policy: Policy) -> bool:
         """Whether localgen decodes a step's block as one batch (``runtime/offload/runner.py``):
         on a GPU, with every cache layer read in place by the GPU's kernels, i.e. on the GPU, or
-        (uncompressed, not delegated to the CPU) in pinned host memory; layers placed whole as
+        (fp or 4-bit, not delegated to the CPU) in pinned host memory; layers placed whole as
         the runtime places them (``Policy.cache_tiers``)."""
         if not self.graphs:
             return False
         tiers = set(policy.cache_tiers(self.cfg.num_layers))
-        if policy.compress_cache or policy.cpu_cache_compute:
+        if policy.cpu_cache_compute:
             return tiers == {"gpu"}
         return "disk" not in tiers
 

@@ -146,12 +146,19 @@ class TierKV:
         self.pool_k = self.pool_v = None
         if self.recent:
             shape = (self.recent.capacity + 1, self.block_size, self.kv_heads, self.head_dim)
-            self.pool_k, self.pool_v = (torch.zeros(shape, dtype=dtype, device=self.store_device)
-                                        for _ in range(2))
+            self.pool_k, self.pool_v = (self._pool_tensor(shape) for _ in range(2))
         self.mapped: bool | None = None  # decided on first use (``_zero_copy``)
         self._kernels: bool | None = None  # decided on first use (``_int4_kernels``)
         self.stored: "torch.cuda.Event | None" = None  # a side-stream store still in flight
         self.prefill_temp_per_token = prefill_temp_per_token  # ``prefill_temp_bytes_per_token``
+
+    def _pool_tensor(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """One zeroed pool tensor on the store device; pinned for a host tier under a GPU, so
+        that the kernels can read and write it in place with the 4-bit cache (``_int4_kernels``)."""
+        if self.tier == "cpu" and self.device.type == "cuda":
+            n = int(np.prod(shape)) * self.dtype.itemsize
+            return host_empty(n, pin=True).view(self.dtype).view(shape).zero_()
+        return torch.zeros(shape, dtype=self.dtype, device=self.store_device)
 
     @property
     def pool_rows(self):
@@ -207,26 +214,46 @@ class TierKV:
                            GROUP_SIZE)
 
     def _int4_kernels(self) -> bool:
-        """A 4-bit cache on the compute device, where the Triton kernels run (CUDA): quantized
-        writes and decode attention go through them instead of the torch reference twins."""
+        """A 4-bit cache that the Triton kernels (CUDA) write and read in place: quantized writes,
+        pool writes and decode attention go through them instead of the torch reference twins.
+        The cache is on the compute device, or in pinned host memory mapped into the kernels
+        (``_host_mapped``): a decode step then reads each 4-bit block across PCIe once, with no
+        gather on the CPU and no dequantized copy (a quarter of the fp cache's bytes)."""
         if self._kernels is None:
-            self._kernels = bool(self.compress and self.store_device == self.device
-                                 and self.device.type in INT4_KERNEL_DEVICES
-                                 and _triton_kernels() is not None)
+            here = self.store_device == self.device
+            self._kernels = bool(self.compress and self.device.type in INT4_KERNEL_DEVICES
+                                 and (here or self._mappable()) and _triton_kernels() is not None)
         return self._kernels
+
+    def _mappable(self) -> bool:
+        """A pinned host tier under a GPU that computes its attention (not delegated to the CPU),
+        its pool pinned too."""
+        return (self.tier == "cpu" and not self.cpu_compute and self.device.type == "cuda"
+                and self.t["k#packed"].is_pinned() and (self.pool_k is None or self.pool_k.is_pinned()))
+
+    def _host_mapped(self) -> bool:
+        """A 4-bit host cache that the kernels use in place (``_int4_kernels``)."""
+        return self._int4_kernels() and self.store_device != self.device
+
+    def _settle_host(self) -> None:
+        """Before the host itself reads or writes a mapped 4-bit layer or its pool (the rare
+        gather paths): wait until the kernels queued to write them have run."""
+        if self._host_mapped():
+            torch.cuda.synchronize(self.device)
 
     def _blocks(self, name: str, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Blocks ``ids`` of K or V, dequantized, on ``device`` in the compute dtype."""
         ids = ids.to(self.store_device)
         term = "dtoc" if self.tier == "disk" else "compute"
         if self.compress:
+            self._settle_host()
             with self.timers.section(term):
                 p, s, z = (self.t[name + suf][ids] for suf in ("#packed", "#scale", "#min"))
             if device != self.store_device:
                 with self.timers.section("ctog"):
                     p, s, z = (x.to(device, non_blocking=True) for x in (p, s, z))
             with self.timers.section("compute"):
-                if self._int4_kernels() and device == self.store_device:
+                if self._int4_kernels() and device == self.store_device == self.device:
                     return _dequantize_blocks(p, s, z, self.dtype)
                 return dequantize_int4(p, s, z, GROUP_SIZE, dim=-1, dtype=self.dtype)
         with self.timers.section(term):
@@ -400,7 +427,7 @@ class TierKV:
             rows, init = self._assign_rows(plan, meta)
             if min(rows) < 0:
                 return self._decode_int4_reference(q, k, v, meta, scale, plan, (rows, init))
-            dev = self.store_device
+            dev = self.device  # the kernels' index tensors
             if init:
                 self._fill_new_rows(plan, [rows[i] for i in init], [plan.decode[0][i] for i in init])
             self._pool_put(plan.tensor("pool_slots", self._pool_slots(rows, plan.decode[1]), dev), k, v)
@@ -468,6 +495,7 @@ class TierKV:
             r_t = plan.tensor("rows", rows, dev)
             self._pool_put(plan.tensor("pool_slots", self._pool_slots(rows, offs), dev), k, v)
             li = plan.tensor("own_local", plan.decode_local, where)
+            self._settle_host()
             kc[li], vc[li] = self.pool_k[r_t].to(where), self.pool_v[r_t].to(where)
         else:  # more sequences than pool rows: those without one read only this token in fp
             d_t = plan.tensor("dst", plan.decode_dst, where)
@@ -480,6 +508,7 @@ class TierKV:
                 t_t = plan.tensor("have", have, k.device)
                 self._pool_put(plan.tensor("pool_slots", slots, dev), k[t_t], v[t_t])
                 li = plan.tensor("own_local", [plan.decode_local[i] for i in have], where)
+                self._settle_host()
                 kc[li], vc[li] = self.pool_k[r_t].to(where), self.pool_v[r_t].to(where)
         return ref.paged_decode_attention(q, kc, vc, plan.local_on(where), meta.context_lens.to(where), scale)
 
@@ -568,6 +597,9 @@ class TierKV:
 
     def _pool_put(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write fp K/V ``[n, kv_heads, head_dim]`` into the pool at flat slots ``slots``."""
+        if self._host_mapped():  # the pinned pool, written by the kernel like the mapped fp cache
+            _triton_kernels()[2].write_kv(self.pool_k, self.pool_v, k, v, slots.to(self.device))
+            return
         for pool, x in ((self.pool_k, k), (self.pool_v, v)):
             pool.view(-1, *pool.shape[2:])[slots] = x.to(self.store_device, self.dtype)
 
