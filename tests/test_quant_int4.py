@@ -103,3 +103,20 @@ def test_cat_rows_refuses_groups_across_the_seam():
     a, b = quantize(torch.randn(96, 64), 64, dim=0), quantize(torch.randn(64, 64), 64, dim=0)
     assert cat_rows([a, b]) is None  # 96 rows: the second group would hold rows of both
     assert cat_rows([quantize(torch.randn(64, 64), 64, dim=0), quantize(torch.randn(64, 64), 32, dim=1)]) is None
+
+
+@pytest.mark.parametrize("rows", [128, 100])  # 100: the last group padded
+def test_quantize_columns_in_blocks_equals_quantizing_whole(monkeypatch, rows):
+    """The offloaded runtime quantizes a matrix a block of columns at a time (groups run down
+    the columns, so blocks are independent): codes, scales and mins equal ``quantize``'s of the
+    whole matrix, bit for bit, from fp16 as stored."""
+    from localgen.runtime.offload import weights
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(rows, 75, generator=g).half()
+    monkeypatch.setattr(weights, "QUANT_CHUNK", rows * 16)  # 16 columns a block: 5 blocks
+    got = weights.quantize_columns(w, 64, torch.device("cpu"))
+    want = quantize(w.float(), 64, dim=0)
+    for f in ("packed", "scale", "min"):
+        assert torch.equal(getattr(got, f), getattr(want, f))
+    assert (got.group_size, got.dim, got.shape) == (want.group_size, want.dim, want.shape)

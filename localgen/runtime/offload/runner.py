@@ -59,16 +59,16 @@ class OffloadedLM:
 
         def layer_source(i: int):
             names = self.family.layer_weight_names(cfg, i)
-            read_dtype = torch.float32 if policy.compress_weight else dtype
-            # quantize where it is fast: on the GPU when there is one
-            qdev = self.device if (policy.compress_weight and self.device.type == "cuda") else torch.device("cpu")
-            w = read_weights(store, names, self.family.OPTIONAL, read_dtype, qdev)
-            if policy.compress_weight:
-                pre = {}
-                if native:
-                    from localgen.quant.gguf_import import gguf_int4
-                    pre = {k: q for k in w if (q := gguf_int4(store, names[k])) is not None}
-                w = compress_layer(w, pre)
+            if not policy.compress_weight:
+                return fuse_weights(self.family, cfg, read_weights(store, names, self.family.OPTIONAL,
+                                                                   dtype, torch.device("cpu")))
+            w = read_weights(store, names, self.family.OPTIONAL, None, torch.device("cpu"))  # as stored
+            pre = {}
+            if native:
+                from localgen.quant.gguf_import import gguf_int4
+                pre = {k: q for k in w if (q := gguf_int4(store, names[k])) is not None}
+            # quantize where it is fast: on the GPU when there is one, a block of columns at a time
+            w = compress_layer(w, pre, device=self.device if self.device.type == "cuda" else None)
             return fuse_weights(self.family, cfg, w)  # fewer, longer GEMMs
 
         self.layers = LayerWeights(None, tiers, dtype, self.device, offload_dir, self.timers,

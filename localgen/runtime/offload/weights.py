@@ -212,16 +212,36 @@ class LayerWeights:
         self.maps = [None] * len(self.maps)
 
 
+QUANT_CHUNK = 1 << 25  # float32 elements one quantization step holds on its device (128 MiB)
+
+
 def compress_layer(w: dict[str, torch.Tensor], pre: dict[str, Int4Tensor] | None = None,
-                   group_size: int = GROUP_SIZE) -> dict[str, torch.Tensor | Int4Tensor]:
+                   group_size: int = GROUP_SIZE, device: torch.device | None = None
+                   ) -> dict[str, torch.Tensor | Int4Tensor]:
     """FlexGen §5: 2-D weights -> 4-bit groups of ``group_size`` along the output channels
-    (dim 0); ``pre`` supplies tensors already in the int4 format (GGUF Q4_1 imports)."""
+    (dim 0), quantized on ``device`` (default: where each weight is; the codes stay there);
+    ``pre`` supplies tensors already in the int4 format (GGUF Q4_1 imports)."""
     out = {}
     for k, t in w.items():
         if pre and k in pre:
             out[k] = pre[k]
         elif is_matrix(k, t):
-            out[k] = quantize(t.float(), group_size, dim=0)
+            out[k] = quantize_columns(t, group_size, device or t.device)
         else:
             out[k] = t
     return out
+
+
+def quantize_columns(t: torch.Tensor, group_size: int, device: torch.device) -> Int4Tensor:
+    """``quantize(t.float(), group_size, dim=0)`` computed on ``device`` a block of at most
+    ``QUANT_CHUNK`` elements at a time: the groups run down the columns, so columns quantize
+    independently and the blocks' codes concatenate. Building a GPU-heavy 4-bit policy under a
+    GPU cap then never holds a layer, or even a matrix, there in float32 (OPT-30B's fc1: 0.8 GB,
+    its quantization temporaries several times that)."""
+    step = max(1, QUANT_CHUNK // max(1, t.shape[0]))
+    parts = [quantize(t[:, c:c + step].to(device).float(), group_size, dim=0)
+             for c in range(0, t.shape[1], step)]
+    if len(parts) == 1:
+        return parts[0]
+    return Int4Tensor(*(torch.cat([getattr(p, f) for p in parts], dim=1) for f in ("packed", "scale", "min")),
+                      group_size, 0, tuple(t.shape))
