@@ -279,6 +279,33 @@ def test_int4_kernel_path_gives_the_reference_tokens(dirs, monkeypatch):
     assert runs["kernels"] == runs["reference"]
 
 
+def test_int4_host_cache_staged_for_the_kernel_gives_the_same_tokens(dirs, monkeypatch):
+    """A 4-bit cache in pinned host memory under a GPU (``TierKV._host_mapped``): the kernels
+    write it and its fp pool in place, and each decode step copies the range of blocks it reads
+    to the GPU for the int4 kernel with shifted block tables (``TierKV._staged``). Emulated here
+    on the CPU (Triton under TRITON_INTERPRET=1; the copy is a slice, the host's waits no-ops):
+    the greedy tokens of staggered batches equal the in-place kernel path's, with block ranges
+    that hold other sequences' blocks."""
+    pytest.importorskip("triton")
+    from localgen.runtime.offload import kv as offload_kv
+
+    monkeypatch.setattr(offload_kv, "INT4_KERNEL_DEVICES", ("cuda", "cpu"))
+    pol = P(compress_cache=True, gbs=2, ngb=2)
+    runs, staged = {}, []
+    for mapped in (False, True):
+        if mapped:
+            monkeypatch.setattr(offload_kv.TierKV, "_host_mapped", lambda self: self._int4_kernels())
+            monkeypatch.setattr(offload_kv.TierKV, "_settle_host", lambda self: None)
+            real = offload_kv.TierKV._staged
+            monkeypatch.setattr(offload_kv.TierKV, "_staged",
+                                lambda self, meta: staged.append(self._plan(meta).block_range) or real(self, meta))
+        llm = LLM.load(str(dirs["llama3"]), device="cpu", kv_cache_memory=KV, block_size=4,
+                       max_num_seqs=4, policy=pol)
+        runs[mapped] = staggered(llm, prompts())
+    assert runs[True] == runs[False]
+    assert staged and any(lo > 0 for lo, _ in staged)  # copies that start past block 0
+
+
 @pytest.mark.parametrize("compress", [False, True])
 def test_graph_decode_gives_the_eager_tokens(dirs, monkeypatch, compress):
     """A policy with everything on the GPU tier decodes through the CUDA-graph runner (all of a

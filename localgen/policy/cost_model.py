@@ -418,7 +418,8 @@ class CostModel:
             for t in (prefill, decode):
                 t["ctog"], t["gtoc"] = _affine(), _affine()
 
-        memory = self._memory_rows(gbs, bls, cw, ck, wi, wi16, compress_weight, compress_cache, cpu_cache_compute)
+        memory = self._memory_rows(gbs, bls, cw, ck, wi, wi16, compress_weight, compress_cache, cpu_cache_compute,
+                                   one_batch)
         f = self.mem_fraction
         cap = {"gpu": hw.gpu_mem * f["gpu"], "cpu": hw.cpu_mem * f["cpu"], "disk": hw.disk_mem * f["disk"]}
         if not gpu:
@@ -428,7 +429,8 @@ class CostModel:
         fixed_zero = (HD,) if gpu else (WG, CG, HG, HD)
         return Terms(prefill, decode, pre_rows, gen_rows, memory, cap, fixed_zero, l, n, bls)
 
-    def _memory_rows(self, gbs, bls, cw, ck, wi, wi16, compress_weight, compress_cache, cpu_cache_compute):
+    def _memory_rows(self, gbs, bls, cw, ck, wi, wi16, compress_weight, compress_cache, cpu_cache_compute,
+                     one_batch=False):
         """Peak bytes per tier (App. A.3 "peak memory"), one row per candidate GPU working buffer."""
         c, wl, gpu = self.cfg, self.wl, self.hw.has_gpu
         s, n, B = wl.prompt_len, wl.gen_len, wl.dtype_bytes
@@ -461,6 +463,9 @@ class CostModel:
                 extra = {}
                 if i == 1 and cpu_cache_compute:  # attention on GPU only for the GPU part of the cache
                     op, extra = 0.0, dict(cg=att_g)
+                elif one_batch and compress_cache:  # a 4-bit host layer's blocks of the whole step,
+                    # copied to the GPU for the int4 kernel (runtime/offload/kv.py TierKV._staged)
+                    extra = dict(cc=2 * kv * B * ck * (s + n) * bls)
                 elif not cpu_cache_compute:  # CPU/disk cache streamed in, double-buffered
                     extra = dict(cc=2 * kv_gbs, cd=2 * kv_gbs)
                 rows.append(("gpu", _affine(fixed_gpu + 2 * wi + deq_buf + h1 * B * gbs + op,

@@ -200,12 +200,12 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
                     break  # memory and time only grow with the block size
                 feasible_any = True
                 shape = (gbs, nb, opts)
-                here = [_as_run(cm, shape, terms, *sol)]
+                here = [f for f in [_as_run(cm, shape, terms, *sol)] if f is not None]
                 if cm.graphs:  # the decode forms only localgen's runtime has
                     here += _one_batch(cm, shape, latency_bound, wg_min, counter, off_min)
                     here += _all_gpu_graphed(cm, shape, latency_bound)
                 found += here
-                thr = max(f[0] for f in here)
+                thr = max((f[0] for f in here), default=0.0)
                 if early_stop and thr < prev:
                     break  # FlexGen solve(): stop growing the block once throughput drops
                 prev = thr
@@ -228,26 +228,31 @@ def _policy(shape: tuple, x: np.ndarray) -> Policy:
                                  compress_cache=ck, cpu_cache_compute=deleg)
 
 
-def _as_run(cm: CostModel, shape: tuple, terms: Terms, x: np.ndarray, over: dict | None) -> tuple:
+def _as_run(cm: CostModel, shape: tuple, terms: Terms, x: np.ndarray, over: dict | None) -> tuple | None:
     """A found entry ``(throughput, shape, terms, x, over)`` for fractions ``x`` solved under
     per-GPU-batch ``terms``, ranked as the runtime would run them (``CostModel.predict``: one
-    decode batch, or CUDA graphs, where the placement allows; the LP does not see that)."""
-    return cm.predict(_policy(shape, x)).throughput, shape, terms, x, over
+    decode batch, or CUDA graphs, where the placement allows; the LP does not see that). None
+    when the policy as run needs more memory than a tier has (a one-batch decode stages a whole
+    step's 4-bit blocks of a host layer on the GPU)."""
+    pred = cm.predict(_policy(shape, x))
+    if any(peak > terms.capacity.get(tier, float("inf")) * (1 + 1e-6) for tier, peak in pred.peak_mem.items()):
+        return None
+    return pred.throughput, shape, terms, x, over
 
 
 def _one_batch(cm: CostModel, shape: tuple, latency_bound, wg_min: float, counter: list,
                off_min: float) -> list:
     """The best placement of this shape among those localgen decodes as one batch a step
     (``CostModel.one_batch_decode``: the GPU's kernels read every cache layer in place): the
-    cache kept off the disk (fp, not delegated) or all on the GPU (4-bit); [] when none fits.
-    A delegated cache on the GPU is the undelegated case, searched with its options."""
+    cache kept off the disk, not delegated; [] when none fits. A delegated cache on the GPU is
+    the undelegated case, searched with its options."""
     gbs, nb, (cw, ck, deleg) = shape
     if deleg:
         return []
     terms = cm.terms(gbs, nb, cw, ck, deleg, one_batch=True)
-    cache = {CG: (1.0, 1.0)} if ck else {CD: (0.0, 0.0)}
-    sol = _solve_granular(terms, latency_bound, wg_min, counter, off_min, cache)
-    return [] if sol is None else [_as_run(cm, shape, terms, *sol)]
+    sol = _solve_granular(terms, latency_bound, wg_min, counter, off_min, {CD: (0.0, 0.0)})
+    run = None if sol is None else _as_run(cm, shape, terms, *sol)
+    return [] if run is None else [run]
 
 
 def _all_gpu_graphed(cm: CostModel, shape: tuple, latency_bound) -> list:

@@ -449,9 +449,25 @@ class TierKV:
         """The int4 paged-decode kernel over this layer's cache; with ``own_rows`` (a pool row per
         sequence) each sequence reads its own block in fp from the pool."""
         own = {} if own_rows is None else dict(own_k=self.pool_k, own_v=self.pool_v, own_rows=own_rows)
+        k, v, tables = ((self._packed("k"), self._packed("v"), meta.block_tables) if not self._host_mapped()
+                        else self._staged(meta))
         return _triton_kernels()[0].paged_decode_attention_int4(
-            q, self._packed("k"), self._packed("v"), meta.block_tables, meta.context_lens, scale,
-            max_context_len=max(meta.context_lens_list), **own)
+            q, k, v, tables, meta.context_lens, scale, max_context_len=max(meta.context_lens_list), **own)
+
+    def _staged(self, meta: AttentionMetadata) -> tuple[QuantizedKV, QuantizedKV, torch.Tensor]:
+        """A decode step's 4-bit blocks of this (host-mapped) layer copied to the GPU, one DMA
+        per tensor over the range from the first to the last block the step reads, and the
+        block tables shifted onto the copy. Read in place, the kernel crosses PCIe in 64-byte
+        rows and 4-byte scales (measured: 13 GB/s on an H100 host for OPT-30B, 144 sequences); a
+        copy moves them at the link's rate. The pool (each sequence's own block in fp) stays
+        mapped, and the K/V write stays in place."""
+        plan = self._plan(meta)
+        lo, hi = plan.block_range
+        tables = plan._once(("tables_from", lo, self.device),
+                            lambda: (meta.block_tables - lo).clamp_(min=0))
+        k, v = (QuantizedKV(*(self.t[name + suf][lo:hi].to(self.device, non_blocking=True)
+                              for suf in ("#packed", "#scale", "#min")), GROUP_SIZE) for name in ("k", "v"))
+        return k, v, tables
 
     def fill_rows(self, rows: torch.Tensor, block_ids: torch.Tensor) -> None:
         """Pool rows made while their block already holds slots start from its 4-bit values
@@ -695,6 +711,7 @@ class _StepPlan:
         uniq = sorted(set(used))
         pos = {b: i for i, b in enumerate(uniq)}
         self.ids = torch.tensor(uniq, dtype=torch.long)
+        self.block_range = (uniq[0], uniq[-1] + 1) if uniq else (0, 0)  # [first, last] block read
         self.local = [[pos.get(b, 0) for b in row] for row in self.tables]
         self._on: dict = {}  # device-side copies made once a step, by device (and key)
         self._tensors: dict = {}
