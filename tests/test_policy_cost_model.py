@@ -324,6 +324,8 @@ MEASURED_H100 = [
     ("opt-6.7b", None, "32,4,45,55,0,100,100,0", "offload_opt67b_h100_v12_onebatch.json"),
     ("llama-2-7b", 6, "16,8,26,74,0,100,100,0", "offload_llama7b_fp_h100_v12_opttable.json"),
     ("llama-2-7b", 6, "4,4,100,0,100,0,100,0,w4,kv4", "offload_llama7b_w4g_h100_v12_opttable.json"),
+    # tenth session: the 4-bit cache in pinned host memory, staged per step for the int4 kernel
+    ("opt-30b", 16, "16,9,72.766,27.234,0,100,0,100,w4,kv4", "offload_opt30b_pick_h100_v13_staged.json"),
 ]
 
 

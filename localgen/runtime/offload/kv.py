@@ -465,8 +465,9 @@ class TierKV:
         lo, hi = plan.block_range
         tables = plan._once(("tables_from", lo, self.device),
                             lambda: (meta.block_tables - lo).clamp_(min=0))
-        k, v = (QuantizedKV(*(self.t[name + suf][lo:hi].to(self.device, non_blocking=True)
-                              for suf in ("#packed", "#scale", "#min")), GROUP_SIZE) for name in ("k", "v"))
+        with self.timers.section("ctog"):
+            k, v = (QuantizedKV(*(self.t[name + suf][lo:hi].to(self.device, non_blocking=True)
+                                  for suf in ("#packed", "#scale", "#min")), GROUP_SIZE) for name in ("k", "v"))
         return k, v, tables
 
     def fill_rows(self, rows: torch.Tensor, block_ids: torch.Tensor) -> None:
