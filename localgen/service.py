@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 from localgen.runtime.request import Priority, Request, RequestOutput, SamplingParams
@@ -202,6 +202,9 @@ class ModelInfo:
     kv_cache_bytes: int
     kv_bytes_per_token: int
     block_size: int
+    # the cost model's peak bytes per tier ("gpu", "cpu", "disk") for the offloading policy the
+    # model runs under, shown beside the measured memory; None without a policy
+    predicted_peak: dict[str, float] | None = None
 
     @property
     def kv_tier(self) -> str:
@@ -457,16 +460,19 @@ class EngineService:
     a failure leaves ``state == "failed"`` and ``error`` set). ``hardware``: an optional
     ``localgen.profiler.HardwareProfile`` whose memory bandwidth is shown beside the decode
     bandwidth. ``metrics_interval``: seconds between snapshots (also while idle).
+    ``predicted_peak``: the cost model's peak bytes per tier for the model's offloading policy
+    (``ModelInfo.predicted_peak``; the memory panel shows it beside the measured memory).
     Listeners get every snapshot on the service thread: keep them quick (post a message).
     """
 
     def __init__(self, llm: Any, *, hardware: Any = None, metrics_interval: float = 0.25,
-                 window_s: float = 3.0):
+                 window_s: float = 3.0, predicted_peak: dict[str, float] | None = None):
         if callable(llm) and not hasattr(llm, "step"):
             self._loader, self._llm = llm, None
         else:
             self._loader, self._llm = None, llm
         self.hardware = hardware
+        self.predicted_peak = predicted_peak
         self.metrics_interval = metrics_interval
         self.state = "loading"
         self.error: BaseException | None = None
@@ -585,7 +591,7 @@ class EngineService:
         try:
             if self._loader is not None:
                 self._llm = self._loader()
-            self.model_info = _model_info(self._llm)
+            self.model_info = replace(_model_info(self._llm), predicted_peak=self.predicted_peak)
             self.state = "ready"
         except BaseException as e:  # noqa: BLE001 - reported to the caller, not raised here
             self.error, self.state = e, "failed"

@@ -218,3 +218,20 @@ def test_stream_unit_async_wakeup():
 
     assert asyncio.run(asyncio.wait_for(consume(), 5)) == ["a", "ab"]
     assert stream.final.finish_reason == "stop" and stream.ttft is not None
+
+
+def test_predicted_peak_reaches_the_model_info(model_dir):
+    """The memory panel shows the policy's predicted peak per tier beside the measured memory:
+    the service carries it into ``ModelInfo`` (None without a policy)."""
+    peak = {"gpu": 0.0, "cpu": 3.5 * 2**30, "disk": 0.0}
+    svc = EngineService(LLM.load(str(model_dir), device="cpu", kv_cache_memory=1 << 22),
+                        predicted_peak=peak).start()
+    try:
+        svc.wait_ready(30)
+        assert svc.model_info.predicted_peak == peak
+        deadline = time.time() + 10
+        while svc.metrics().model is None and time.time() < deadline:  # the first snapshot
+            time.sleep(0.05)
+        assert svc.metrics().model.predicted_peak == peak
+    finally:
+        svc.close()

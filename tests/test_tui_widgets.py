@@ -106,3 +106,21 @@ def test_formatting_without_gpu_and_before_load():
     assert top == ["decode  42.5 tok/s"] and "reused 48/60 prompt tok" in bottom
     assert all(len(line) <= 30 for line in top + bottom)
     assert fmt_bytes(1536) == "1.5 KiB" and fmt_bytes(3 << 30) == "3.0 GiB"
+
+
+def test_memory_panel_shows_the_predicted_peak_beside_the_measured_memory():
+    """Under an offloading policy the panel adds the cost model's peak per tier under the GPU's
+    and the process's measured memory (and disk when the policy uses it)."""
+    from dataclasses import replace
+
+    GiB = 1 << 30
+    snap = snapshot(gpu=True)
+    snap = replace(snap, model=replace(snap.model, predicted_peak={"gpu": 14.4 * GiB, "cpu": 36.5 * GiB,
+                                                                   "disk": 2 * GiB}))
+    lines = memory_lines(snap)
+    assert lines[:3] == ["GPU0 3.0 GiB/80.0 GiB", "  torch 1.5 GiB alloc", "  pred  14.4 GiB peak"]
+    assert lines[lines.index("RAM  proc 812.0 MiB") + 1] == "     pred 36.5 GiB peak"
+    assert lines[-2:] == ["Disk offload 0 B", "     pred 2.0 GiB peak"]
+    assert all(len(line) <= 30 for line in lines)
+    assert not any("pred" in line for line in memory_lines(snapshot(gpu=True)))  # no policy
+

@@ -81,15 +81,20 @@ def memory_lines(snap: Any) -> list[str]:
     if snap is None or snap.memory is None:
         return ["loading…" if snap is None or snap.state == "loading" else "no data"]
     mem, info = snap.memory, snap.model
+    pred = (info.predicted_peak if info is not None else None) or {}
     lines: list[str] = []
     if mem.gpus:
         for i, g in enumerate(mem.gpus):
             tot = f"{fmt_bytes(g.used_bytes)}/{fmt_bytes(g.total_bytes)}"
             lines.append(f"GPU{i} {tot}")
             lines.append(f"  torch {fmt_bytes(g.torch_allocated_bytes)} alloc")
+            if i == 0 and "gpu" in pred:  # the policy's compute GPU
+                lines.append(f"  pred  {fmt_bytes(pred['gpu'])} peak")
     else:
         lines.append(f"GPU  {mem.gpu_note or 'no GPU'}")
     lines.append(f"RAM  proc {fmt_bytes(mem.process_rss_bytes)}")
+    if "cpu" in pred:
+        lines.append(f"     pred {fmt_bytes(pred['cpu'])} peak")
     lines.append(f"     sys {fmt_bytes(mem.system_used_bytes)}/{fmt_bytes(mem.system_total_bytes)}")
     for t in snap.kv_tiers:
         pct = 100 * t.blocks_used / t.blocks_total if t.blocks_total else 0
@@ -99,6 +104,8 @@ def memory_lines(snap: Any) -> list[str]:
         lines.append(f"     GPU {info.weights_gpu_share:.0%} CPU {info.weights_cpu_share:.0%} "
                      f"disk {info.weights_disk_share:.0%}")
     lines.append(f"Disk offload {fmt_bytes(mem.offload_disk_bytes)}")
+    if pred.get("disk"):
+        lines.append(f"     pred {fmt_bytes(pred['disk'])} peak")
     return lines
 
 

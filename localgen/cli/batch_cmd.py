@@ -33,10 +33,11 @@ def load_llm(
 
 def offload_options(model: str | None, percent, gpu_batch_size, num_gpu_batches, compress_weight,
                     compress_cache, cpu_cache_compute, offload_dir, gpu_memory, cpu_memory,
-                    prompt_len: int, gen_len: int, echo) -> dict[str, Any]:
+                    prompt_len: int, gen_len: int, echo, on_prediction=None) -> dict[str, Any]:
     """The policy (flags over the saved one) and caps as ``LLM.load`` keywords; prints the policy
-    and its predicted peak per tier before loading. Empty when nothing asks for offloading."""
-    from localgen.runtime.offload.plan import peak_lines, policy_from_options
+    and its predicted peak per tier before loading (and hands the cost model's Prediction to
+    ``on_prediction``). Empty when nothing asks for offloading."""
+    from localgen.runtime.offload.plan import peak_lines, policy_from_options, predicted_for
 
     try:
         policy = policy_from_options(model, percent, gpu_batch_size, num_gpu_batches, compress_weight,
@@ -47,9 +48,12 @@ def offload_options(model: str | None, percent, gpu_batch_size, num_gpu_batches,
     if policy is None:
         return {}
     try:
-        for line in peak_lines(model, policy, prompt_len, gen_len, gpu_memory=gpu_b, cpu_memory=cpu_b,
-                               offload_dir=offload_dir):
+        pred = predicted_for(model, policy, prompt_len, gen_len, gpu_memory=gpu_b, cpu_memory=cpu_b,
+                             offload_dir=offload_dir)
+        for line in peak_lines(policy, pred, prompt_len, gen_len):
             echo(line)
+        if on_prediction is not None:
+            on_prediction(pred)
     except Exception as e:  # the prediction is advice; loading reports real problems
         echo(f"predicted peak memory unavailable: {e}")
     out: dict[str, Any] = {"policy": policy}

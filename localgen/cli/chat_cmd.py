@@ -11,7 +11,10 @@ from typing import Optional
 
 import typer
 
+from localgen.cli import batch_cmd
 from localgen.cli.units import parse_size
+
+CHAT_PROMPT_TOKENS = 512  # the conversation length the printed memory prediction assumes
 
 
 def chat(
@@ -24,6 +27,15 @@ def chat(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype, e.g. float32, bfloat16."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: best available)."),
     profile: Optional[str] = typer.Option(None, "--profile", help="Hardware profile whose memory bandwidth the throughput panel shows as the limit (default: the saved one, if any)."),
+    percent: Optional[tuple[float, float, float, float, float, float]] = batch_cmd.PercentOpt,
+    gpu_batch_size: Optional[int] = batch_cmd.GbsOpt,
+    num_gpu_batches: Optional[int] = batch_cmd.NgbOpt,
+    compress_weight: Optional[bool] = batch_cmd.CwOpt,
+    compress_cache: Optional[bool] = batch_cmd.CcOpt,
+    cpu_cache_compute: Optional[bool] = batch_cmd.CpuAttnOpt,
+    offload_dir: Optional[str] = batch_cmd.OffloadDirOpt,
+    gpu_memory: Optional[str] = batch_cmd.GpuMemOpt,
+    cpu_memory: Optional[str] = batch_cmd.CpuMemOpt,
 ) -> None:
     """Chat with a model in the terminal: streamed Markdown answers, live memory and throughput.
 
@@ -50,7 +62,14 @@ def chat(
         raise typer.BadParameter(str(e)) from None
     assert isinstance(conv.sampling, SamplingParams)
 
-    service = make_service(model, kv_cache_memory=kv_bytes, dtype=dtype, device=device, profile=profile)
+    # the saved policy (`localgen tune`) or the flags over it: printed with its predicted peak
+    # per tier before the app opens; the memory panel shows that peak beside what is measured
+    preds: list = []
+    offload = batch_cmd.offload_options(model, percent, gpu_batch_size, num_gpu_batches, compress_weight,
+                                        compress_cache, cpu_cache_compute, offload_dir, gpu_memory, cpu_memory,
+                                        CHAT_PROMPT_TOKENS, conv.sampling.max_tokens, typer.echo, preds.append)
+    service = make_service(model, kv_cache_memory=kv_bytes, dtype=dtype, device=device, profile=profile,
+                           offload=offload, predicted_peak=preds[0].peak_mem if preds else None)
     from localgen.tui.chat import ChatApp
 
     label = model or "SmolLM2-135M-Instruct (embedded)"
@@ -61,8 +80,10 @@ def chat(
 
 
 def make_service(model: str | None, *, kv_cache_memory: int | None = None, dtype: str | None = None,
-                 device: str | None = None, profile: str | None = None):
-    """An unstarted EngineService whose thread loads ``model`` (tests replace this)."""
+                 device: str | None = None, profile: str | None = None, offload: dict | None = None,
+                 predicted_peak: dict | None = None):
+    """An unstarted EngineService whose thread loads ``model`` (tests replace this); ``offload``:
+    ``LLM.load``'s policy keywords (``batch_cmd.offload_options``)."""
     from localgen.service import EngineService
 
     hw = None
@@ -77,6 +98,6 @@ def make_service(model: str | None, *, kv_cache_memory: int | None = None, dtype
     def load():
         from localgen.api import LLM
 
-        return LLM.load(model, kv_cache_memory=kv_cache_memory, dtype=dtype, device=device)
+        return LLM.load(model, kv_cache_memory=kv_cache_memory, dtype=dtype, device=device, **(offload or {}))
 
-    return EngineService(load, hardware=hw)
+    return EngineService(load, hardware=hw, predicted_peak=predicted_peak)

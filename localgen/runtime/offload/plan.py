@@ -82,21 +82,26 @@ def _machine_profile(gpu_memory: int | None, cpu_memory: int | None, offload_dir
 
 def predicted_peaks(cfg, policy: Policy, prompt_len: int, gen_len: int, *, gpu_memory=None,
                     cpu_memory=None, offload_dir=None, hw=None, dtype_bytes: int = 2):
-    """Cost-model Prediction for ``policy`` (peak_mem/capacity per tier, times, throughput)."""
+    """Cost-model Prediction for ``policy`` as localgen's runtime runs it (peak_mem/capacity per
+    tier, times, throughput)."""
     from localgen.policy.cost_model import CostModel, Workload
 
     hw = hw or _machine_profile(gpu_memory, cpu_memory, offload_dir)
-    return CostModel(cfg, hw, Workload(prompt_len, gen_len, dtype_bytes)).predict(policy)
+    return CostModel(cfg, hw, Workload(prompt_len, gen_len, dtype_bytes), runtime="localgen").predict(policy)
 
 
-def peak_lines(model: str | None, policy: Policy, prompt_len: int, gen_len: int, *,
-               gpu_memory=None, cpu_memory=None, offload_dir=None) -> list[str]:
-    """Human lines: the policy and its predicted peak per tier (GiB), before loading."""
+def predicted_for(model: str | None, policy: Policy, prompt_len: int, gen_len: int, *,
+                  gpu_memory=None, cpu_memory=None, offload_dir=None):
+    """``predicted_peaks`` for ``model`` (a path, hub id or GGUF; None: the embedded default)."""
     from localgen.models.sources import resolve_model
 
-    cfg = resolve_model(model).config
-    pred = predicted_peaks(cfg, policy, prompt_len, gen_len, gpu_memory=gpu_memory,
+    return predicted_peaks(resolve_model(model).config, policy, prompt_len, gen_len, gpu_memory=gpu_memory,
                            cpu_memory=cpu_memory, offload_dir=offload_dir)
+
+
+def peak_lines(policy: Policy, pred, prompt_len: int, gen_len: int) -> list[str]:
+    """Human lines: the policy and its predicted peak per tier (GiB, ``pred`` from
+    ``predicted_for``), printed before loading."""
     gib = 2 ** 30
     tiers = ", ".join(f"{t} {pred.peak_mem[t] / gib:.2f} GiB" + (
         f" of {pred.capacity[t] / gib:.1f}" if t in pred.capacity else "") for t in ("gpu", "cpu", "disk"))
