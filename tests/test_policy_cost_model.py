@@ -326,6 +326,9 @@ MEASURED_H100 = [
     ("llama-2-7b", 6, "4,4,100,0,100,0,100,0,w4,kv4", "offload_llama7b_w4g_h100_v12_opttable.json"),
     # tenth session: the 4-bit cache in pinned host memory, staged per step for the int4 kernel
     ("opt-30b", 16, "16,9,72.766,27.234,0,100,0,100,w4,kv4", "offload_opt30b_pick_h100_v13_staged.json"),
+    # ... and the search's picks on the H100 profile (OPT-30B 4-bit, Llama-2-7B fp16)
+    ("opt-30b", 16, "32,13,65.4058,34.5942,0,100,0,100,w4,kv4", "offload_opt30b_pick_h100_v13_search.json"),
+    ("llama-2-7b", 6, "4,85,35.3749,64.6251,0,100,0,100", "offload_pick_llama_fp_h100_v13.json"),
 ]
 
 
