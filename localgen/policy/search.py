@@ -235,9 +235,7 @@ def _as_run(cm: CostModel, shape: tuple, terms: Terms, x: np.ndarray, over: dict
     when the policy as run needs more memory than a tier has (a one-batch decode stages a whole
     step's 4-bit blocks of a host layer on the GPU)."""
     pred = cm.predict(_policy(shape, x))
-    if any(peak > terms.capacity.get(tier, float("inf")) * (1 + 1e-6) for tier, peak in pred.peak_mem.items()):
-        return None
-    return pred.throughput, shape, terms, x, over
+    return (pred.throughput, shape, terms, x, over) if pred.fits() else None
 
 
 def _one_batch(cm: CostModel, shape: tuple, latency_bound, wg_min: float, counter: list,

@@ -463,8 +463,7 @@ class TierKV:
         mapped, and the K/V write stays in place."""
         plan = self._plan(meta)
         lo, hi = plan.block_range
-        tables = plan._once(("tables_from", lo, self.device),
-                            lambda: (meta.block_tables - lo).clamp_(min=0))
+        tables = plan.tables_from(lo, meta.block_tables)
         with self.timers.section("ctog"):
             k, v = (QuantizedKV(*(self.t[name + suf][lo:hi].to(self.device, non_blocking=True)
                                   for suf in ("#packed", "#scale", "#min")), GROUP_SIZE) for name in ("k", "v"))
@@ -750,6 +749,12 @@ class _StepPlan:
     def local_on(self, device: torch.device) -> torch.Tensor:
         return self._once(("local", device),
                           lambda: torch.tensor(self.local, dtype=torch.long, device=device))
+
+    def tables_from(self, lo: int, block_tables: torch.Tensor) -> torch.Tensor:
+        """The step's block tables (``meta.block_tables``) shifted onto a copy of blocks ``lo``
+        onward (``TierKV._staged``; entries past a context, unread, clamped to 0), made once a step."""
+        return self._once(("tables_from", lo, block_tables.device),
+                          lambda: (block_tables - lo).clamp_(min=0))
 
     def recent_mask(self, a: int, ctx: int, bs: int, device: torch.device) -> torch.Tensor:
         """``recent_mask``, made once a step."""
