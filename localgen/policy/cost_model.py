@@ -448,8 +448,13 @@ class CostModel:
         # runtime/offload/kv.py: bls rows of POOL_BLOCK_TOKENS per layer, on the cache's tier)
         pool = 2 * kv * B * POOL_BLOCK_TOKENS * bls * c.num_layers if compress_cache else 0.0
         # largest live intermediates of one GPU batch (fp16): qkv projection, attention, MLP
-        ops_p = [gbs * s * B * (h1 + q + 2 * kv), gbs * B * (s * (2 * q + 2 * kv) + nh * s * s),
-                 gbs * s * B * (h1 + n_mlp * h2)]
+        att_p = gbs * B * (s * (2 * q + 2 * kv) + nh * s * s)
+        if compress_cache and self.runtime == "localgen":
+            # localgen's 4-bit prefill attention also holds the rotated q/k/v, the 4-bit echo of
+            # k/v and k/v concatenated with each prompt's own blocks in fp (runtime/offload/kv.py
+            # _fresh_int4_prefill; traced in docs/results/offload_memory_opt30b_32x13_h100.txt)
+            att_p += gbs * s * B * (q + 8 * kv)
+        ops_p = [gbs * s * B * (h1 + q + 2 * kv), att_p, gbs * s * B * (h1 + n_mlp * h2)]
         att_g = gbs * B * (q + nh * (s + n)) + (2 * kv * B * (s + n) * gbs if compress_cache else 0.0)
         ops_g = [gbs * B * (h1 + q + 2 * kv), att_g, gbs * B * (h1 + n_mlp * h2)]
         rows = []
