@@ -329,6 +329,9 @@ MEASURED_H100 = [
     # ... and the search's picks on the H100 profile (OPT-30B 4-bit, Llama-2-7B fp16)
     ("opt-30b", 16, "32,13,65.4058,34.5942,0,100,0,100,w4,kv4", "offload_opt30b_pick_h100_v13_search.json"),
     ("llama-2-7b", 6, "4,85,35.3749,64.6251,0,100,0,100", "offload_pick_llama_fp_h100_v13.json"),
+    # ... and its 4-bit picks once the 4-bit prefill's temporaries were in the memory rows
+    ("opt-30b", 16, "16,26,66.8778,33.1222,0,100,0,100,w4,kv4", "offload_opt30b_pick_h100_v14_memrow.json"),
+    ("llama-2-7b", 6, "3,3,100,0,100,0,100,0,w4,kv4", "offload_pick_llama_w4_h100_v14_memrow.json"),
 ]
 
 
