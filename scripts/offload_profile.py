@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import re
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -37,7 +39,7 @@ def profile_policy(preset: str, spec: str, device: str, gpu_memory, prompt_len: 
     cfg = preset_config(preset)
     pol = policy_from_args(spec)
     llm = policy_llm(cfg, pol, pol.bls, prompt_len, steps + 1, device=device, gpu_memory=gpu_memory,
-                     offload_dir="/tmp/lg_prof_off", name="profile")
+                     offload_dir=os.path.join(tempfile.gettempdir(), "lg_prof_off"), name="profile")
     generate_random(llm, pol.bls, prompt_len, 2, seed=1)  # warm-up: kernels, allocator, decode graph
     pre, dec = generate_random(llm, pol.bls, prompt_len, steps + 1, seed=2)
     print(f"\n== {preset} [{pol.describe()}]\n   unprofiled: prefill {pre * 1e3:.1f} ms, "

@@ -219,7 +219,7 @@ def accelerate_weight_budget(cfg, batch: int, prompt_len: int, gen_len: int, cap
     states and the MLP's intermediate of ``batch`` prompts, ``4h + 2f`` values a token), less
     1 GiB for the allocator, logits and the attention's temporaries. Negative when even no
     weights would leave room."""
-    cache = batch * (prompt_len + gen_len) * cfg.num_layers * 2 * cfg.kv_size * dtype_bytes
+    cache = batch * (prompt_len + gen_len) * cfg.kv_bytes_per_token(dtype_bytes)
     acts = batch * prompt_len * (4 * cfg.hidden_size + 2 * cfg.intermediate_size) * dtype_bytes
     return cap - cache - acts - GiB
 
@@ -374,7 +374,7 @@ def peer_ratios(results: list[RunResult], cap: int | None) -> list[str]:
 
 
 def _peer_batches(a, cfg=None, gpu_mem=None) -> list[int]:
-    """``--peer-batches``; ``fit`` among them: ``accelerate_fit_batch`` for the cap."""
+    """``--peer-batches`` as batch sizes; ``fit`` among them: ``accelerate_fit_batch`` for the cap."""
     out = []
     for x in a.peer_batches.split(","):
         if x == "fit":
@@ -386,7 +386,7 @@ def _peer_batches(a, cfg=None, gpu_mem=None) -> list[int]:
     return out
 
 
-def _run_here(a, cfg, hw, gpu_mem, hf_config) -> list[RunResult]:
+def _run_here(a, cfg, hw, gpu_mem, hf_config, peer_batches: list[int]) -> list[RunResult]:
     """Every policy, then every accelerate batch, in this process."""
     from localgen.models.model import family_of
 
@@ -406,7 +406,7 @@ def _run_here(a, cfg, hw, gpu_mem, hf_config) -> list[RunResult]:
         print_result(r)
         sys.stdout.flush()
         results.append(r)
-    for b in _peer_batches(a, cfg, gpu_mem):
+    for b in peer_batches:
         try:
             r = run_accelerate(hf_config, b, a.prompt_len, a.gen_len, gpu_mem, fit=a.peer_fit)
         except Exception as e:
@@ -417,7 +417,7 @@ def _run_here(a, cfg, hw, gpu_mem, hf_config) -> list[RunResult]:
     return results
 
 
-def _run_isolated(a, argv, cfg, gpu_mem) -> list[RunResult]:
+def _run_isolated(a, argv, peer_batches: list[int]) -> list[RunResult]:
     """Each policy and each accelerate batch in a fresh process of this module (same machine,
     same invocation): a run inherits nothing from the one before it (pinned host memory, the
     allocator's cache and cap, a host heap grown by an offloaded run), as each would start on
@@ -435,7 +435,7 @@ def _run_isolated(a, argv, cfg, gpu_mem) -> list[RunResult]:
                   or x in ("--isolate", "--no-isolate")):
             keep.append(x)
     jobs = [["--policy", p, "--peer-batches", ""] for p in a.policy]
-    jobs += [["--peer-batches", str(b)] for b in _peer_batches(a, cfg, gpu_mem)]
+    jobs += [["--peer-batches", str(b)] for b in peer_batches]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, job in enumerate(jobs):
@@ -494,10 +494,11 @@ def main(argv=None) -> int:
     if hw is not None and gpu_mem is not None:  # predict for the capped GPU the run emulates
         import dataclasses
         hw = dataclasses.replace(hw, gpu_mem=min(hw.gpu_mem, gpu_mem))
+    peer_batches = _peer_batches(a, cfg, gpu_mem)
     if a.isolate is None:
-        a.isolate = torch.cuda.is_available() and len(a.policy) + len(_peer_batches(a, cfg, gpu_mem)) > 1
-    results = (_run_isolated(a, argv, cfg, gpu_mem) if a.isolate
-               else _run_here(a, cfg, hw, gpu_mem, HF_CONFIGS[a.preset] if a.preset in HF_CONFIGS else None))
+        a.isolate = torch.cuda.is_available() and len(a.policy) + len(peer_batches) > 1
+    results = (_run_isolated(a, argv, peer_batches) if a.isolate
+               else _run_here(a, cfg, hw, gpu_mem, HF_CONFIGS.get(a.preset), peer_batches))
     for line in peer_ratios(results, gpu_mem):
         print(line)
     if a.out:

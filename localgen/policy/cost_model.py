@@ -443,6 +443,7 @@ class CostModel:
                 else self.total_weight_bytes(compress_weight))
         cache_full = 2 * kv * B * ck * (s + n) * bls * c.num_layers  # all layers, final length
         kv_gbs = 2 * kv * B * ck * (s + n) * gbs  # one layer, one GPU batch, final length
+        kv_bls = kv_gbs * (bls // gbs)  # one layer, the whole block
         deq_buf = wi16 if compress_weight else 0.0
         # 4-bit KV keeps each running sequence's last block also in fp16 (the recent-block pool of
         # runtime/offload/kv.py: bls rows of POOL_BLOCK_TOKENS per layer, on the cache's tier)
@@ -470,7 +471,7 @@ class CostModel:
                     op, extra = 0.0, dict(cg=att_g)
                 elif one_batch and compress_cache:  # a 4-bit host layer's blocks of the whole step,
                     # copied to the GPU for the int4 kernel (runtime/offload/kv.py TierKV._staged)
-                    extra = dict(cc=2 * kv * B * ck * (s + n) * bls)
+                    extra = dict(cc=kv_bls)
                 elif not cpu_cache_compute:  # CPU/disk cache streamed in, double-buffered
                     extra = dict(cc=2 * kv_gbs, cd=2 * kv_gbs)
                 rows.append(("gpu", _affine(fixed_gpu + 2 * wi + deq_buf + h1 * B * gbs + op,

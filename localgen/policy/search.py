@@ -200,7 +200,7 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
                     break  # memory and time only grow with the block size
                 feasible_any = True
                 shape = (gbs, nb, opts)
-                here = [f for f in [_as_run(cm, shape, terms, *sol)] if f is not None]
+                here = _as_run(cm, shape, terms, *sol)
                 if cm.graphs:  # the decode forms only localgen's runtime has
                     here += _one_batch(cm, shape, latency_bound, wg_min, counter, off_min)
                     here += _all_gpu_graphed(cm, shape, latency_bound)
@@ -228,14 +228,14 @@ def _policy(shape: tuple, x: np.ndarray) -> Policy:
                                  compress_cache=ck, cpu_cache_compute=deleg)
 
 
-def _as_run(cm: CostModel, shape: tuple, terms: Terms, x: np.ndarray, over: dict | None) -> tuple | None:
-    """A found entry ``(throughput, shape, terms, x, over)`` for fractions ``x`` solved under
-    per-GPU-batch ``terms``, ranked as the runtime would run them (``CostModel.predict``: one
-    decode batch, or CUDA graphs, where the placement allows; the LP does not see that). None
+def _as_run(cm: CostModel, shape: tuple, terms: Terms, x: np.ndarray, over: dict | None) -> list:
+    """``[(throughput, shape, terms, x, over)]``, the found entry for fractions ``x`` solved under
+    ``terms``, ranked as the runtime would run them (``CostModel.predict``: one decode batch, or
+    CUDA graphs, where the placement allows; the per-GPU-batch LP does not see that). ``[]``
     when the policy as run needs more memory than a tier has (a one-batch decode stages a whole
     step's 4-bit blocks of a host layer on the GPU)."""
     pred = cm.predict(_policy(shape, x))
-    return (pred.throughput, shape, terms, x, over) if pred.fits() else None
+    return [(pred.throughput, shape, terms, x, over)] if pred.fits() else []
 
 
 def _one_batch(cm: CostModel, shape: tuple, latency_bound, wg_min: float, counter: list,
@@ -249,8 +249,7 @@ def _one_batch(cm: CostModel, shape: tuple, latency_bound, wg_min: float, counte
         return []
     terms = cm.terms(gbs, nb, cw, ck, deleg, one_batch=True)
     sol = _solve_granular(terms, latency_bound, wg_min, counter, off_min, {CD: (0.0, 0.0)})
-    run = None if sol is None else _as_run(cm, shape, terms, *sol)
-    return [] if run is None else [run]
+    return [] if sol is None else _as_run(cm, shape, terms, *sol)
 
 
 def _all_gpu_graphed(cm: CostModel, shape: tuple, latency_bound) -> list:
