@@ -587,6 +587,25 @@ def decode_config(num_seqs: int, num_kv_heads: int, max_context_len: int, head_d
 _COUNTERS: dict = {}
 
 
+def _flags_buffer(flags, num_seqs: int, num_heads: int, device, is_async: bool, wanted: bool):
+    """The int32 ``[num_seqs, num_heads]`` recompute flags, or None when nobody needs them.
+    The async kernels store every row's flag, so their buffer needs no clearing (a memset would
+    be a second launch on every call, ~1.5 us at decode sizes); the sync kernels store none, so
+    their returned flags are zeros."""
+    if not wanted:
+        return None
+    if flags is None:
+        alloc = torch.empty if is_async else torch.zeros
+        return alloc(num_seqs, num_heads, dtype=torch.int32, device=device)
+    if flags.shape != (num_seqs, num_heads) or flags.dtype != torch.int32 \
+            or flags.stride(-1) != 1:
+        raise ValueError(f"flags must be contiguous int32 [{num_seqs}, {num_heads}], got "
+                         f"{flags.dtype} {tuple(flags.shape)}")
+    if not is_async:
+        flags.zero_()
+    return flags
+
+
 def _counters(device: torch.device, n: int) -> torch.Tensor:
     """Per-device int32 tickets for the fused combine; every launch leaves them at zero. Not
     safe for two fused launches running concurrently on one device (use ``fused=False``)."""
@@ -600,7 +619,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 def _launch(q, k, v, block_tables, context_lens, scale, *, quant_group, phi, bounds, num_splits,
             max_context_len, block_n, num_warps, num_stages, return_flags, out, fused=None,
-            own=None, block_h=None):
+            own=None, block_h=None, flags=None):
     """Shared launcher; ``k``/``v`` are plain caches or QuantizedKV; ``own`` = (pool K, pool V,
     row per sequence) for the int4 cache's fp own blocks, or None."""
     if q.dim() != 3:
@@ -641,8 +660,10 @@ def _launch(q, k, v, block_tables, context_lens, scale, *, quant_group, phi, bou
         bounds = DEFAULT_BOUNDS.get(q.dtype, (-64.0, 64.0))
     if out is None:
         out = torch.empty_like(q)
-    flags = torch.zeros(num_seqs, num_heads, dtype=torch.int32, device=q.device) \
-        if (return_flags or is_async) else out  # flags are only written by the async path
+    flags = _flags_buffer(flags, num_seqs, num_heads, q.device, is_async,
+                          return_flags or is_async)
+    if flags is None:
+        flags = out  # never written: the sync kernels store no flags
     if num_seqs == 0:
         return (out, flags) if return_flags else out
     one_split = num_splits == 1
@@ -724,7 +745,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_n: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, fused: bool | None = None,
                            return_flags: bool = False, out: torch.Tensor | None = None,
-                           block_h: int | None = None):
+                           block_h: int | None = None, flags: torch.Tensor | None = None):
     """Paged decode attention (FlashDecoding split-KV), the Triton twin of
     ``paged_attention_ref.paged_decode_attention``.
 
@@ -739,14 +760,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     head) combines the partials in the same launch (a per-device ticket counter; do not run two
     fused calls concurrently on one device). ``block_h``: query rows per program (rounded up to
     a power of two, at least the GQA group); below 16 the dots run on the CUDA cores, at 16 and
-    above on the tensor cores (default: ``decode_config``). Returns ``[num_seqs, num_heads,
-    head_dim]`` in q's dtype, and with ``return_flags`` also the int32 ``[num_seqs, num_heads]``
-    recompute flags. Raises ValueError when ``block_h`` is below the GQA group.
+    above on the tensor cores (default: ``decode_config``). ``flags``: an int32 ``[num_seqs,
+    num_heads]`` buffer for the recompute flags (default: a fresh one). Returns ``[num_seqs,
+    num_heads, head_dim]`` in q's dtype, and with ``return_flags`` also the recompute flags (1:
+    the row was recomputed synchronously; all 0 for the sync path). Raises ValueError when
+    ``block_h`` is below the GQA group or ``flags`` has the wrong shape or dtype.
     """
     return _launch(q, k_cache, v_cache, block_tables, context_lens, scale, quant_group=None,
                    phi=phi, bounds=bounds, num_splits=num_splits, max_context_len=max_context_len,
                    block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                   return_flags=return_flags, out=out, fused=fused, block_h=block_h)
+                   return_flags=return_flags, out=out, fused=fused, block_h=block_h,
+                   flags=flags)
 
 
 def paged_decode_attention_int4(q: torch.Tensor, k_cache: QuantizedKV, v_cache: QuantizedKV,
@@ -759,7 +783,8 @@ def paged_decode_attention_int4(q: torch.Tensor, k_cache: QuantizedKV, v_cache: 
                                 return_flags: bool = False, out: torch.Tensor | None = None,
                                 block_h: int | None = None,
                                 own_k: torch.Tensor | None = None, own_v: torch.Tensor | None = None,
-                                own_rows: torch.Tensor | None = None):
+                                own_rows: torch.Tensor | None = None,
+                                flags: torch.Tensor | None = None):
     """Decode attention over a 4-bit KV cache (FlexGen §5: group-wise asymmetric, groups of
     ``group_size`` along head_dim; ``quant_ref.quantize_kv``), dequantized in registers: the
     packed bytes are read as coalesced tiles, each group's scale/min once per token, and the
@@ -784,7 +809,8 @@ def paged_decode_attention_int4(q: torch.Tensor, k_cache: QuantizedKV, v_cache: 
                    quant_group=k_cache.group_size, phi=phi, bounds=bounds, num_splits=num_splits,
                    max_context_len=max_context_len, block_n=block_n, num_warps=num_warps,
                    num_stages=num_stages, return_flags=return_flags, out=out, fused=fused,
-                   own=None if own_k is None else (own_k, own_v, own_rows), block_h=block_h)
+                   own=None if own_k is None else (own_k, own_v, own_rows), block_h=block_h,
+                   flags=flags)
 
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_int4", "choose_num_splits",

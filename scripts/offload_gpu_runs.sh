@@ -48,6 +48,9 @@
 #   llama7b_w4g_ab : the same four times, alternating prefill graphs on / off (--no-prefill-graphs)
 #   kernels  : localgen bench kernels (issue 5) with the L2 flushed by a read, then by a write (the old method)
 #   kernel_sweep : scripts/decode_sweep.py over the B >= 8, context >= 4k cells (sync configs, read flush)
+#   kernel_sweep_b8 : the same at B = 8, 4k only, wider: 64-256-token tiles, 4/8 warps, 1-3 stages, 2-8 splits
+#   kernel_splits_long : explicit split counts 1-8 at B = 32/64/128, contexts 16k/32k (the default config's
+#              tiles): does splitting pay where the (sequence, KV head) programs alone fill the GPU?
 #   gemm_table : M1/M2 inflection points (FlashDecoding++ §5) of Llama-2-7B's and SmolLM2's [N, K], fp16 and bf16
 #   search_picks : localgen profile's eager-layer host probe, then the search's pick (the H100/H200 profile with
 #              that host time) for OPT-30B at 16 GiB and Llama-2-7B at 6 GiB, 4-bit and fp16 (SEARCH_CASES to
@@ -71,6 +74,12 @@ for stage in "$@"; do
         | tee "$OUT/kernels_bench_${TAG}_$fl.txt"; done ;;
     kernel_sweep) timeout 400 python3 scripts/decode_sweep.py --batches 8,32,128 --contexts 4096,32768 --no-int4 \
         --deadline 300 --out "$OUT/decode_sweep_$TAG.json" 2>&1 | tail -60 | tee "$OUT/decode_sweep_$TAG.txt" ;;
+    kernel_sweep_b8) timeout 300 python3 scripts/decode_sweep.py --batches 8 --contexts 4096 --no-int4 \
+        --block-n 64,128,256 --warps 4,8 --stages 1,2,3 --splits 2,3,4,5,6,8 --repeat 20 --deadline 240 \
+        --out "$OUT/decode_sweep_b8_$TAG.json" 2>&1 | tail -30 | tee "$OUT/decode_sweep_b8_$TAG.txt" ;;
+    kernel_splits_long) timeout 300 python3 scripts/decode_sweep.py --batches 32,64,128 --contexts 16384,32768 \
+        --no-int4 --block-n 128 --warps 4 --stages 2 --splits 1,2,3,4,6,8 --repeat 20 --deadline 240 \
+        --out "$OUT/decode_splits_long_$TAG.json" 2>&1 | tail -30 | tee "$OUT/decode_splits_long_$TAG.txt" ;;
     selftest) timeout 200 python3 scripts/offload_selftest.py 2>&1 | tee "$OUT/offload_selftest_$TAG.txt" ;;
     selftest_exact) LOCALGEN_EXACT_PIN_MIN=0 timeout 150 python3 scripts/offload_selftest.py 2>&1 | tee "$OUT/offload_selftest_exactpin_$TAG.txt" ;;
     llama7b_fp) timeout 200 $B --preset llama-2-7b --gpu-memory 6GiB --policy 16,8,26,74,0,100,100,0 \

@@ -145,9 +145,11 @@ def test_async_recompute_on_outliers(seed, dtype, splits, fused):
     q[2, 4:8] = q[2, 4:8].float().mean(0, keepdim=True).to(dtype)
     scale = d ** -0.5
     want = ref.paged_decode_attention(q.double(), k.double(), v.double(), bt, cl, scale)
+    flags_buf = torch.full((len(lens), heads), -7, dtype=torch.int32)  # every flag is stored
     got, flags = paged_decode_attention(q, k, v, bt, cl, scale, phi=0.0, bounds=(-9.0, 11.0),
                                         num_splits=splits, block_n=16, out=poisoned(q),
-                                        return_flags=True, fused=fused)
+                                        return_flags=True, fused=fused, flags=flags_buf)
+    assert flags.data_ptr() == flags_buf.data_ptr()
     assert flags[0, 1] == 1, f"seed={seed}: overflow outlier not flagged"
     assert flags[2, 4:8].all(), f"seed={seed}: underflow rows not flagged"
     assert flags[1].sum() == 0 and flags[0, 4:].sum() == 0, f"seed={seed}: {flags}"
@@ -157,6 +159,19 @@ def test_async_recompute_on_outliers(seed, dtype, splits, fused):
     got2, flags2 = paged_decode_attention(q, k, v, bt, cl, scale, phi=0.0, bounds=(-1e4, 1e4),
                                           num_splits=3, block_n=16, return_flags=True)
     assert int(flags2.sum()) == 0
+
+
+def test_flags_buffer_sync_zeroed_and_validated(seed):
+    """The sync path stores no flags: a given buffer comes back zeroed. A buffer of the wrong
+    shape or dtype is refused."""
+    q, k, v, bt, cl = decode_case(torch.bfloat16, 8, 2, 64, [21, 40])
+    buf = torch.full((2, 8), -7, dtype=torch.int32)
+    _, flags = paged_decode_attention(q, k, v, bt, cl, 0.125, num_splits=2, block_n=16,
+                                      return_flags=True, flags=buf)
+    assert int(flags.abs().sum()) == 0 and flags.data_ptr() == buf.data_ptr()
+    for bad in (torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, 8, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="flags must be"):
+            paged_decode_attention(q, k, v, bt, cl, 0.125, phi=0.0, flags=bad)
 
 
 def test_async_phi_far_from_scores_all_rows_recomputed(seed):
@@ -275,9 +290,9 @@ def test_int4_recompute_and_fused_counters_reset(seed):
     kd, vd = qr.dequantize_kv(qk, torch.float64), qr.dequantize_kv(qv, torch.float64)
     want = ref.paged_decode_attention(q.double(), kd, vd, bt, cl, 0.125)
     for splits in (3, 1):
-        got, flags = paged_decode_attention_int4(q, qk, qv, bt, cl, 0.125, phi=200.0,
-                                                 num_splits=splits, block_n=16, fused=True,
-                                                 out=poisoned(q), return_flags=True)
+        got, flags = paged_decode_attention_int4(
+            q, qk, qv, bt, cl, 0.125, phi=200.0, num_splits=splits, block_n=16, fused=True,
+            out=poisoned(q), return_flags=True, flags=torch.full((2, 8), -7, dtype=torch.int32))
         assert flags.all(), f"seed={seed}"
         assert rel_err(got, want) < 1e-2, f"seed={seed} splits={splits} err={rel_err(got, want)}"
     for buf in pd._COUNTERS.values():
