@@ -62,17 +62,56 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+def wave_efficiency(programs: int, saturate: int, slots: int) -> float:
+    """Share of the memory bandwidth a launch of ``programs`` equal, memory-bound programs keeps
+    busy when ``slots`` of them are resident at once and ``saturate`` resident programs are
+    enough to saturate HBM: full waves run at full rate; a partial last wave (or a single one) of
+    ``n`` programs takes as long as ``max(n, saturate)`` would. In (0, 1]."""
+    full, tail = divmod(max(1, programs), slots)
+    span = full * slots + (max(tail, saturate) if tail else 0)
+    return programs / span
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device,
                       block_n: int = 64, programs_per_sm: int = 4, min_tiles_per_split: int = 1,
-                      max_splits: int = 128) -> int:
-    """FlashDecoding's split count: enough programs (``SMs * programs_per_sm``) to fill the GPU
-    when ``num_seqs * num_kv_heads`` alone would not, with at least ``min_tiles_per_split`` tiles
-    of ``block_n`` tokens per split."""
+                      max_splits: int = 128, resident_per_sm: int | None = None,
+                      margin: float = 0.05) -> int:
+    """FlashDecoding's split count, at least ``min_tiles_per_split`` tiles of ``block_n`` tokens
+    per split.
+
+    Without ``resident_per_sm``: enough programs (``SMs * programs_per_sm``) to fill the GPU
+    when ``num_seqs * num_kv_heads`` alone would not, else 1. With it: the fewest splits whose
+    ``wave_efficiency`` (``programs_per_sm`` per SM saturate, ``resident_per_sm`` per SM are
+    resident), times the evenness of its whole-tile chunks, is within ``margin`` of the best
+    count's; the margin stands for what the model
+    leaves out (partials written and combined: splitting B = 128 x 8 KV heads at 4k in 3 costs
+    1.2% on an H200, where the model promises 3%), and makes 256 programs on 132 SMs (0.97 of
+    the 264 that saturate) count as full. The model also splits a launch that would end in a
+    thin last wave: B = 64 x 8 KV heads (512 programs, 1.3 waves) ran 11-14% faster in 2-6 splits
+    (docs/results/decode_splits_long_h200.txt)."""
     base = max(1, num_seqs * num_kv_heads)
-    want = -(-_num_sms(device) * programs_per_sm // base)
     tiles = -(-max(1, max_context_len) // block_n)
-    most = max(1, tiles // min_tiles_per_split)
-    return int(max(1, min(want, most, max_splits)))
+    most = max(1, min(tiles // min_tiles_per_split, max_splits))
+    sms = _num_sms(device)
+    if resident_per_sm is None:
+        return int(min(-(-sms * programs_per_sm // base), most))
+    eff = {}
+    for s in range(1, most + 1):
+        per_split = -(-tiles // s)  # the kernel's whole-tile chunks: s may leave splits empty
+        if -(-tiles // per_split) != s:
+            continue
+        span = base * s / wave_efficiency(base * s, sms * programs_per_sm, sms * resident_per_sm)
+        eff[s] = base * tiles / (per_split * span)  # the busiest split's tiles set the time
+    best = max(eff.values())
+    return min(s for s, e in eff.items() if e >= best * (1 - margin))
+
+
+def config_splits(cfg: dict, num_seqs: int, num_kv_heads: int, max_context_len: int,
+                  device: torch.device, block_n: int | None = None) -> int:
+    """``choose_num_splits`` with a ``decode_config`` result's split parameters."""
+    return choose_num_splits(num_seqs, num_kv_heads, max_context_len, device,
+                             block_n or cfg["block_n"], programs_per_sm=cfg["programs_per_sm"],
+                             resident_per_sm=cfg.get("resident_per_sm"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -558,26 +597,28 @@ def _dot_dtype(dtype: torch.dtype):
 def decode_config(num_seqs: int, num_kv_heads: int, max_context_len: int, head_dim: int,
                   device: torch.device, quant: bool = False, gqa: int = 0) -> dict:
     """Launch parameters by shape: ``block_n`` (tokens per tile), ``num_warps``, ``num_stages``,
-    ``programs_per_sm`` (split-KV target, ``choose_num_splits``) and ``fused`` (the last split
-    combines the partials in-kernel: one launch). From the H200 sweep (scripts/decode_sweep.py,
-    docs/results/kernels_bench_h200_v2.txt): 128-token tiles with 4 warps and a 2-deep pipeline
-    beat 32/64-token tiles, 8 warps and 3 stages at every measured shape; about two programs
-    per SM (one 64 KiB K+V tile pair each in flight) is the best split target for bf16 below
-    256 (sequence, KV head) programs and no split above; the int4 cache (a quarter of the bytes
-    per token) wants about four per SM. The int4 cache under MHA (``gqa`` 1: one query head a
+    ``programs_per_sm`` and ``resident_per_sm`` (split-KV, ``choose_num_splits``) and ``fused``
+    (the last split combines the partials in-kernel: one launch). From the H200 sweeps
+    (scripts/decode_sweep.py, docs/results/kernels_bench_h200_v2.txt, decode_splits_long_h200):
+    128-token tiles with 4 warps and a 2-deep pipeline beat 32/64-token tiles, 8 warps and 3
+    stages at every measured shape; for bf16 about two programs per SM (one 64 KiB K+V tile pair
+    each in flight) saturate HBM and three are resident (512 programs, 1.3 waves, ran at 0.87 of
+    256 or 768 programs); the int4 cache (a quarter of the bytes per token) wants about four per
+    SM below 256 (sequence, KV head) programs and no split above. The int4 cache under MHA (``gqa`` 1: one query head a
     program) runs its dots on the CUDA cores in 64-token tiles with 2 warps: 68 us against the
     tensor-core tiles' 88 us at Llama-2-7B's 16 x 32 heads x 544 tokens on an H100
     (scripts/decode_shape_sweep.py, docs/results/decode_shape_sweep_h100.txt); with GQA the
     CUDA-core dots lose everywhere measured (4 query heads: 2.3x to 5x slower)."""
     del head_dim, device  # one table for now (measured at head_dim 128, bf16)
+    if not quant:
+        return dict(block_n=128, num_warps=4, num_stages=2, programs_per_sm=2, resident_per_sm=3,
+                    fused=True, min_block_h=16)
     base = num_seqs * num_kv_heads
     if base >= 256:  # enough (sequence, KV head) programs without splitting
         pps = 1
-    elif quant:
-        pps = 2 if (base <= 8 and max_context_len > 4096) else 4
     else:
-        pps = 2
-    if quant and gqa == 1:
+        pps = 2 if (base <= 8 and max_context_len > 4096) else 4
+    if gqa == 1:
         return dict(block_n=64, num_warps=2, num_stages=2, programs_per_sm=pps, fused=True,
                     min_block_h=1)
     return dict(block_n=128, num_warps=4, num_stages=2, programs_per_sm=pps, fused=True,
@@ -652,8 +693,7 @@ def _launch(q, k, v, block_tables, context_lens, scale, *, quant_group, phi, bou
         raise ValueError(f"block_h {block_h} holds fewer rows than the {gqa} query heads "
                          "of a KV head")
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, kv_heads, max_context_len, q.device, block_n,
-                                       programs_per_sm=cfg["programs_per_sm"])
+        num_splits = config_splits(cfg, num_seqs, kv_heads, max_context_len, q.device, block_n)
     num_splits = max(1, int(num_splits))
     is_async = phi is not None
     if is_async and bounds is None:
@@ -814,4 +854,4 @@ def paged_decode_attention_int4(q: torch.Tensor, k_cache: QuantizedKV, v_cache: 
 
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_int4", "choose_num_splits",
-           "decode_config", "DEFAULT_BOUNDS", "LOG2E"]
+           "config_splits", "wave_efficiency", "decode_config", "DEFAULT_BOUNDS", "LOG2E"]

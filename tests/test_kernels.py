@@ -123,6 +123,34 @@ def test_decode_default_splits_and_block_n(seed):
     assert rel_err(got, want) < 1e-2, f"seed={seed}"
 
 
+def test_wave_efficiency_by_hand():
+    """132 SMs, 264 programs saturate, 396 resident: 256 programs in one wave run as long as 264;
+    512 are a full wave plus 116, which take as long as 264; 768 fill two waves."""
+    from localgen.kernels.paged_decode import wave_efficiency
+    assert wave_efficiency(256, 264, 396) == pytest.approx(256 / 264)
+    assert wave_efficiency(512, 264, 396) == pytest.approx(512 / (396 + 264))
+    assert wave_efficiency(768, 264, 396) == 1.0
+    assert wave_efficiency(3072, 264, 396) == 1.0  # 7 waves + 300 resident: saturated
+
+
+@pytest.mark.parametrize("b,ctx,want", [
+    (1, 4096, 32),   # 8 programs: 32 one-tile splits (256 programs)
+    (8, 4096, 4),    # 4 x 8-tile splits (256); 5 would be 7,7,7,7,4 tiles
+    (32, 32768, 1),  # 256 programs already saturate
+    (64, 16384, 2),  # 512 programs: 1.3 waves; 2 splits: 2.6 waves of 3 resident per SM
+    (128, 4096, 1),  # 1024: 2.6 waves, within the 5% margin of the best count
+])
+def test_bf16_split_counts_on_132_sms(monkeypatch, b, ctx, want):
+    """The bf16 split counts on an H200 (132 SMs), hand-computed from the wave model; every
+    returned count leaves no split empty (whole-tile chunks)."""
+    from localgen.kernels import paged_decode as pd
+    monkeypatch.setattr(pd, "_num_sms", lambda device: 132)
+    cfg = pd.decode_config(b, 8, ctx, 128, torch.device("cpu"))
+    got = pd.config_splits(cfg, b, 8, ctx, torch.device("cpu"))
+    tiles = -(-ctx // cfg["block_n"])
+    assert got == want and -(-tiles // -(-tiles // got)) == got
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # fp16 partials of the flagged row
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("splits,fused", [(3, True), (3, False), (1, True)])

@@ -185,11 +185,9 @@ def bench_cell(b: int, ctx: int, timer: Timer, mods, args, copy_bw: float) -> li
         rows.append(row)
 
     cfg = pd.decode_config(b, KV_HEADS, ctx, HEAD_DIM, q.device)
-    splits = pd.choose_num_splits(b, KV_HEADS, ctx, q.device, cfg["block_n"],
-                                  programs_per_sm=cfg["programs_per_sm"])
+    splits = pd.config_splits(cfg, b, KV_HEADS, ctx, q.device)
     cfg4 = pd.decode_config(b, KV_HEADS, ctx, HEAD_DIM, q.device, quant=True)
-    splits4 = pd.choose_num_splits(b, KV_HEADS, ctx, q.device, cfg4["block_n"],
-                                   programs_per_sm=cfg4["programs_per_sm"])
+    splits4 = pd.config_splits(cfg4, b, KV_HEADS, ctx, q.device)
     out = torch.empty_like(q)
     variants = {"sync": dict(phi=None), "async": dict(phi=args.phi)}
     for name, kw in variants.items():
