@@ -134,24 +134,40 @@ def _load_kv_tile(c_ptr, rows, offs_d, tok_mask, d_mask):
 
 
 @triton.jit
-def _load_q4_tile(c_ptr, s_ptr, z_ptr, rows, srows, tok_mask,
-                  HALF_D: tl.constexpr, NG: tl.constexpr, NG_P: tl.constexpr, HG: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
-    """4-bit K or V tile, dequantized in registers, split by parity of the head_dim index:
-    returns ``(lo, hi)`` float32 ``[BLOCK_N, NG_P * HG]``, column ``c`` holding elements ``2c``
-    (low nibbles) and ``2c + 1`` (high nibbles). The packed bytes are read as one coalesced
-    ``[BLOCK_N, NG_P, HG]`` uint8 tile (``HG = group / 2`` bytes per group, contiguous), each
-    group's fp16 scale/min once per token row and broadcast over the group."""
+def _load_q4_raw(c_ptr, s_ptr, z_ptr, rows, srows, tok_mask,
+                 HALF_D: tl.constexpr, NG: tl.constexpr, NG_P: tl.constexpr, HG: tl.constexpr):
+    """A 4-bit K or V tile as stored: the packed bytes as one coalesced ``[BLOCK_N, NG_P, HG]``
+    uint8 tile (``HG = group / 2`` bytes per group, contiguous) and each group's fp16 scale and
+    min ``[BLOCK_N, NG_P]`` (read once per token row). Kept apart from ``_dequant_q4`` so a tile's
+    loads can be issued early while its float32 values exist only where they are used (K and V
+    dequantized together held 256 registers a thread at 128-token tiles, and spilled)."""
     offs_g = tl.arange(0, NG_P)
     offs_j = tl.arange(0, HG)
     col = offs_g[:, None] * HG + offs_j[None, :]  # [NG_P, HG] byte index in the row
     m3 = tok_mask[:, None, None] & (col < HALF_D)[None, :, :]
-    byte = tl.load(c_ptr + rows[:, None, None] + col[None, :, :], mask=m3, other=0).to(tl.int32)
+    byte = tl.load(c_ptr + rows[:, None, None] + col[None, :, :], mask=m3, other=0)
     gm = tok_mask[:, None] & (offs_g < NG)[None, :]
-    sc = tl.load(s_ptr + srows[:, None] + offs_g[None, :], mask=gm, other=0.0).to(tl.float32)
-    mn = tl.load(z_ptr + srows[:, None] + offs_g[None, :], mask=gm, other=0.0).to(tl.float32)
-    lo = (byte & 15).to(tl.float32) * sc[:, :, None] + mn[:, :, None]
-    hi = (byte >> 4).to(tl.float32) * sc[:, :, None] + mn[:, :, None]
+    sc = tl.load(s_ptr + srows[:, None] + offs_g[None, :], mask=gm, other=0.0)
+    mn = tl.load(z_ptr + srows[:, None] + offs_g[None, :], mask=gm, other=0.0)
+    return byte, sc, mn
+
+
+@triton.jit
+def _dequant_q4(byte, sc, mn, BLOCK_N: tl.constexpr, NG_P: tl.constexpr, HG: tl.constexpr,
+                BLOCK_H: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+    """``_load_q4_raw``'s tile dequantized in registers (float32 math), split by parity of the
+    head_dim index: ``(lo, hi)`` ``[BLOCK_N, NG_P * HG]``, column ``c`` holding elements ``2c``
+    (low nibbles) and ``2c + 1`` (high nibbles). In DOT_DTYPE where ``_dot`` would cast them to it
+    anyway (tensor cores: 16+ query rows, not IEEE; half the registers), else float32."""
+    b = byte.to(tl.int32)
+    sc = sc.to(tl.float32)[:, :, None]
+    mn = mn.to(tl.float32)[:, :, None]
+    lo = (b & 15).to(tl.float32) * sc + mn
+    hi = (b >> 4).to(tl.float32) * sc + mn
+    if not IEEE:
+        if BLOCK_H >= 16:
+            lo = lo.to(DOT_DTYPE)
+            hi = hi.to(DOT_DTYPE)
     return tl.reshape(lo, [BLOCK_N, NG_P * HG]), tl.reshape(hi, [BLOCK_N, NG_P * HG])
 
 
@@ -216,12 +232,15 @@ def _attend_range(q, q_odd, bt_row_ptr, lo, hi,
         rows = _token_rows(bt_row_ptr, tok, tok_mask, BS, stride_kb, stride_kt)
         if QUANT:
             srows = _token_rows(bt_row_ptr, tok, tok_mask, BS, stride_sb, stride_st)
-            k_lo, k_hi = _load_q4_tile(k_ptr, ks_ptr, kz_ptr, rows, srows, tok_mask,
-                                       HALF_D, NG, NG_P, HG, BLOCK_N)
-            v_lo, v_hi = _load_q4_tile(v_ptr, vs_ptr, vz_ptr, rows, srows, tok_mask,
-                                       HALF_D, NG, NG_P, HG, BLOCK_N)
+            kb, ksc, kmn = _load_q4_raw(k_ptr, ks_ptr, kz_ptr, rows, srows, tok_mask,
+                                        HALF_D, NG, NG_P, HG)
+            vb, vsc, vmn = _load_q4_raw(v_ptr, vs_ptr, vz_ptr, rows, srows, tok_mask,
+                                        HALF_D, NG, NG_P, HG)  # issued before K is used
+            k_lo, k_hi = _dequant_q4(kb, ksc, kmn, BLOCK_N, NG_P, HG, BLOCK_H, DOT_DTYPE, IEEE)
             s = (_dot(q, tl.trans(k_lo), DOT_DTYPE, IEEE)
                  + _dot(q_odd, tl.trans(k_hi), DOT_DTYPE, IEEE)) * qk_scale
+            v_lo, v_hi = _dequant_q4(vb, vsc, vmn, BLOCK_N, NG_P, HG, BLOCK_H, DOT_DTYPE,
+                                     IEEE)  # after K's values are dead
         else:
             k = _load_kv_tile(k_ptr, rows, offs_d, tok_mask, d_mask)
             v_lo = _load_kv_tile(v_ptr, rows, offs_d, tok_mask, d_mask)  # issued before K is used

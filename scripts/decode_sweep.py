@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--block-n", default="32,64,128")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="2,3")
+    ap.add_argument("--int4-warps", default="4", help="num_warps values for the int4 configs")
     ap.add_argument("--pps", default="1,2,4,8", help="programs per SM targets (split counts)")
     ap.add_argument("--splits", default=None, help="explicit split counts (instead of --pps)")
     args = ap.parse_args()
@@ -129,7 +130,8 @@ def main() -> None:
             q4 = 2 * b * ctx * KV_HEADS * (HEAD_DIM // 2 + 8)
             b4 = None
             seen = set()
-            for bn, nw, pps in itertools.product(ints(args.block_n), (4,), ints(args.pps)):
+            for bn, nw, pps in itertools.product(ints(args.block_n), ints(args.int4_warps),
+                                                 ints(args.pps)):
                 splits = pd.choose_num_splits(b, KV_HEADS, ctx, q.device, bn, programs_per_sm=pps)
                 if (bn, nw, splits) in seen:
                     continue
