@@ -8,7 +8,8 @@ Measures on one CUDA GPU, in the same run (issue 5; FlashDecoding / FlashDecodin
   * "ref": the pure-torch paged reference twin (``paged_attention_ref``);
   * the HBM copy bandwidth (``dst.copy_(src)`` of 1 GiB, read + write bytes).
 Shapes: B in {1, 8, 32, 128}, context in {512, 4k, 32k}, 32 query heads, 8 KV heads, head_dim 128,
-bf16, KV block size 16, shuffled block tables. Cells that do not fit in memory are skipped.
+bf16, KV block size 16 (``--block-size``), shuffled block tables. Cells that do not fit in memory
+are skipped.
 
 Timing: CUDA events around one call, median of ``--repeat`` after warm-up, L2 flushed before every
 timed call by reading a 256 MiB buffer (``--flush read``). A flush that writes (``--flush write``, the
@@ -160,16 +161,17 @@ def quantize_chunked(cache: torch.Tensor, quant_ref, chunk_blocks: int = 4096):
 def bench_cell(b: int, ctx: int, timer: Timer, mods, args, copy_bw: float) -> list[dict]:
     pd, ref, qr = mods
     dev, dt = "cuda", torch.bfloat16
-    blocks_per_seq = -(-ctx // BLOCK_SIZE)
+    bs = args.block_size
+    blocks_per_seq = -(-ctx // bs)
     nb = b * blocks_per_seq
-    kv_bytes = 2 * nb * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 2
+    kv_bytes = 2 * nb * bs * KV_HEADS * HEAD_DIM * 2
     exact_bytes = 2 * b * ctx * KV_HEADS * HEAD_DIM * 2
     if kv_bytes * 2.3 + (1 << 30) > free_bytes():
         print(f"  B={b} ctx={ctx}: skipped ({kv_bytes / 2**30:.1f} GiB of KV does not fit)")
         return [{"B": b, "ctx": ctx, "impl": "all", "skipped": "memory"}]
     gen = torch.Generator(device=dev).manual_seed(1234 + b + ctx)
-    k = torch.randn(nb, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dt, device=dev, generator=gen)
-    v = torch.randn(nb, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dt, device=dev, generator=gen)
+    k = torch.randn(nb, bs, KV_HEADS, HEAD_DIM, dtype=dt, device=dev, generator=gen)
+    v = torch.randn(nb, bs, KV_HEADS, HEAD_DIM, dtype=dt, device=dev, generator=gen)
     tables = torch.randperm(nb, device=dev, generator=gen).view(b, blocks_per_seq)
     lens = torch.full((b,), ctx, dtype=torch.int64, device=dev)
     q = torch.randn(b, HEADS, HEAD_DIM, dtype=dt, device=dev, generator=gen)
@@ -277,6 +279,8 @@ def main(argv=None) -> dict:
                     help="unified max for the async variant (scores here are ~N(0, 1))")
     ap.add_argument("--no-ref", action="store_true", help="skip the pure-torch reference")
     ap.add_argument("--no-int4", action="store_true")
+    ap.add_argument("--block-size", type=int, default=BLOCK_SIZE,
+                    help="tokens per KV block (the runtime's is 16)")
     ap.add_argument("--flush", choices=FLUSH_MODES, default="read",
                     help="how the L2 is flushed before each timed call (see the module doc)")
     args = ap.parse_args(argv)
@@ -298,7 +302,7 @@ def main(argv=None) -> dict:
               "triton": triton.__version__, "copy_GBps": copy_bw / 1e9, "flush": args.flush,
               "timing_floor_us": floor_us,
               "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
-                        "block_size": BLOCK_SIZE, "dtype": "bfloat16"},
+                        "block_size": args.block_size, "dtype": "bfloat16"},
               "repeat": args.repeat, "seconds": time.time() - t0, "rows": rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
