@@ -622,12 +622,16 @@ def decode_config(num_seqs: int, num_kv_heads: int, max_context_len: int, head_d
     128-token tiles with 4 warps and a 2-deep pipeline beat 32/64-token tiles, 8 warps and 3
     stages at every measured shape; for bf16 about two programs per SM (one 64 KiB K+V tile pair
     each in flight) saturate HBM and three are resident (512 programs, 1.3 waves, ran at 0.87 of
-    256 or 768 programs); the int4 cache (a quarter of the bytes per token) wants about four per
-    SM below 256 (sequence, KV head) programs and no split above. The int4 cache under MHA (``gqa`` 1: one query head a
-    program) runs its dots on the CUDA cores in 64-token tiles with 2 warps: 68 us against the
-    tensor-core tiles' 88 us at Llama-2-7B's 16 x 32 heads x 544 tokens on an H100
-    (scripts/decode_shape_sweep.py, docs/results/decode_shape_sweep_h100.txt); with GQA the
-    CUDA-core dots lose everywhere measured (4 query heads: 2.3x to 5x slower)."""
+    256 or 768 programs; decode_kernel_resources_h200.txt: 158-168 registers and 72 KiB of
+    shared memory a program allow three); the int4 cache (a quarter of the bytes per token, 249-255
+    registers: two resident) wants about four per SM below 256 (sequence, KV head) programs and no
+    split above (re-swept without spills, decode_sweep_int4_h200: 128-token tiles with 4 warps
+    best or within 4% except B = 8 at 32k, 64-token tiles 9% faster; 8 warps slower everywhere).
+    The int4 cache under MHA (``gqa`` 1: one query head a program) runs its dots on the CUDA
+    cores in 64-token tiles with 2 warps: 68 us against the tensor-core tiles' 88 us at
+    Llama-2-7B's 16 x 32 heads x 544 tokens on an H100 (scripts/decode_shape_sweep.py,
+    docs/results/decode_shape_sweep_h100.txt); with GQA the CUDA-core dots lose everywhere
+    measured (4 query heads: 2.3x to 5x slower)."""
     del head_dim, device  # one table for now (measured at head_dim 128, bf16)
     if not quant:
         return dict(block_n=128, num_warps=4, num_stages=2, programs_per_sm=2, resident_per_sm=3,
