@@ -62,14 +62,18 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+def wave_span(programs: int, saturate: int, slots: int) -> int:
+    """How many programs' worth of bandwidth-time a launch of ``programs`` equal, memory-bound
+    programs takes when ``slots`` of them are resident at once and ``saturate`` resident programs
+    saturate HBM: full waves run at full rate; a partial last wave (or a single one) of ``n``
+    programs takes as long as ``max(n, saturate)`` would."""
+    full, tail = divmod(programs, slots)
+    return full * slots + (max(tail, saturate) if tail else 0)
+
+
 def wave_efficiency(programs: int, saturate: int, slots: int) -> float:
-    """Share of the memory bandwidth a launch of ``programs`` equal, memory-bound programs keeps
-    busy when ``slots`` of them are resident at once and ``saturate`` resident programs are
-    enough to saturate HBM: full waves run at full rate; a partial last wave (or a single one) of
-    ``n`` programs takes as long as ``max(n, saturate)`` would. In (0, 1]."""
-    full, tail = divmod(max(1, programs), slots)
-    span = full * slots + (max(tail, saturate) if tail else 0)
-    return programs / span
+    """Share of the memory bandwidth such a launch keeps busy (``wave_span``), in (0, 1]."""
+    return programs / wave_span(programs, saturate, slots)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device,
@@ -81,13 +85,13 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
 
     Without ``resident_per_sm``: enough programs (``SMs * programs_per_sm``) to fill the GPU
     when ``num_seqs * num_kv_heads`` alone would not, else 1. With it: the fewest splits whose
-    ``wave_efficiency`` (``programs_per_sm`` per SM saturate, ``resident_per_sm`` per SM are
-    resident), times the evenness of its whole-tile chunks, is within ``margin`` of the best
-    count's; the margin stands for what the model
-    leaves out (partials written and combined: splitting B = 128 x 8 KV heads at 4k in 3 costs
-    1.2% on an H200, where the model promises 3%), and makes 256 programs on 132 SMs (0.97 of
-    the 264 that saturate) count as full. The model also splits a launch that would end in a
-    thin last wave: B = 64 x 8 KV heads (512 programs, 1.3 waves) ran 11-14% faster in 2-6 splits
+    modelled time (``wave_span`` with ``programs_per_sm`` per SM saturating and
+    ``resident_per_sm`` per SM resident, times the busiest split's whole tiles) is within
+    ``margin`` of the best count's. The margin stands for what the model leaves out (partials
+    written and combined: splitting B = 128 x 8 KV heads at 4k in 3 costs 1.2% on an H200, where
+    the model promises 3%) and makes 256 programs on 132 SMs (0.97 of the 264 that saturate)
+    count as full. The model splits a launch that would end in a thin last wave: B = 64 x 8 KV
+    heads (512 programs, 1.3 waves) ran 11-14% faster in 2-6 splits
     (docs/results/decode_splits_long_h200.txt)."""
     base = max(1, num_seqs * num_kv_heads)
     tiles = -(-max(1, max_context_len) // block_n)
@@ -95,15 +99,13 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
     sms = _num_sms(device)
     if resident_per_sm is None:
         return int(min(-(-sms * programs_per_sm // base), most))
-    eff = {}
+    cost = {}
     for s in range(1, most + 1):
         per_split = -(-tiles // s)  # the kernel's whole-tile chunks: s may leave splits empty
-        if -(-tiles // per_split) != s:
-            continue
-        span = base * s / wave_efficiency(base * s, sms * programs_per_sm, sms * resident_per_sm)
-        eff[s] = base * tiles / (per_split * span)  # the busiest split's tiles set the time
-    best = max(eff.values())
-    return min(s for s, e in eff.items() if e >= best * (1 - margin))
+        if -(-tiles // per_split) == s:
+            cost[s] = per_split * wave_span(base * s, sms * programs_per_sm, sms * resident_per_sm)
+    best = min(cost.values())
+    return min(s for s, c in cost.items() if c * (1 - margin) <= best)
 
 
 def config_splits(cfg: dict, num_seqs: int, num_kv_heads: int, max_context_len: int,
@@ -877,4 +879,4 @@ def paged_decode_attention_int4(q: torch.Tensor, k_cache: QuantizedKV, v_cache: 
 
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_int4", "choose_num_splits",
-           "config_splits", "wave_efficiency", "decode_config", "DEFAULT_BOUNDS", "LOG2E"]
+           "config_splits", "wave_span", "wave_efficiency", "decode_config", "DEFAULT_BOUNDS", "LOG2E"]

@@ -126,7 +126,8 @@ def test_decode_default_splits_and_block_n(seed):
 def test_wave_efficiency_by_hand():
     """132 SMs, 264 programs saturate, 396 resident: 256 programs in one wave run as long as 264;
     512 are a full wave plus 116, which take as long as 264; 768 fill two waves."""
-    from localgen.kernels.paged_decode import wave_efficiency
+    from localgen.kernels.paged_decode import wave_efficiency, wave_span
+    assert wave_span(256, 264, 396) == 264 and wave_span(512, 264, 396) == 396 + 264
     assert wave_efficiency(256, 264, 396) == pytest.approx(256 / 264)
     assert wave_efficiency(512, 264, 396) == pytest.approx(512 / (396 + 264))
     assert wave_efficiency(768, 264, 396) == 1.0
