@@ -80,3 +80,24 @@ def test_batch_passes_the_flags_to_the_loader(config_dir, monkeypatch, tmp_path)
     assert "predicted peak memory (prompt 512 + 256 tokens)" in res.stderr
     pol = seen["policy"]
     assert (pol.wg, pol.wc, pol.num_gpu_batches) == (0.5, 0.5, 2)
+
+
+def test_bench_kernels_forwards_its_options(monkeypatch, tmp_path):
+    """`localgen bench kernels` hands every option to the typer-free benchmark, and on a machine
+    without CUDA the benchmark says so."""
+    import torch
+
+    from localgen.bench import kernels_bench
+    seen = {}
+    monkeypatch.setattr(kernels_bench, "main", lambda argv: seen.setdefault("argv", argv))
+    out = tmp_path / "k.json"
+    res = CliRunner().invoke(app, ["bench", "kernels", "--out", str(out), "--batches", "8",
+                                   "--block-size", "64", "--no-int4"])
+    assert res.exit_code == 0, res.output
+    argv = seen["argv"]
+    assert argv[argv.index("--block-size") + 1] == "64" and "--no-int4" in argv
+    assert argv[argv.index("--batches") + 1] == "8" and "--no-ref" not in argv
+    monkeypatch.undo()
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            kernels_bench.main(["--out", str(out)])

@@ -59,6 +59,7 @@ def kernels(
     no_int4: bool = typer.Option(False, "--no-int4", help="Skip the 4-bit KV kernel."),
     flush: str = typer.Option("read", help="L2 flush before each timed call: read (clean lines) "
                               "or write (dirty lines written back inside the timed call)."),
+    block_size: int = typer.Option(16, help="Tokens per KV block (the runtime's is 16)."),
 ) -> None:
     """Decode attention on CUDA: Triton kernels (sync, async, int4) vs SDPA (enable_gqa) on a
     contiguous cache vs the paged reference, with the HBM copy bandwidth, in one run. The same
@@ -66,7 +67,8 @@ def kernels(
     from localgen.bench import kernels_bench
 
     argv = ["--out", str(out), "--batches", batches, "--contexts", contexts,
-            "--repeat", str(repeat), "--phi", str(phi), "--flush", flush]
+            "--repeat", str(repeat), "--phi", str(phi), "--flush", flush,
+            "--block-size", str(block_size)]
     argv += ["--no-ref"] if no_ref else []
     argv += ["--no-int4"] if no_int4 else []
     kernels_bench.main(argv)
