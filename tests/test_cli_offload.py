@@ -92,10 +92,11 @@ def test_bench_kernels_forwards_its_options(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels_bench, "main", lambda argv: seen.setdefault("argv", argv))
     out = tmp_path / "k.json"
     res = CliRunner().invoke(app, ["bench", "kernels", "--out", str(out), "--batches", "8",
-                                   "--block-size", "64", "--no-int4"])
+                                   "--block-size", "64", "--no-int4", "--dtype", "float16"])
     assert res.exit_code == 0, res.output
     argv = seen["argv"]
     assert argv[argv.index("--block-size") + 1] == "64" and "--no-int4" in argv
+    assert argv[argv.index("--dtype") + 1] == "float16"
     assert argv[argv.index("--batches") + 1] == "8" and "--no-ref" not in argv
     monkeypatch.undo()
     if not torch.cuda.is_available():

@@ -8,8 +8,8 @@ Measures on one CUDA GPU, in the same run (issue 5; FlashDecoding / FlashDecodin
   * "ref": the pure-torch paged reference twin (``paged_attention_ref``);
   * the HBM copy bandwidth (``dst.copy_(src)`` of 1 GiB, read + write bytes).
 Shapes: B in {1, 8, 32, 128}, context in {512, 4k, 32k}, 32 query heads, 8 KV heads, head_dim 128,
-bf16, KV block size 16 (``--block-size``), shuffled block tables. Cells that do not fit in memory
-are skipped.
+bf16 (``--dtype``), KV block size 16 (``--block-size``), shuffled block tables. Cells that do
+not fit in memory are skipped.
 
 Timing: CUDA events around one call, median of ``--repeat`` after warm-up, L2 flushed before every
 timed call by reading a 256 MiB buffer (``--flush read``). A flush that writes (``--flush write``, the
@@ -41,6 +41,7 @@ import time
 import torch
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 BATCHES = (1, 8, 32, 128)
 CONTEXTS = (512, 4096, 32768)
 
@@ -160,7 +161,7 @@ def quantize_chunked(cache: torch.Tensor, quant_ref, chunk_blocks: int = 4096):
 
 def bench_cell(b: int, ctx: int, timer: Timer, mods, args, copy_bw: float) -> list[dict]:
     pd, ref, qr = mods
-    dev, dt = "cuda", torch.bfloat16
+    dev, dt = "cuda", DTYPES[args.dtype]
     bs = args.block_size
     blocks_per_seq = -(-ctx // bs)
     nb = b * blocks_per_seq
@@ -225,7 +226,7 @@ def bench_cell(b: int, ctx: int, timer: Timer, mods, args, copy_bw: float) -> li
                                                     max_context_len=ctx, phi=args.phi)
         record("int4_async", timer.graph(fn), timer.eager(fn), q4, {"num_splits": splits4})
         o4 = pd.paged_decode_attention_int4(q, qk, qv, tables, lens, scale, max_context_len=ctx)
-        rows[-1]["max_abs_diff_vs_sync_bf16"] = float((o4.float() - want.float()).abs().max())
+        rows[-1]["max_abs_diff_vs_sync"] = float((o4.float() - want.float()).abs().max())
         del qk, qv
     else:
         del k, v
@@ -279,6 +280,7 @@ def main(argv=None) -> dict:
                     help="unified max for the async variant (scores here are ~N(0, 1))")
     ap.add_argument("--no-ref", action="store_true", help="skip the pure-torch reference")
     ap.add_argument("--no-int4", action="store_true")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE,
                     help="tokens per KV block (the runtime's is 16)")
     ap.add_argument("--flush", choices=FLUSH_MODES, default="read",
@@ -302,7 +304,7 @@ def main(argv=None) -> dict:
               "triton": triton.__version__, "copy_GBps": copy_bw / 1e9, "flush": args.flush,
               "timing_floor_us": floor_us,
               "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
-                        "block_size": args.block_size, "dtype": "bfloat16"},
+                        "block_size": args.block_size, "dtype": args.dtype},
               "repeat": args.repeat, "seconds": time.time() - t0, "rows": rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

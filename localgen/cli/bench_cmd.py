@@ -60,6 +60,7 @@ def kernels(
     flush: str = typer.Option("read", help="L2 flush before each timed call: read (clean lines) "
                               "or write (dirty lines written back inside the timed call)."),
     block_size: int = typer.Option(16, help="Tokens per KV block (the runtime's is 16)."),
+    dtype: str = typer.Option("bfloat16", help="bfloat16 or float16."),
 ) -> None:
     """Decode attention on CUDA: Triton kernels (sync, async, int4) vs SDPA (enable_gqa) on a
     contiguous cache vs the paged reference, with the HBM copy bandwidth, in one run. The same
@@ -68,7 +69,7 @@ def kernels(
 
     argv = ["--out", str(out), "--batches", batches, "--contexts", contexts,
             "--repeat", str(repeat), "--phi", str(phi), "--flush", flush,
-            "--block-size", str(block_size)]
+            "--block-size", str(block_size), "--dtype", dtype]
     argv += ["--no-ref"] if no_ref else []
     argv += ["--no-int4"] if no_int4 else []
     kernels_bench.main(argv)
