@@ -138,16 +138,16 @@ def _load_kv_tile(c_ptr, rows, offs_d, tok_mask, d_mask):
 @triton.jit
 def _load_q4_raw(c_ptr, s_ptr, z_ptr, rows, srows, tok_mask,
                  HALF_D: tl.constexpr, NG: tl.constexpr, NG_P: tl.constexpr, HG: tl.constexpr):
-    """A 4-bit K or V tile as stored: the packed bytes as one coalesced ``[BLOCK_N, NG_P, HG]``
-    uint8 tile (``HG = group / 2`` bytes per group, contiguous) and each group's fp16 scale and
-    min ``[BLOCK_N, NG_P]`` (read once per token row). Kept apart from ``_dequant_q4`` so a tile's
-    loads can be issued early while its float32 values exist only where they are used (K and V
-    dequantized together held 256 registers a thread at 128-token tiles, and spilled)."""
+    """A 4-bit K or V tile as stored: the packed bytes as one coalesced ``[BLOCK_N, NG_P * HG]``
+    uint8 tile (row-contiguous) and each group's fp16 scale and min ``[BLOCK_N, NG_P]`` (read
+    once per token row). Kept apart from ``_dequant_q4`` so a tile's loads can be issued early
+    while its float32 values exist only where they are used (K and V dequantized together held
+    256 registers a thread at 128-token tiles, and spilled). The bytes stay 2-D, as the dots
+    take them: no reshape between the load and the dot."""
+    col = tl.arange(0, NG_P * HG)  # byte index in the row
+    m2 = tok_mask[:, None] & (col < HALF_D)[None, :]
+    byte = tl.load(c_ptr + rows[:, None] + col[None, :], mask=m2, other=0)
     offs_g = tl.arange(0, NG_P)
-    offs_j = tl.arange(0, HG)
-    col = offs_g[:, None] * HG + offs_j[None, :]  # [NG_P, HG] byte index in the row
-    m3 = tok_mask[:, None, None] & (col < HALF_D)[None, :, :]
-    byte = tl.load(c_ptr + rows[:, None, None] + col[None, :, :], mask=m3, other=0)
     gm = tok_mask[:, None] & (offs_g < NG)[None, :]
     sc = tl.load(s_ptr + srows[:, None] + offs_g[None, :], mask=gm, other=0.0)
     mn = tl.load(z_ptr + srows[:, None] + offs_g[None, :], mask=gm, other=0.0)
@@ -159,18 +159,21 @@ def _dequant_q4(byte, sc, mn, BLOCK_N: tl.constexpr, NG_P: tl.constexpr, HG: tl.
                 BLOCK_H: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
     """``_load_q4_raw``'s tile dequantized in registers (float32 math), split by parity of the
     head_dim index: ``(lo, hi)`` ``[BLOCK_N, NG_P * HG]``, column ``c`` holding elements ``2c``
-    (low nibbles) and ``2c + 1`` (high nibbles). In DOT_DTYPE where ``_dot`` would cast them to it
-    anyway (tensor cores: 16+ query rows, not IEEE; half the registers), else float32."""
+    (low nibbles) and ``2c + 1`` (high nibbles); each group's scale and min broadcast over its
+    ``HG`` columns. In DOT_DTYPE where ``_dot`` would cast them to it anyway (tensor cores: 16+
+    query rows, not IEEE; half the registers), else float32."""
     b = byte.to(tl.int32)
-    sc = sc.to(tl.float32)[:, :, None]
-    mn = mn.to(tl.float32)[:, :, None]
+    sc = tl.reshape(tl.broadcast_to(sc.to(tl.float32)[:, :, None], [BLOCK_N, NG_P, HG]),
+                    [BLOCK_N, NG_P * HG])
+    mn = tl.reshape(tl.broadcast_to(mn.to(tl.float32)[:, :, None], [BLOCK_N, NG_P, HG]),
+                    [BLOCK_N, NG_P * HG])
     lo = (b & 15).to(tl.float32) * sc + mn
     hi = (b >> 4).to(tl.float32) * sc + mn
     if not IEEE:
         if BLOCK_H >= 16:
             lo = lo.to(DOT_DTYPE)
             hi = hi.to(DOT_DTYPE)
-    return tl.reshape(lo, [BLOCK_N, NG_P * HG]), tl.reshape(hi, [BLOCK_N, NG_P * HG])
+    return lo, hi
 
 
 @triton.jit
