@@ -630,8 +630,8 @@ def decode_config(num_seqs: int, num_kv_heads: int, max_context_len: int, head_d
     256 or 768 programs; decode_kernel_resources_h200.txt: 158-168 registers and 72 KiB of
     shared memory a program allow three); the int4 cache (a quarter of the bytes per token, 249-255
     registers: two resident) wants about four per SM below 256 (sequence, KV head) programs and no
-    split above (re-swept without spills, decode_sweep_int4_h200: 128-token tiles with 4 warps
-    best or within 4% except B = 8 at 32k, 64-token tiles 9% faster; 8 warps slower everywhere).
+    split above (re-swept with the 2-D tiles, decode_sweep_int4_h200_v2: 128-token tiles with 4
+    warps best or within 3% everywhere; 8 warps slower everywhere).
     The int4 cache under MHA (``gqa`` 1: one query head a program) runs its dots on the CUDA
     cores in 64-token tiles with 2 warps: 68 us against the tensor-core tiles' 88 us at
     Llama-2-7B's 16 x 32 heads x 544 tokens on an H100 (scripts/decode_shape_sweep.py,
