@@ -34,6 +34,7 @@ float32 accumulator. Offsets into the caches are int64 (caches beyond 2^31 eleme
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -99,11 +100,19 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
     sms = _num_sms(device)
     if resident_per_sm is None:
         return int(min(-(-sms * programs_per_sm // base), most))
+    return _wave_splits(base, tiles, most, sms * programs_per_sm, sms * resident_per_sm, margin)
+
+
+@functools.lru_cache(maxsize=4096)
+def _wave_splits(base: int, tiles: int, most: int, saturate: int, slots: int,
+                 margin: float) -> int:
+    """``choose_num_splits``' wave-model search over 1..``most`` splits (cached: decode calls
+    repeat a handful of shapes, and the search is up to 128 steps of Python)."""
     cost = {}
     for s in range(1, most + 1):
         per_split = -(-tiles // s)  # the kernel's whole-tile chunks: s may leave splits empty
         if -(-tiles // per_split) == s:
-            cost[s] = per_split * wave_span(base * s, sms * programs_per_sm, sms * resident_per_sm)
+            cost[s] = per_split * wave_span(base * s, saturate, slots)
     best = min(cost.values())
     return min(s for s, c in cost.items() if c * (1 - margin) <= best)
 
