@@ -43,6 +43,8 @@ def main() -> None:
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="2,3")
     ap.add_argument("--int4-warps", default="4", help="num_warps values for the int4 configs")
+    ap.add_argument("--heads", type=int, default=HEADS, help="query heads")
+    ap.add_argument("--kv-heads", type=int, default=KV_HEADS, help="KV heads (= --heads: MHA)")
     ap.add_argument("--pps", default="1,2,4,8", help="programs per SM targets (split counts)")
     ap.add_argument("--splits", default=None, help="explicit split counts (instead of --pps)")
     args = ap.parse_args()
@@ -65,16 +67,18 @@ def main() -> None:
         nbps = -(-ctx // BLOCK_SIZE)
         nb = b * nbps
         gen = torch.Generator(device=dev).manual_seed(7 + b + ctx)
-        k = torch.randn(nb, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dt, device=dev, generator=gen)
-        v = torch.randn(nb, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dt, device=dev, generator=gen)
+        kv_shape = (nb, BLOCK_SIZE, args.kv_heads, HEAD_DIM)
+        k = torch.randn(kv_shape, dtype=dt, device=dev, generator=gen)
+        v = torch.randn(kv_shape, dtype=dt, device=dev, generator=gen)
         tables = torch.randperm(nb, device=dev, generator=gen).view(b, nbps)
         lens = torch.full((b,), ctx, dtype=torch.int64, device=dev)
-        q = torch.randn(b, HEADS, HEAD_DIM, dtype=dt, device=dev, generator=gen)
+        q = torch.randn(b, args.heads, HEAD_DIM, dtype=dt, device=dev, generator=gen)
         scale = HEAD_DIM ** -0.5
-        nbytes = 2 * b * ctx * KV_HEADS * HEAD_DIM * 2
+        nbytes = 2 * b * ctx * args.kv_heads * HEAD_DIM * 2
         want = pd.paged_decode_attention(q, k, v, tables, lens, scale, max_context_len=ctx,
                                          block_n=64, num_warps=4, num_stages=2, fused=False,
-                                         num_splits=pd.choose_num_splits(b, KV_HEADS, ctx, q.device, 64, 2))
+                                         num_splits=pd.choose_num_splits(b, args.kv_heads, ctx,
+                                                                         q.device, 64, 2))
         out = torch.empty_like(q)
         cell = {"B": b, "ctx": ctx, "runs": []}
         res["cells"].append(cell)
@@ -102,8 +106,8 @@ def main() -> None:
             [("pps", p_) for p_ in ints(args.pps)]
         for bn, nw, ns, (how, val) in itertools.product(ints(args.block_n), ints(args.warps),
                                                         ints(args.stages), split_opts):
-            splits = val if how == "n" else pd.choose_num_splits(b, KV_HEADS, ctx, q.device, bn,
-                                                                  programs_per_sm=val)
+            splits = val if how == "n" else pd.choose_num_splits(
+                b, args.kv_heads, ctx, q.device, bn, programs_per_sm=val)
             key = (bn, nw, ns, splits)
             if key in seen:
                 continue
@@ -127,12 +131,13 @@ def main() -> None:
         if not args.no_int4 and time.time() - t0 < args.deadline:
             qk, qv = quantize_chunked(k, qr), quantize_chunked(v, qr)
             del k, v
-            q4 = 2 * b * ctx * KV_HEADS * (HEAD_DIM // 2 + 8)
+            q4 = 2 * b * ctx * args.kv_heads * (HEAD_DIM // 2 + 8)
             b4 = None
             seen = set()
             for bn, nw, pps in itertools.product(ints(args.block_n), ints(args.int4_warps),
                                                  ints(args.pps)):
-                splits = pd.choose_num_splits(b, KV_HEADS, ctx, q.device, bn, programs_per_sm=pps)
+                splits = pd.choose_num_splits(b, args.kv_heads, ctx, q.device, bn,
+                                              programs_per_sm=pps)
                 if (bn, nw, splits) in seen:
                     continue
                 seen.add((bn, nw, splits))

@@ -51,6 +51,8 @@
 #   kernel_sweep_b8 : the same at B = 8, 4k only, wider: 64-256-token tiles, 4/8 warps, 1-3 stages, 2-8 splits
 #   kernel_sweep_int4 : the int4 cache's configs (64/128-token tiles, 4/8 warps, 1/2/4 programs per SM) over
 #              B 1/8/32/128 x 4k/32k, beside the bf16 ones at 128-token tiles
+#   kernel_splits_short : explicit split counts at short contexts (512-1024): Llama-2-7B's MHA (32 KV heads) at
+#              B 16/64, and the bench's GQA (8 KV heads) at B 8/32/64, beside the default config's count
 #   kernel_splits_long : explicit split counts 1-8 at B = 32/64/128, contexts 16k/32k (the default config's
 #              tiles): does splitting pay where the (sequence, KV head) programs alone fill the GPU?
 #   gemm_table : M1/M2 inflection points (FlashDecoding++ §5) of Llama-2-7B's and SmolLM2's [N, K], fp16 and bf16
@@ -82,6 +84,11 @@ for stage in "$@"; do
     kernel_sweep_int4) timeout 400 python3 scripts/decode_sweep.py --batches 1,8,32,128 --contexts 4096,32768 \
         --block-n 64,128 --warps 4 --stages 2 --pps 1,2,4 --int4-warps 4,8 --repeat 10 --deadline 300 \
         --out "$OUT/decode_sweep_int4_$TAG.json" 2>&1 | tail -40 | tee "$OUT/decode_sweep_int4_$TAG.txt" ;;
+    kernel_splits_short) S="--block-n 128 --warps 4 --stages 2 --no-int4 --repeat 20 --deadline 120"
+        timeout 200 python3 scripts/decode_sweep.py --heads 32 --kv-heads 32 --batches 16,64 --contexts 544,1024 \
+          --splits 1,2,3,5 $S --out "$OUT/decode_splits_short_mha_$TAG.json" 2>&1 | tail -8 | tee "$OUT/decode_splits_short_mha_$TAG.txt"
+        timeout 200 python3 scripts/decode_sweep.py --batches 8,32,64 --contexts 512,1024 --splits 1,2,3,4 $S \
+          --out "$OUT/decode_splits_short_gqa_$TAG.json" 2>&1 | tail -10 | tee "$OUT/decode_splits_short_gqa_$TAG.txt" ;;
     kernel_splits_long) timeout 300 python3 scripts/decode_sweep.py --batches 32,64,128 --contexts 16384,32768 \
         --no-int4 --block-n 128 --warps 4 --stages 2 --splits 1,2,3,4,6,8 --repeat 20 --deadline 240 \
         --out "$OUT/decode_splits_long_$TAG.json" 2>&1 | tail -30 | tee "$OUT/decode_splits_long_$TAG.txt" ;;
