@@ -80,7 +80,7 @@ def wave_efficiency(programs: int, saturate: int, slots: int) -> float:
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device,
                       block_n: int = 64, programs_per_sm: int = 4, min_tiles_per_split: int = 1,
                       max_splits: int = 128, resident_per_sm: int | None = None,
-                      margin: float = 0.05) -> int:
+                      margin: float = 0.05, min_tiles_when_full: int = 8) -> int:
     """FlashDecoding's split count, at least ``min_tiles_per_split`` tiles of ``block_n`` tokens
     per split.
 
@@ -92,15 +92,22 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
     written and combined: splitting B = 128 x 8 KV heads at 4k in 3 costs 1.2% on an H200, where
     the model promises 3%) and makes 256 programs on 132 SMs (0.97 of the 264 that saturate)
     count as full. The model splits a launch that would end in a thin last wave: B = 64 x 8 KV
-    heads (512 programs, 1.3 waves) ran 11-14% faster in 2-6 splits
-    (docs/results/decode_splits_long_h200.txt)."""
+    heads (512 programs, 1.3 waves) ran 11-14% faster in 2-6 splits at 16k-32k
+    (docs/results/decode_splits_long_h200.txt). When the (sequence, KV head) programs alone
+    saturate HBM, a split keeps at least ``min_tiles_when_full`` tiles: a short program's fixed
+    costs (the partials, the combine) outweigh the thin wave, so at 512-1024 tokens one split
+    was fastest or within 2.5% (B = 64 x 32 MHA heads at 544: 141.5 us unsplit, 179.1 in 5
+    one-tile splits; docs/results/decode_splits_short_{mha,gqa}_h200.txt)."""
     base = max(1, num_seqs * num_kv_heads)
     tiles = -(-max(1, max_context_len) // block_n)
     most = max(1, min(tiles // min_tiles_per_split, max_splits))
     sms = _num_sms(device)
     if resident_per_sm is None:
         return int(min(-(-sms * programs_per_sm // base), most))
-    return _wave_splits(base, tiles, most, sms * programs_per_sm, sms * resident_per_sm, margin)
+    saturate = sms * programs_per_sm
+    if base >= saturate:
+        most = max(1, min(most, tiles // min_tiles_when_full))
+    return _wave_splits(base, tiles, most, saturate, sms * resident_per_sm, margin)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -134,20 +134,22 @@ def test_wave_efficiency_by_hand():
     assert wave_efficiency(3072, 264, 396) == 1.0  # 7 waves + 300 resident: saturated
 
 
-@pytest.mark.parametrize("b,ctx,want", [
-    (1, 4096, 32),   # 8 programs: 32 one-tile splits (256 programs)
-    (8, 4096, 4),    # 4 x 8-tile splits (256); 5 would be 7,7,7,7,4 tiles
-    (32, 32768, 1),  # 256 programs already saturate
-    (64, 16384, 2),  # 512 programs: 1.3 waves; 2 splits: 2.6 waves of 3 resident per SM
-    (128, 4096, 1),  # 1024: 2.6 waves, within the 5% margin of the best count
+@pytest.mark.parametrize("b,kvh,ctx,want", [
+    (1, 8, 4096, 32),    # 8 programs: 32 one-tile splits (256 programs)
+    (8, 8, 4096, 4),     # 4 x 8-tile splits (256); 5 would be 7,7,7,7,4 tiles
+    (32, 8, 32768, 1),   # 256 programs already saturate
+    (64, 8, 16384, 2),   # 512 programs: 1.3 waves; 2 splits: 2.6 waves of 3 resident per SM
+    (128, 8, 4096, 1),   # 1024: 2.6 waves, within the 5% margin of the best count
+    (64, 8, 512, 1),     # 512 programs of 4 tiles: a split would hold under 8
+    (16, 32, 544, 1),    # Llama-2-7B's MHA, 512 programs of 5 tiles (was 5 one-tile splits)
 ])
-def test_bf16_split_counts_on_132_sms(monkeypatch, b, ctx, want):
+def test_bf16_split_counts_on_132_sms(monkeypatch, b, kvh, ctx, want):
     """The bf16 split counts on an H200 (132 SMs), hand-computed from the wave model; every
     returned count leaves no split empty (whole-tile chunks)."""
     from localgen.kernels import paged_decode as pd
     monkeypatch.setattr(pd, "_num_sms", lambda device: 132)
-    cfg = pd.decode_config(b, 8, ctx, 128, torch.device("cpu"))
-    got = pd.config_splits(cfg, b, 8, ctx, torch.device("cpu"))
+    cfg = pd.decode_config(b, kvh, ctx, 128, torch.device("cpu"))
+    got = pd.config_splits(cfg, b, kvh, ctx, torch.device("cpu"))
     tiles = -(-ctx // cfg["block_n"])
     assert got == want and -(-tiles // -(-tiles // got)) == got
 
