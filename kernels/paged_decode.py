@@ -95,8 +95,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
     heads (512 programs, 1.3 waves) ran 11-14% faster in 2-6 splits at 16k-32k
     (docs/results/decode_splits_long_h200.txt). When the (sequence, KV head) programs alone
     saturate HBM, a split keeps at least ``min_tiles_when_full`` tiles: a short program's fixed
-    costs (the partials, the combine) outweigh the thin wave, so at 512-1024 tokens one split
-    was fastest or within 2.5% (B = 64 x 32 MHA heads at 544: 141.5 us unsplit, 179.1 in 5
+    costs (the partials, the combine) outweigh the thin wave: at 512-1024 tokens one split was
+    the fastest or within 5% (B = 64 x 32 MHA heads at 544: 141.5 us unsplit, 179.1 in 5
     one-tile splits; docs/results/decode_splits_short_{mha,gqa}_h200.txt)."""
     base = max(1, num_seqs * num_kv_heads)
     tiles = -(-max(1, max_context_len) // block_n)
