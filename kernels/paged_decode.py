@@ -642,8 +642,8 @@ def decode_config(num_seqs: int, num_kv_heads: int, max_context_len: int, head_d
     (scripts/decode_sweep.py, docs/results/kernels_bench_h200_v2.txt, decode_splits_long_h200):
     128-token tiles with 4 warps and a 2-deep pipeline beat 32/64-token tiles, 8 warps and 3
     stages at every measured shape; for bf16 about two programs per SM (one 64 KiB K+V tile pair
-    each in flight) saturate HBM and three are resident (512 programs, 1.3 waves, ran at 0.87 of
-    256 or 768 programs; decode_kernel_resources_h200.txt: 158-168 registers and 72 KiB of
+    each in flight) saturate HBM and three are resident (512 programs, 1.3 waves, ran at 0.87-0.89
+    of 256 or 768 programs' rate; decode_kernel_resources_h200.txt: 158-168 registers and 72 KiB of
     shared memory a program allow three); the int4 cache (a quarter of the bytes per token, 249-255
     registers: two resident) wants about four per SM below 256 (sequence, KV head) programs and no
     split above (re-swept with the 2-D tiles, decode_sweep_int4_h200_v2: 128-token tiles with 4
