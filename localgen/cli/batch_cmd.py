@@ -33,10 +33,11 @@ def load_llm(
 
 def offload_options(model: str | None, percent, gpu_batch_size, num_gpu_batches, compress_weight,
                     compress_cache, cpu_cache_compute, offload_dir, gpu_memory, cpu_memory,
-                    prompt_len: int, gen_len: int, echo, on_prediction=None) -> dict[str, Any]:
-    """The policy (flags over the saved one) and caps as ``LLM.load`` keywords; prints the policy
-    and its predicted peak per tier before loading (and hands the cost model's Prediction to
-    ``on_prediction``). Empty when nothing asks for offloading."""
+                    prompt_len: int, gen_len: int, echo) -> tuple[dict[str, Any], Any]:
+    """``(keywords, prediction)``: the policy (flags over the saved one) and caps as ``LLM.load``
+    keywords, empty when nothing asks for offloading; and the cost model's Prediction for it
+    (None without a policy, or when it cannot be made), whose peak per tier is printed with the
+    policy before loading."""
     from localgen.runtime.offload.plan import peak_lines, policy_from_options, predicted_for
 
     try:
@@ -46,21 +47,20 @@ def offload_options(model: str | None, percent, gpu_batch_size, num_gpu_batches,
         raise typer.BadParameter(str(e), param_hint="--percent") from None
     gpu_b, cpu_b = _size_option(gpu_memory), _size_option(cpu_memory)
     if policy is None:
-        return {}
+        return {}, None
+    pred = None
     try:
         pred = predicted_for(model, policy, prompt_len, gen_len, gpu_memory=gpu_b, cpu_memory=cpu_b,
                              offload_dir=offload_dir)
         for line in peak_lines(policy, pred, prompt_len, gen_len):
             echo(line)
-        if on_prediction is not None:
-            on_prediction(pred)
     except Exception as e:  # the prediction is advice; loading reports real problems
         echo(f"predicted peak memory unavailable: {e}")
     out: dict[str, Any] = {"policy": policy}
     for k, v in (("offload_dir", offload_dir), ("gpu_memory", gpu_b), ("cpu_memory", cpu_b)):
         if v is not None:
             out[k] = v
-    return out
+    return out, pred
 
 
 # FlexGen's flags (issue 6), shared by `batch` and `generate`.
@@ -133,9 +133,9 @@ def batch(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
 
-    offload = offload_options(model, percent, gpu_batch_size, num_gpu_batches, compress_weight,
-                              compress_cache, cpu_cache_compute, offload_dir, gpu_memory, cpu_memory,
-                              512, max_tokens or 256, lambda m: err.print(m, markup=False))
+    offload, _ = offload_options(model, percent, gpu_batch_size, num_gpu_batches, compress_weight,
+                                 compress_cache, cpu_cache_compute, offload_dir, gpu_memory, cpu_memory,
+                                 512, max_tokens or 256, lambda m: err.print(m, markup=False))
     err.print(f"loading model {model or '(embedded default)'} ...")
     llm = load_llm(model, kv_cache_memory=kv_bytes, max_num_seqs=max_num_seqs, dtype=dtype, device=device, **offload)
     ctx = getattr(llm, "max_model_len", None)

@@ -64,12 +64,12 @@ def chat(
 
     # the saved policy (`localgen tune`) or the flags over it: printed with its predicted peak
     # per tier before the app opens; the memory panel shows that peak beside what is measured
-    preds: list = []
-    offload = batch_cmd.offload_options(model, percent, gpu_batch_size, num_gpu_batches, compress_weight,
-                                        compress_cache, cpu_cache_compute, offload_dir, gpu_memory, cpu_memory,
-                                        CHAT_PROMPT_TOKENS, conv.sampling.max_tokens, typer.echo, preds.append)
+    offload, pred = batch_cmd.offload_options(model, percent, gpu_batch_size, num_gpu_batches,
+                                              compress_weight, compress_cache, cpu_cache_compute,
+                                              offload_dir, gpu_memory, cpu_memory, CHAT_PROMPT_TOKENS,
+                                              conv.sampling.max_tokens, typer.echo)
     service = make_service(model, kv_cache_memory=kv_bytes, dtype=dtype, device=device, profile=profile,
-                           offload=offload, predicted_peak=preds[0].peak_mem if preds else None)
+                           offload=offload, predicted_peak=pred.peak_mem if pred is not None else None)
     from localgen.tui.chat import ChatApp
 
     label = model or "SmolLM2-135M-Instruct (embedded)"

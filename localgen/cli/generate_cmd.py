@@ -106,9 +106,10 @@ def generate(
         req = Request(messages=messages, sampling=sampling, priority=Priority.INTERACTIVE)
     req.request_id = f"generate-{req.request_id}"
 
-    offload = batch_cmd.offload_options(model, percent, gpu_batch_size, num_gpu_batches, compress_weight,
-                                        compress_cache, cpu_cache_compute, offload_dir, gpu_memory,
-                                        cpu_memory, 512, max_tokens or 256, lambda m: typer.echo(m, err=True))
+    offload, _ = batch_cmd.offload_options(model, percent, gpu_batch_size, num_gpu_batches,
+                                           compress_weight, compress_cache, cpu_cache_compute, offload_dir,
+                                           gpu_memory, cpu_memory, 512, max_tokens or 256,
+                                           lambda m: typer.echo(m, err=True))
     llm = load_llm(model, kv_cache_memory=kv_bytes, dtype=dtype, device=device, **offload)
     t0 = time.perf_counter()
     try:
