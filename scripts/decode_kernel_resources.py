@@ -16,8 +16,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from localgen.bench.kernels_bench import (BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS,  # noqa: E402
-                                          import_kernels, quantize_chunked)
+from localgen.bench.kernels_bench import (import_kernels, quantize_chunked,  # noqa: E402
+                                          random_paged_case)
 
 
 def compiled_kernels(jit_fn):
@@ -42,13 +42,7 @@ def constexprs(kern, names=("ASYNC", "QUANT", "ONE_SPLIT", "FUSED", "BLOCK_N")) 
 
 def main() -> None:
     pd, _, qr = import_kernels()
-    b, ctx = 8, 4096
-    nb = b * ctx // BLOCK_SIZE
-    k = torch.randn(nb, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    v = torch.randn_like(k)
-    tables = torch.randperm(nb, device="cuda").view(b, -1)
-    lens = torch.full((b,), ctx, dtype=torch.int64, device="cuda")
-    q = torch.randn(b, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    q, k, v, tables, lens = random_paged_case(8, 4096, torch.Generator(device="cuda").manual_seed(0))
     qk, qv = quantize_chunked(k, qr), quantize_chunked(v, qr)
     for splits in (1, 4):
         for phi in (None, 0.0):

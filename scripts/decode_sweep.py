@@ -23,8 +23,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from localgen.bench.kernels_bench import (BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS, Timer,  # noqa: E402
-                                          copy_bandwidth, import_kernels, quantize_chunked)
+from localgen.bench.kernels_bench import (HEAD_DIM, HEADS, KV_HEADS, Timer,  # noqa: E402
+                                          copy_bandwidth, import_kernels, quantize_chunked,
+                                          random_paged_case)
 
 
 def ints(s: str) -> list[int]:
@@ -64,15 +65,9 @@ def main() -> None:
         if time.time() - t0 > args.deadline:
             print("deadline reached", flush=True)
             break
-        nbps = -(-ctx // BLOCK_SIZE)
-        nb = b * nbps
         gen = torch.Generator(device=dev).manual_seed(7 + b + ctx)
-        kv_shape = (nb, BLOCK_SIZE, args.kv_heads, HEAD_DIM)
-        k = torch.randn(kv_shape, dtype=dt, device=dev, generator=gen)
-        v = torch.randn(kv_shape, dtype=dt, device=dev, generator=gen)
-        tables = torch.randperm(nb, device=dev, generator=gen).view(b, nbps)
-        lens = torch.full((b,), ctx, dtype=torch.int64, device=dev)
-        q = torch.randn(b, args.heads, HEAD_DIM, dtype=dt, device=dev, generator=gen)
+        q, k, v, tables, lens = random_paged_case(b, ctx, gen, heads=args.heads,
+                                                  kv_heads=args.kv_heads, dtype=dt)
         scale = HEAD_DIM ** -0.5
         nbytes = 2 * b * ctx * args.kv_heads * HEAD_DIM * 2
         want = pd.paged_decode_attention(q, k, v, tables, lens, scale, max_context_len=ctx,

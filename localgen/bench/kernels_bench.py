@@ -159,6 +159,23 @@ def quantize_chunked(cache: torch.Tensor, quant_ref, chunk_blocks: int = 4096):
     return quant_ref.QuantizedKV(packed, scale, mn)
 
 
+def random_paged_case(b: int, ctx: int, gen: torch.Generator, *, heads: int = HEADS,
+                      kv_heads: int = KV_HEADS, dtype=torch.bfloat16, block_size: int = BLOCK_SIZE):
+    """``(q, k, v, tables, lens)``: ``b`` sequences of ``ctx`` tokens in a paged cache of
+    ``[b * ceil(ctx / block_size), block_size, kv_heads, HEAD_DIM]`` (normal values), shuffled
+    block tables, and one query token each ``[b, heads, HEAD_DIM]``; drawn from ``gen``, on its
+    device."""
+    blocks_per_seq = -(-ctx // block_size)
+    nb = b * blocks_per_seq
+    device = gen.device
+    k = torch.randn(nb, block_size, kv_heads, HEAD_DIM, dtype=dtype, device=device, generator=gen)
+    v = torch.randn(nb, block_size, kv_heads, HEAD_DIM, dtype=dtype, device=device, generator=gen)
+    tables = torch.randperm(nb, device=device, generator=gen).view(b, blocks_per_seq)
+    lens = torch.full((b,), ctx, dtype=torch.int64, device=device)
+    q = torch.randn(b, heads, HEAD_DIM, dtype=dtype, device=device, generator=gen)
+    return q, k, v, tables, lens
+
+
 def bench_cell(b: int, ctx: int, timer: Timer, mods, args, copy_bw: float) -> list[dict]:
     pd, ref, qr = mods
     dev, dt = "cuda", DTYPES[args.dtype]
@@ -171,11 +188,7 @@ def bench_cell(b: int, ctx: int, timer: Timer, mods, args, copy_bw: float) -> li
         print(f"  B={b} ctx={ctx}: skipped ({kv_bytes / 2**30:.1f} GiB of KV does not fit)")
         return [{"B": b, "ctx": ctx, "impl": "all", "skipped": "memory"}]
     gen = torch.Generator(device=dev).manual_seed(1234 + b + ctx)
-    k = torch.randn(nb, bs, KV_HEADS, HEAD_DIM, dtype=dt, device=dev, generator=gen)
-    v = torch.randn(nb, bs, KV_HEADS, HEAD_DIM, dtype=dt, device=dev, generator=gen)
-    tables = torch.randperm(nb, device=dev, generator=gen).view(b, blocks_per_seq)
-    lens = torch.full((b,), ctx, dtype=torch.int64, device=dev)
-    q = torch.randn(b, HEADS, HEAD_DIM, dtype=dt, device=dev, generator=gen)
+    q, k, v, tables, lens = random_paged_case(b, ctx, gen, dtype=dt, block_size=bs)
     scale = HEAD_DIM ** -0.5
     rows = []
 
