@@ -217,8 +217,9 @@ class TierKV:
         """A 4-bit cache that the Triton kernels (CUDA) write and read in place: quantized writes,
         pool writes and decode attention go through them instead of the torch reference twins.
         The cache is on the compute device, or in pinned host memory mapped into the kernels
-        (``_host_mapped``): a decode step then reads each 4-bit block across PCIe once, with no
-        gather on the CPU and no dequantized copy (a quarter of the fp cache's bytes)."""
+        (``_host_mapped``): writes land in place, and a decode step copies the range of 4-bit
+        blocks it reads to the GPU in one DMA per tensor (``_staged``), with no gather on the
+        CPU and no dequantized copy (a quarter of the fp cache's bytes)."""
         if self._kernels is None:
             here = self.store_device == self.device
             self._kernels = bool(self.compress and self.device.type in INT4_KERNEL_DEVICES
