@@ -22,17 +22,18 @@ def hw_with(gib):
     return dataclasses.replace(T4, **{k: v * GiB for k, v in gib.items()})
 
 
-def run(model, hw, wl, compression="off"):
+def run(model, hw, wl, compression="off", tiers="any"):
     try:
-        return search(preset_config(model), hw, wl, compression=compression, **SMALL)
+        return search(preset_config(model), hw, wl, compression=compression, tiers=tiers, **SMALL)
     except NoFeasiblePolicyError:
         return None
 
 
 @SETTINGS
-@given(models, machines, st.integers(64, 1024), st.integers(8, 128), st.sampled_from(["off", "auto"]))
-def test_policies_fit_and_sum_to_one(model, gib, s, n, compression):
-    res = run(model, hw_with(gib), Workload(s, n), compression)
+@given(models, machines, st.integers(64, 1024), st.integers(8, 128), st.sampled_from(["off", "auto"]),
+       st.sampled_from(["any", "fewest"]))
+def test_policies_fit_and_sum_to_one(model, gib, s, n, compression, tiers):
+    res = run(model, hw_with(gib), Workload(s, n), compression, tiers)
     if res is None:
         return
     for cand in [res.best] + res.alternatives:
@@ -43,9 +44,31 @@ def test_policies_fit_and_sum_to_one(model, gib, s, n, compression):
 
 
 @SETTINGS
+@given(models, machines, st.integers(64, 1024), st.sampled_from(["off", "auto"]))
+def test_fewest_tiers_never_slower_tiers_nor_faster_than_any(model, gib, s, compression):
+    """``tiers="fewest"`` searches a subset of what "any" searches, level by level: its slowest tier
+    is never slower than that of "any"'s policy and its prediction never higher."""
+    hw, wl = hw_with(gib), Workload(s, 32)
+    fewest, anyt = run(model, hw, wl, compression, "fewest"), run(model, hw, wl, compression)
+    assert (fewest is None) == (anyt is None)
+    if fewest is None:
+        return
+    assert fewest.throughput <= anyt.throughput * (1 + 1e-9)
+    assert slowest_tier(fewest.policy) <= slowest_tier(anyt.policy)
+
+
+def slowest_tier(p) -> int:
+    """0 GPU, 1 CPU, 2 disk: the slowest tier holding any share of anything (above 1e-6)."""
+    f = p.fractions()
+    return max(i for i in range(3) if max(f[i], f[3 + i], f[6 + i]) > 1e-6)
+
+
+@SETTINGS
 @given(models, machines, st.integers(64, 1024), st.sampled_from(["gpu_mem", "cpu_mem", "disk_mem"]),
        st.floats(1.0, 4.0))
 def test_more_memory_never_predicts_lower_throughput(model, gib, s, tier, factor):
+    """The search over every tier (``tiers="any"``, the default). The paper's rule (``"fewest"``) is
+    not monotone by design: a GPU grown to hold the whole model drops the CPU's help."""
     wl = Workload(s, 32)
     small = run(model, hw_with(gib), wl)
     bigger = dict(gib, **{tier: gib[tier] * factor})

@@ -97,6 +97,9 @@ class ModelScreen(Screen):
             Input(str(r.gen_len), placeholder="generated tokens", id="gen_len", type="integer"),
             Select([("4-bit: auto", "auto"), ("4-bit: off", "off"), ("4-bit: on", "on")],
                    value=r.compression, allow_blank=False, id="compression"),
+            Select([("tiers: fastest over GPU, RAM and disk", "any"),
+                    ("tiers: fewest that hold the model", "fewest")],
+                   value=r.tiers, allow_blank=False, id="tiers"),
             Button("Search", id="search", variant="primary"), Static("", id="error"))
         yield Footer()
 
@@ -107,6 +110,7 @@ class ModelScreen(Screen):
         r.prompt_len = int(self.query_one("#prompt_len", Input).value or r.prompt_len)
         r.gen_len = int(self.query_one("#gen_len", Input).value or r.gen_len)
         r.compression = self.query_one("#compression", Select).value
+        r.tiers = self.query_one("#tiers", Select).value
         try:
             self.app.result = run_search(r, self.app.hw)
         except Exception as e:  # unknown model, nothing fits: say so and stay

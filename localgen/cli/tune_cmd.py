@@ -14,6 +14,8 @@ def tune(
     gen_len: int = typer.Option(32, help="Generated tokens."),
     compression: str = typer.Option("auto", help="4-bit weights/KV: off, on or auto."),
     latency_bound: float = typer.Option(None, help="Max seconds for one block (prefill + all tokens)."),
+    tiers: str = typer.Option("any", help="any: the fastest placement over GPU, RAM and disk; fewest: the "
+                                          "fewest tiers that hold the model (RAM and disk only if needed)."),
     profile: str = typer.Option(None, help="Profile name (flexgen_t4, h200, cpu_2core) or JSON path; "
                                            "default: the saved one, else measure now."),
     offload_dir: Path = typer.Option(None, help="Folder for the disk probes if measuring."),
@@ -22,9 +24,12 @@ def tune(
     """Find the fastest placement policy for a model on this machine and save it as its default."""
     from localgen.policy.tuning import TuneRequest
 
-    if workload not in ("chat", "batch") or compression not in ("off", "on", "auto"):
-        raise typer.BadParameter("workload must be chat|batch and compression off|on|auto")
-    req = TuneRequest(model, workload, prompt_len, gen_len, compression, latency_bound)
+    for name, value, allowed in (("--workload", workload, ("chat", "batch")),
+                                 ("--compression", compression, ("off", "on", "auto")),
+                                 ("--tiers", tiers, ("any", "fewest"))):
+        if value not in allowed:
+            raise typer.BadParameter(f"{value!r} is not one of {'|'.join(allowed)}", param_hint=name)
+    req = TuneRequest(model, workload, prompt_len, gen_len, compression, latency_bound, tiers)
     if yes:
         _run_plain(req, profile, offload_dir)
         return

@@ -25,10 +25,22 @@ from localgen.profiler.hardware import HardwareProfile
 
 Compression = Literal["off", "on", "auto"]
 Objective = Literal["throughput", "latency"]
+Tiers = Literal["any", "fewest"]
 WeightGranularity = Literal["tensor", "none"]
 MAX_GBS = 1 << 16  # FlexGen's loop is unbounded (it stops when nothing fits); a guard
 MAX_NB = 1 << 14
 _TIE_REL = 1e-6  # second LP may cost this much relative time to move fewer bytes
+
+
+_TIER_FRACTIONS = {"gpu": (WG, CG, HG), "cpu": (WC, CC, HC), "disk": (WD, CD, HD)}
+
+
+def tier_levels(has_gpu: bool) -> list[tuple[str, ...]]:
+    """The levels of the memory hierarchy, fastest first, each as the tiers a policy at that level
+    may use: GPU; GPU and CPU; GPU, CPU and disk (without a GPU the CPU is the compute device: CPU;
+    CPU and disk)."""
+    tiers = ("gpu", "cpu", "disk") if has_gpu else ("cpu", "disk")
+    return [tiers[:i] for i in range(1, len(tiers) + 1)]
 
 
 class NoFeasiblePolicyError(RuntimeError):
@@ -106,12 +118,12 @@ def solve_lp(terms: Terms, latency_bound: float | None = None, tie_break: bool =
         cap = terms.capacity.get(tier)
         if cap is None:
             continue
-        if cap <= 0:
-            return None
+        # a tier with no room (a full disk) still takes a policy that puts nothing there
+        scale = cap if cap > 0 else max(np.abs(vec).max(), 1.0)
         row = np.zeros(nv)
-        row[:NVARS] = vec[:NVARS] / cap
+        row[:NVARS] = vec[:NVARS] / scale
         a_ub.append(row)
-        b_ub.append(1.0 - vec[NVARS] / cap)
+        b_ub.append(max(cap, 0.0) / scale - vec[NVARS] / scale)
     total = np.zeros(nv)
     total[NVARS], total[NVARS + 1] = l, l * (n - 1)
     if latency_bound is not None:
@@ -158,7 +170,7 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
            mem_fraction: float | dict[str, float] | None = None, form: str = "released",
            gbs_choices: Iterable[int] | None = None, nb_choices: Iterable[int] | None = None,
            weight_granularity: WeightGranularity = "tensor", num_alternatives: int = 4,
-           runtime: str = "flexgen") -> SearchResult:
+           runtime: str = "flexgen", tiers: Tiers = "any") -> SearchResult:
     """Find the policy with the highest predicted throughput (FlexGen §4.3).
 
     Enumeration as FlexGen experimental/cost_model.py ``solve``: GPU batch sizes 1, 2, 3, 4, 8, 16, ...
@@ -175,42 +187,32 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
     1/12 of the bytes for OPT), as FlexGen's runtime places weights; "none": any fraction.
     ``runtime``: whose runtime the policy is for (``CostModel``): "flexgen" reproduces the paper,
     "localgen" (what ``localgen tune`` plans for) reads a pinned CPU-held cache in place.
+    ``tiers``: "any" searches every tier at once; "fewest" is the rule FlexGen's authors tuned their
+    benchmark policies by (FlexGen benchmark/batch_size_table.md: "Find a level of memory hierarchy
+    that can hold all tensors for generation. Avoid unnecessary offloading to slower storage", then
+    the largest batch): the fastest policy of the first level of ``tier_levels`` where one fits. It
+    gives up predicted throughput for using less of the host's RAM and SSD, and unlike "any" it can
+    predict less for more memory (a model that just fits the GPU leaves the CPU's help unused).
     Raises NoFeasiblePolicyError when nothing fits.
     """
+    if tiers not in ("any", "fewest"):
+        raise ValueError(f"tiers must be 'any' or 'fewest', got {tiers!r}")
     cm = CostModel(cfg, hw, wl, form=form, mem_fraction=mem_fraction, runtime=runtime)
     early_stop = nb_choices is None
     if objective == "latency":
         gbs_choices, nb_choices, early_stop = (1,), (1,), False
-    if gbs_choices is None:
-        gbs_choices = flexgen_gbs_choices()
-    gbs_choices = list(gbs_choices)
+    gbs_choices = list(flexgen_gbs_choices() if gbs_choices is None else gbs_choices)
     nb_seq = (lambda: range(1, MAX_NB + 1)) if nb_choices is None else (lambda: list(nb_choices))
     tensor = weight_granularity == "tensor" and hw.has_gpu
-    wg_min = cm.min_gpu_weight_share() if tensor else 0.0
-    off_min = cm.min_offload_weight_share() if tensor else 0.0
-    found: list[tuple[float, tuple, Terms, np.ndarray, dict | None]] = []
+    bounds = (cm.min_gpu_weight_share() if tensor else 0.0, cm.min_offload_weight_share() if tensor else 0.0)
+    levels = tier_levels(hw.has_gpu)
     counter = [0]
-    for opts in _options(hw, compression):
-        for gbs in gbs_choices:
-            feasible_any, prev = False, 0.0
-            for nb in nb_seq():
-                terms = cm.terms(gbs, nb, *opts)
-                sol = _solve_granular(terms, latency_bound, wg_min, counter, off_min)
-                if sol is None:
-                    break  # memory and time only grow with the block size
-                feasible_any = True
-                shape = (gbs, nb, opts)
-                here = _as_run(cm, shape, terms, *sol)
-                if cm.graphs:  # the decode forms only localgen's runtime has
-                    here += _one_batch(cm, shape, latency_bound, wg_min, counter, off_min)
-                    here += _all_gpu_graphed(cm, shape, latency_bound)
-                found += here
-                thr = max((f[0] for f in here), default=0.0)
-                if early_stop and thr < prev:
-                    break  # FlexGen solve(): stop growing the block once throughput drops
-                prev = thr
-            if not feasible_any:
-                break  # a larger GPU batch needs more working memory still
+    for allowed in (levels if tiers == "fewest" else levels[-1:]):
+        excluded = tuple(i for t, fr in _TIER_FRACTIONS.items() if t not in allowed for i in fr)
+        found = _enumerate(cm, compression, gbs_choices, nb_seq, early_stop, latency_bound, bounds,
+                           excluded, counter)
+        if found:
+            break
     if not found:
         fr = cm.mem_fraction
         raise NoFeasiblePolicyError(
@@ -219,6 +221,41 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
     found.sort(key=lambda f: -f[0])
     cands = _distinct_candidates(found, num_alternatives, latency_bound, cm)
     return SearchResult(cands[0], cands[1:], counter[0])
+
+
+def _enumerate(cm: CostModel, compression: Compression, gbs_choices: list[int], nb_seq, early_stop: bool,
+               latency_bound, bounds: tuple[float, float], excluded: tuple[int, ...], counter: list) -> list:
+    """Every batch shape's best placements (``search``'s loop), with the fractions in ``excluded``
+    held at 0: ``[(throughput, shape, terms, x, over)]``, [] when nothing fits."""
+    wg_min, off_min = bounds
+    found: list[tuple[float, tuple, Terms, np.ndarray, dict | None]] = []
+    for opts in _options(cm.hw, compression):
+        for gbs in gbs_choices:
+            feasible_any, prev = False, 0.0
+            for nb in nb_seq():
+                terms = _without(cm.terms(gbs, nb, *opts), excluded)
+                sol = _solve_granular(terms, latency_bound, wg_min, counter, off_min)
+                if sol is None:
+                    break  # memory and time only grow with the block size
+                feasible_any = True
+                shape = (gbs, nb, opts)
+                here = _as_run(cm, shape, terms, *sol)
+                if cm.graphs:  # the decode forms only localgen's runtime has
+                    here += _one_batch(cm, shape, latency_bound, wg_min, counter, off_min, excluded)
+                    here += _all_gpu_graphed(cm, shape, latency_bound)
+                found += here
+                thr = max((f[0] for f in here), default=0.0)
+                if early_stop and thr < prev:
+                    break  # FlexGen solve(): stop growing the block once throughput drops
+                prev = thr
+            if not feasible_any:
+                break  # a larger GPU batch needs more working memory still
+    return found
+
+
+def _without(terms: Terms, excluded: tuple[int, ...]) -> Terms:
+    """``terms`` with the fractions in ``excluded`` also held at 0 (tiers the policy may not use)."""
+    return dataclasses.replace(terms, fixed_zero=tuple(sorted(set(terms.fixed_zero) | set(excluded))))
 
 
 def _policy(shape: tuple, x: np.ndarray) -> Policy:
@@ -239,7 +276,7 @@ def _as_run(cm: CostModel, shape: tuple, terms: Terms, x: np.ndarray, over: dict
 
 
 def _one_batch(cm: CostModel, shape: tuple, latency_bound, wg_min: float, counter: list,
-               off_min: float) -> list:
+               off_min: float, excluded: tuple[int, ...] = ()) -> list:
     """The best placement of this shape among those localgen decodes as one batch a step
     (``CostModel.one_batch_decode``: the GPU's kernels read every cache layer in place): the
     cache kept off the disk, not delegated; [] when none fits. A delegated cache on the GPU is
@@ -247,7 +284,7 @@ def _one_batch(cm: CostModel, shape: tuple, latency_bound, wg_min: float, counte
     gbs, nb, (cw, ck, deleg) = shape
     if deleg:
         return []
-    terms = cm.terms(gbs, nb, cw, ck, deleg, one_batch=True)
+    terms = _without(cm.terms(gbs, nb, cw, ck, deleg, one_batch=True), excluded)
     sol = _solve_granular(terms, latency_bound, wg_min, counter, off_min, {CD: (0.0, 0.0)})
     return [] if sol is None else _as_run(cm, shape, terms, *sol)
 

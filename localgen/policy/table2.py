@@ -1,8 +1,10 @@
 """Predicted vs paper for FlexGen's Table 2 (the "FlexGen" row, no compression) on the paper's T4 machine.
 
-``python -m localgen.policy.table2 [--profile flexgen_t4]`` runs the policy search for OPT-6.7B, 30B
-and 175B at prompt 512 and 1024, gen 32, and prints a Markdown table: predicted tokens/s, the paper's,
-their ratio, the chosen policy, the paper's policy and what the cost model predicts for it.
+``python -m localgen.policy.table2 [--profile flexgen_t4] [--tiers any|fewest]`` runs the policy search
+for OPT-6.7B, 30B and 175B at prompt 512 and 1024, gen 32, and prints a Markdown table per ``tiers``
+(default both: the fastest policy over every tier, and the paper's tuning rule, fewest tiers first):
+predicted tokens/s, the paper's, their ratio, the chosen policy, the paper's policy and what the cost
+model predicts for it.
 
 Paper numbers (Sheng et al., FlexGen, ICML 2023, arXiv 2303.06865):
 - throughput: Table 2; the prompt-512 row is repeated in FlexGen's benchmark/batch_size_table.md;
@@ -94,8 +96,9 @@ class Row:
         return (self.result.throughput if self.result else 0.0) / self.paper.throughput
 
 
-def rows(hw: HardwareProfile | None = None) -> list[Row]:
-    """Search every cell of ``PAPER_TABLE2`` on ``hw`` (default: the shipped ``flexgen_t4``)."""
+def rows(hw: HardwareProfile | None = None, tiers: str = "any") -> list[Row]:
+    """Search every cell of ``PAPER_TABLE2`` on ``hw`` (default: the shipped ``flexgen_t4``) with the
+    search's ``tiers`` ("fewest": the paper's tuning rule)."""
     hw = hw or load_profile("flexgen_t4")
     out = []
     for (model, s), cell in sorted(PAPER_TABLE2.items(), key=lambda kv: (kv[0][1], kv[0][0])):
@@ -103,7 +106,7 @@ def rows(hw: HardwareProfile | None = None) -> list[Row]:
         cm = CostModel(cfg, hw, wl)
         pol = paper_policy(cm, cell)
         try:
-            res = search(cfg, hw, wl)
+            res = search(cfg, hw, wl, tiers=tiers)
         except NoFeasiblePolicyError:
             res = None
         out.append(Row(model, s, res, cell, pol, cm.predict(pol)))
@@ -139,10 +142,14 @@ def markdown(table: list[Row]) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m localgen.policy.table2", description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="flexgen_t4", help="shipped profile name or JSON path")
+    ap.add_argument("--tiers", choices=("any", "fewest"), action="append",
+                    help="the search's tiers option, repeatable (default: both tables)")
     args = ap.parse_args(argv)
     hw = load_profile(args.profile)
     print(f"profile {hw.name}; gen_len {GEN_LEN}; FlexGen Table 2, no compression")
-    print(markdown(rows(hw)))
+    for tiers in args.tiers or ("any", "fewest"):
+        print(f"\nsearch tiers={tiers}\n")
+        print(markdown(rows(hw, tiers)))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ CHAT = Workload(prompt_len=512, gen_len=256)
 
 @dataclass
 class TuneRequest:
-    """What the user chose: model spec, workload kind and lengths, compression, latency bound (s)."""
+    """What the user chose: model spec, workload kind and lengths, compression, latency bound (s),
+    and which tiers the search may fill (``search``'s ``tiers``: "any", or "fewest" to keep off RAM
+    and SSD unless the model needs them)."""
 
     model: str = DEFAULT_MODEL
     workload: str = "batch"  # "chat" | "batch"
@@ -25,6 +27,7 @@ class TuneRequest:
     gen_len: int = 32
     compression: str = "auto"
     latency_bound: float | None = None
+    tiers: str = "any"
 
     def to_workload(self) -> Workload:
         return Workload(self.prompt_len, self.gen_len)
@@ -47,11 +50,11 @@ def run_search(req: TuneRequest, hw: HardwareProfile) -> SearchResult:
     _, cfg = resolve_config(req.model)
     objective = "latency" if req.workload == "chat" else "throughput"
     return search(cfg, hw, req.to_workload(), compression=req.compression, objective=objective,
-                  latency_bound=req.latency_bound, runtime="localgen")
+                  latency_bound=req.latency_bound, runtime="localgen", tiers=req.tiers)
 
 
 def save_result(req: TuneRequest, hw: HardwareProfile, res: SearchResult):
-    meta = {"workload": req.workload, "prompt_len": req.prompt_len, "gen_len": req.gen_len,
+    meta = {"workload": req.workload, "prompt_len": req.prompt_len, "gen_len": req.gen_len, "tiers": req.tiers,
             "profile": hw.name, "predicted_throughput": res.throughput,
             "predicted_peak_mem": res.prediction.peak_mem}
     return save_policy(req.model, res.policy, meta)
