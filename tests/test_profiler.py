@@ -147,9 +147,10 @@ def test_gpu_kernel_probes_time_the_runtime_kernels(monkeypatch):
                         lambda f, warmup=3, repeat=20: timed.append(len(f)) or 6e-5 / len(f))
     monkeypatch.setattr(probes, "small_kernel_case", lambda dev: fns)
     assert probes.probe_kernel_floor(rounds=4) == pytest.approx(6e-5 / 12)
-    monkeypatch.setattr(probes, "int4_attention_case", lambda shape, dev: (call, 1000))
+    made = []  # the int4 calls each get a cache of their own (no L2 reuse between them)
+    monkeypatch.setattr(probes, "int4_attention_case", lambda shape, dev: made.append(shape) or (call, 1000))
     assert probes.probe_int4_attention(calls=5) == pytest.approx(5 * 1000 / 6e-5)
-    assert timed == [12, 5]
+    assert timed == [12, 5] and len(made) == 5
 
 
 def test_layer_host_probe_is_the_slope_over_the_layer_count(monkeypatch):

@@ -230,11 +230,12 @@ def probe_int4_attention(shape: tuple[int, int, int, int] = (16, 32, 128, 544), 
                          repeats: int = 5) -> float:
     """``HardwareProfile.gpu_int4_attn_bdw``: bytes/s of 4-bit KV the paged int4 decode kernel
     reads (``int4_attention_case``; default Llama-2-7B's 32 heads, 16 sequences of 544 tokens),
-    ``calls`` calls in one CUDA graph."""
+    ``calls`` calls in one CUDA graph, each over a cache of its own as a decode step's layers are:
+    one 40 MB case called again would be read partly from the L2 (50 MB on an H100 or H200)."""
     from localgen.kernels.dispatch import cuda_timer
 
-    call, nbytes = int4_attention_case(shape, "cuda")
-    return nbytes / cuda_timer([call] * calls, repeat=repeats)
+    cases = [int4_attention_case(shape, "cuda") for _ in range(calls)]
+    return cases[0][1] / cuda_timer([call for call, _ in cases], repeat=repeats)
 
 
 def layer_host_case(num_layers: int, device: str, batch: int = 4, prompt_len: int = 16):
