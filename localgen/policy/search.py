@@ -6,6 +6,8 @@ the peak-memory rows <= capacity and ``T_pre >= each prefill term``, ``T_gen >= 
 (the max terms linearized with the auxiliary variables T_pre, T_gen) is a linear program, solved
 with ``scipy.optimize.linprog(method="highs")``. Among policies of equal predicted time a second LP
 keeps weights nearest the GPU, then the cache, then activations (FlexGen leaves ties to the solver).
+``tiers="fewest"`` runs the enumeration level by level (GPU; GPU and CPU; all three), the fractions of
+the tiers left out held at 0, and stops at the first level where a policy fits (FlexGen's tuning rule).
 """
 
 from __future__ import annotations
@@ -276,7 +278,7 @@ def _as_run(cm: CostModel, shape: tuple, terms: Terms, x: np.ndarray, over: dict
 
 
 def _one_batch(cm: CostModel, shape: tuple, latency_bound, wg_min: float, counter: list,
-               off_min: float, excluded: tuple[int, ...] = ()) -> list:
+               off_min: float, excluded: tuple[int, ...]) -> list:
     """The best placement of this shape among those localgen decodes as one batch a step
     (``CostModel.one_batch_decode``: the GPU's kernels read every cache layer in place): the
     cache kept off the disk, not delegated; [] when none fits. A delegated cache on the GPU is
