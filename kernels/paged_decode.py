@@ -72,11 +72,6 @@ def wave_span(programs: int, saturate: int, slots: int) -> int:
     return full * slots + (max(tail, saturate) if tail else 0)
 
 
-def wave_efficiency(programs: int, saturate: int, slots: int) -> float:
-    """Share of the memory bandwidth such a launch keeps busy (``wave_span``), in (0, 1]."""
-    return programs / wave_span(programs, saturate, slots)
-
-
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device,
                       block_n: int = 64, programs_per_sm: int = 4, min_tiles_per_split: int = 1,
                       max_splits: int = 128, resident_per_sm: int | None = None,
@@ -898,4 +893,4 @@ def paged_decode_attention_int4(q: torch.Tensor, k_cache: QuantizedKV, v_cache: 
 
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_int4", "choose_num_splits",
-           "config_splits", "wave_span", "wave_efficiency", "decode_config", "DEFAULT_BOUNDS", "LOG2E"]
+           "config_splits", "wave_span", "decode_config", "DEFAULT_BOUNDS", "LOG2E"]

@@ -123,15 +123,16 @@ def test_decode_default_splits_and_block_n(seed):
     assert rel_err(got, want) < 1e-2, f"seed={seed}"
 
 
-def test_wave_efficiency_by_hand():
+def test_wave_span_by_hand():
     """132 SMs, 264 programs saturate, 396 resident: 256 programs in one wave run as long as 264;
-    512 are a full wave plus 116, which take as long as 264; 768 fill two waves."""
-    from localgen.kernels.paged_decode import wave_efficiency, wave_span
+    512 are a full wave plus 116, which take as long as 264; 768 fill two waves. The share of
+    the bandwidth kept busy is ``programs / wave_span``."""
+    from localgen.kernels.paged_decode import wave_span
     assert wave_span(256, 264, 396) == 264 and wave_span(512, 264, 396) == 396 + 264
-    assert wave_efficiency(256, 264, 396) == pytest.approx(256 / 264)
-    assert wave_efficiency(512, 264, 396) == pytest.approx(512 / (396 + 264))
-    assert wave_efficiency(768, 264, 396) == 1.0
-    assert wave_efficiency(3072, 264, 396) == 1.0  # 7 waves + 300 resident: saturated
+    assert 256 / wave_span(256, 264, 396) == pytest.approx(256 / 264)
+    assert 512 / wave_span(512, 264, 396) == pytest.approx(512 / (396 + 264))
+    assert 768 / wave_span(768, 264, 396) == 1.0
+    assert 3072 / wave_span(3072, 264, 396) == 1.0  # 7 waves + 300 resident: saturated
 
 
 @pytest.mark.parametrize("b,kvh,ctx,want", [

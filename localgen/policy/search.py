@@ -256,7 +256,10 @@ def _enumerate(cm: CostModel, compression: Compression, gbs_choices: list[int], 
 
 
 def _without(terms: Terms, excluded: tuple[int, ...]) -> Terms:
-    """``terms`` with the fractions in ``excluded`` also held at 0 (tiers the policy may not use)."""
+    """``terms`` with the fractions in ``excluded`` also held at 0 (tiers the policy may not use);
+    ``terms`` itself when they already are (every call of the "any" search)."""
+    if set(excluded) <= set(terms.fixed_zero):
+        return terms
     return dataclasses.replace(terms, fixed_zero=tuple(sorted(set(terms.fixed_zero) | set(excluded))))
 
 
