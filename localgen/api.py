@@ -15,10 +15,11 @@ import torch
 from localgen.models.model import CausalLM
 from localgen.runtime.engine import Engine, EngineConfig
 from localgen.runtime.metrics import Metrics
-from localgen.runtime.request import (Priority, PromptTooLongError, Request, RequestOutput,
-                                      SamplingParams)
+from localgen.runtime.request import (KVBudgetError, Priority, PromptTooLongError, Request,
+                                      RequestOutput, SamplingParams)
 
 __all__ = ["LLM", "Request", "RequestOutput", "SamplingParams", "Priority", "PromptTooLongError",
+           "KVBudgetError",
            "EngineConfig", "default_device", "default_dtype"]
 
 
@@ -149,6 +150,16 @@ class LLM:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def token_limit(self) -> int:
+        """Most tokens one sequence may hold: the context or the KV cache, whichever is smaller."""
+        return self.engine.token_limit
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        """UTF-8 bytes of prompt text past which a prompt cannot fit, known without tokenizing."""
+        return self.engine.max_prompt_bytes
 
     @property
     def metrics(self) -> Metrics:

@@ -6,6 +6,7 @@ worker thread, ``LLM.generate``) drive it and receive RequestOutputs.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -18,10 +19,17 @@ from localgen.models.model import CausalLM
 from localgen.runtime.detokenizer import IncrementalDetokenizer
 from localgen.runtime.executor import ModelRunner
 from localgen.runtime.metrics import Metrics
-from localgen.runtime.request import PromptTooLongError, Request, RequestOutput
+from localgen.runtime.request import KVBudgetError, PromptTooLongError, Request, RequestOutput
 from localgen.runtime.sampling import sample
 from localgen.runtime.scheduler import ScheduledBatch, Scheduler
 from localgen.runtime.sequence import Sequence
+
+# How far a tokenizer's normalizer may shrink text, in UTF-8 bytes (see Engine.max_prompt_bytes).
+_NORMALIZER_SLACK = 4
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
 
 
 @dataclass
@@ -73,9 +81,36 @@ class Engine:
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self.metrics = Metrics(kv_blocks_total=num_blocks)
 
+    # -- limits ---------------------------------------------------------------------------
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole KV cache holds: the longest any one sequence can grow."""
+        return self.block_manager.num_blocks * self.config.block_size
+
+    @property
+    def token_limit(self) -> int:
+        """Most tokens (prompt + output) a sequence may hold: the context or the KV cache,
+        whichever is smaller. A sequence that reaches it finishes with reason "length", so a
+        running sequence alone always has room to grow and preemption always makes progress."""
+        return min(self.max_model_len, self.kv_capacity_tokens)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """UTF-8 bytes of the longest vocabulary entry: no token covers more text than this."""
+        vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+        return max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=0) or 64
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        """UTF-8 bytes of prompt text past which a prompt cannot fit ``token_limit``, without
+        tokenizing it: every token covers at most ``max_token_bytes`` bytes, and a tokenizer's
+        normalizer may shrink text (Unicode composition: at most 3 bytes to 1), hence the 4x."""
+        return (self.token_limit - 1) * self.max_token_bytes * _NORMALIZER_SLACK
+
     # -- requests -------------------------------------------------------------------------
     def tokenize(self, req: Request) -> list[int]:
-        """Prompt token ids; chat ``messages`` go through the model's own chat template."""
+        """Prompt token ids; chat ``messages`` go through the model's own chat template.
+        Raises PromptTooLongError without tokenizing when the text exceeds ``max_prompt_bytes``."""
         given = [x is not None for x in (req.prompt, req.messages, req.prompt_token_ids)]
         if sum(given) != 1:
             raise ValueError("a request needs exactly one of prompt, messages, prompt_token_ids")
@@ -84,22 +119,32 @@ class Engine:
         if req.messages is not None:
             text = self.tokenizer.apply_chat_template(req.messages, tokenize=False,
                                                       add_generation_prompt=True)
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return list(self.tokenizer(req.prompt)["input_ids"])
+            return list(self.tokenizer(self._bounded(text), add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(self._bounded(req.prompt))["input_ids"])
+
+    def _bounded(self, text: str) -> str:
+        nbytes, cap = len(text.encode("utf-8", "surrogatepass")), self.max_prompt_bytes
+        if nbytes > cap:
+            raise PromptTooLongError(
+                f"prompt of {nbytes} bytes cannot fit {self.token_limit} tokens (at most "
+                f"{self.max_token_bytes} bytes a token); not tokenized")
+        return text
 
     def add_request(self, req: Request) -> str:
-        """Queue a request. Raises ValueError (bad sampling values, empty prompt) and
-        PromptTooLongError when the prompt leaves no room for one generated token."""
+        """Queue a request. Raises ValueError (bad sampling values, empty prompt),
+        PromptTooLongError when the prompt leaves no room for one generated token in the context,
+        and KVBudgetError when it would not fit the KV cache even alone."""
         req.sampling.validate()
         if req.request_id in self.seqs:
             raise ValueError(f"request id {req.request_id!r} is already running")
         ids = self.tokenize(req)
         if not ids:
             raise ValueError("the prompt is empty")
-        room = min(self.max_model_len, self.block_manager.num_blocks * self.config.block_size)
-        if len(ids) + 1 > room:
+        if len(ids) + 1 > self.max_model_len:
             raise PromptTooLongError(f"prompt of {len(ids)} tokens does not fit the context of "
-                                     f"{room} tokens")
+                                     f"{self.max_model_len} tokens")
+        if len(ids) + 1 > self.kv_capacity_tokens:
+            raise self._budget_error(len(ids) + 1)
         gen = None
         if req.sampling.seed is not None:
             gen = torch.Generator().manual_seed(req.sampling.seed)
@@ -108,6 +153,17 @@ class Engine:
         self.detoks[seq.request_id] = IncrementalDetokenizer(self.tokenizer, req.sampling.stop)
         self.scheduler.add(seq)
         return seq.request_id
+
+    def _budget_error(self, num_tokens: int) -> KVBudgetError:
+        bm = self.block_manager
+        per_block = self.kv_cache.nbytes // bm.num_blocks
+        need = bm.blocks_for(num_tokens) * per_block
+        have = bm.num_blocks * per_block
+        return KVBudgetError(
+            f"the KV cache budget ({_mib(have)}: {bm.num_blocks} blocks of {bm.block_size} tokens) "
+            f"holds {self.kv_capacity_tokens} tokens; this prompt needs {num_tokens} "
+            f"({_mib(need)}): raise the KV cache budget (--kv-cache-memory, kv_cache_memory=) "
+            f"to at least {_mib(need)}", need, have)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output, if it was known."""
@@ -125,6 +181,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if batch is None:
+            if self.scheduler.has_unfinished():  # a bug, never a state to wait out
+                raise RuntimeError(f"the scheduler found no work for {len(self.scheduler.waiting)} "
+                                   f"waiting and {len(self.scheduler.running)} running requests")
             return []
         self.metrics.num_preemptions += len(batch.preempted)
         outputs = [self._finish(seq, "length") for seq in batch.out_of_memory]
@@ -164,7 +223,7 @@ class Engine:
         delta, hit_stop = detok.update(seq.output_ids)
         if hit_stop:
             return self._finish(seq, "stop", delta)
-        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.token_limit:
             return self._finish(seq, "length", delta + detok.update(seq.output_ids, final=True)[0])
         return self._output(seq, delta)
 

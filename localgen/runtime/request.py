@@ -21,6 +21,16 @@ class PromptTooLongError(ValueError):
     """The prompt (plus room for one generated token) does not fit the model's context."""
 
 
+class KVBudgetError(ValueError):
+    """The prompt fits the model's context but not the KV cache budget, even with the whole cache
+    to itself. ``needed_bytes``: the KV cache size that would hold it (whole blocks);
+    ``budget_bytes``: the cache's size now."""
+
+    def __init__(self, message: str, needed_bytes: int, budget_bytes: int):
+        super().__init__(message)
+        self.needed_bytes, self.budget_bytes = needed_bytes, budget_bytes
+
+
 @dataclass
 class SamplingParams:
     """Per-request decoding settings (OpenAI / vLLM semantics).

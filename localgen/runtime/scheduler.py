@@ -50,20 +50,30 @@ class Scheduler:
         return decode if decode.seqs or decode.out_of_memory or decode.preempted else None
 
     def _schedule_prefill(self) -> ScheduledBatch:
+        """Admit waiting sequences in priority order while slots, the token budget and KV blocks
+        allow. Every admitted sequence joins ``running`` whatever stops the loop: a sequence
+        holding blocks outside both queues would never run nor free them."""
         batch = ScheduledBatch([], is_prefill=True)
         self.waiting.sort(key=lambda s: s.sort_key)
+        try:
+            self._admit(batch)
+        finally:
+            self.running.extend(batch.seqs)
+        return batch
+
+    def _admit(self, batch: ScheduledBatch) -> None:
         tokens = 0
         while self.waiting:
             seq = self.waiting[0]
             if seq in batch.preempted:
-                break  # just made room for a higher priority; do not take it back this step
-            if len(self.running) + len(batch.seqs) >= self.max_num_seqs and not self._make_room(seq, batch, slots=True):
-                break
+                return  # just made room for a higher priority; do not take it back this step
+            if len(self.running) + len(batch.seqs) >= self.max_num_seqs and not self._make_room(seq, batch):
+                return
             if batch.seqs and tokens + seq.num_tokens > self.max_num_batched_tokens:
-                break
+                return
             while not self.bm.can_allocate(seq.token_ids):
-                if not self._make_room(seq, batch, slots=False):
-                    return batch
+                if not self._make_room(seq, batch):
+                    return
             seq.block_table, seq.num_computed = self.bm.allocate(seq.token_ids)
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt_tokens = seq.num_computed
@@ -71,10 +81,8 @@ class Scheduler:
             self.waiting.pop(0)
             batch.seqs.append(seq)
             tokens += seq.num_tokens - seq.num_computed
-        self.running.extend(batch.seqs)
-        return batch
 
-    def _make_room(self, seq: Sequence, batch: ScheduledBatch, slots: bool) -> bool:
+    def _make_room(self, seq: Sequence, batch: ScheduledBatch) -> bool:
         """Preempt one running sequence of lower priority than ``seq`` (interactive requests take
         the place of batch work). Returns False when there is none."""
         victims = [s for s in self.running if s.priority > seq.priority and s not in batch.seqs]
