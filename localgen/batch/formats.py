@@ -31,6 +31,9 @@ Output records (one JSON object per line):
 - native error: ``{"id": <id or null>, "line": N, "error": "<field>: <problem>"}``
 - OpenAI error: ``{"id": "batch_req_…", "custom_id": <id or null>, "response": null,
   "error": {"code": "invalid_request", "message": "line N: <field>: <problem>"}}``
+- the error of a line repeating an earlier line's id has ``"id": null`` (native) or
+  ``"custom_id": null`` (OpenAI) and the repeated id in ``"duplicate_of"``, so it is never
+  taken for the first line's result.
 """
 
 from __future__ import annotations
@@ -82,26 +85,34 @@ class LineError(ValueError):
     """A bad input line: ``line_no`` (1-based, as in the file) and a message naming the field.
 
     ``key`` is the line's id/custom_id when it could be read (else None) and ``format`` the
-    format the line looked like (decides the shape of its error record).
+    format the line looked like (decides the shape of its error record). ``duplicate_of``: the
+    id an earlier line already used, for a repeated id (then ``key`` is None: the id is the
+    earlier line's).
     """
 
-    def __init__(self, line_no: int, message: str, *, key: Any = None, format: str = NATIVE):
+    def __init__(self, line_no: int, message: str, *, key: Any = None, format: str = NATIVE,
+                 duplicate_of: Any = None):
         super().__init__(f"line {line_no}: {message}")
         self.line_no = line_no
         self.message = message
         self.key = key
         self.format = format
+        self.duplicate_of = duplicate_of
 
     def record(self) -> dict[str, Any]:
         """The error record written to OUT for this line."""
         if self.format == OPENAI:
-            return {
+            rec: dict[str, Any] = {
                 "id": f"batch_req_{uuid.uuid4().hex}",
                 "custom_id": self.key,
                 "response": None,
                 "error": {"code": "invalid_request", "message": f"line {self.line_no}: {self.message}"},
             }
-        return {"id": self.key, "line": self.line_no, "error": self.message}
+        else:
+            rec = {"id": self.key, "line": self.line_no, "error": self.message}
+        if self.duplicate_of is not None:
+            rec["duplicate_of"] = self.duplicate_of
+        return rec
 
 
 @dataclass
@@ -432,25 +443,28 @@ def _parse_openai(obj: dict[str, Any], line_no: int) -> Job:
 def parse_lines(lines: Iterable[tuple[int, str]]) -> Iterator[Job | LineError]:
     """Parse numbered non-blank lines, yielding a Job or a LineError for each.
 
-    A repeated id (native) or custom_id (OpenAI) is an error on its second and later lines;
-    the first one runs.
+    A repeated id (native) or custom_id (OpenAI) is an error on its second and later lines,
+    whose record carries no id (see :meth:`LineError.record`); the first line runs. A bad line
+    whose id could be read still claims it: were a later line with that id to run, its result
+    would mark the first line done once that line is fixed.
     """
     first_line: dict[tuple[str, Any], int] = {}
     for line_no, text in lines:
         try:
-            job = parse_line(text, line_no)
+            item: Job | LineError = parse_line(text, line_no)
         except LineError as e:
-            yield e
+            item = e
+        if item.key is None:
+            yield item
             continue
-        seen = first_line.get(job.done_key)
-        if seen is not None:
-            fname = "id" if job.format == NATIVE else "custom_id"
-            yield LineError(
-                line_no,
-                f"{fname}: duplicate {json.dumps(job.key)} (first used on line {seen})",
-                key=job.key,
-                format=job.format,
-            )
-            continue
-        first_line[job.done_key] = line_no
-        yield job
+        key = (item.format, item.key)
+        seen = first_line.setdefault(key, line_no)
+        if seen != line_no:
+            item = _duplicate(line_no, item.format, item.key, seen)
+        yield item
+
+
+def _duplicate(line_no: int, fmt: str, key: Any, first: int) -> LineError:
+    fname = "id" if fmt == NATIVE else "custom_id"
+    return LineError(line_no, f"{fname}: duplicate {json.dumps(key)} (first used on line {first})",
+                     format=fmt, duplicate_of=key)

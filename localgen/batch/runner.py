@@ -4,11 +4,14 @@ The engine is any object with the ``localgen.api.LLM`` surface used here: ``add_
 ``step``, ``abort``, ``has_unfinished``, ``model_name`` and optionally ``metrics`` and
 ``max_num_seqs``. Jobs are submitted through a bounded window (the file is never tokenized up
 front), the engine is stepped (continuous batching, Orca), and every finished request is written
-to OUT at once (see :mod:`localgen.batch.jsonl_io` for the resume rule).
+to OUT at once (see :mod:`localgen.batch.jsonl_io` for the resume rule). One run writes an OUT
+at a time (:class:`~localgen.batch.jsonl_io.OutputLock`), and input lines too long for the
+model's context are rejected before they are parsed (:func:`line_byte_limit`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -17,7 +20,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from localgen.batch.formats import Job, LineError, parse_lines
-from localgen.batch.jsonl_io import JsonlWriter, error_identity, iter_input_lines, scan_output
+from localgen.batch.jsonl_io import (
+    DEFAULT_MAX_LINE_BYTES,
+    JsonlWriter,
+    OutputLock,
+    OutputState,
+    error_identity,
+    iter_input_lines,
+    lock_path,
+    scan_output,
+)
 from localgen.runtime.request import PromptTooLongError, RequestOutput
 
 
@@ -71,22 +83,52 @@ class BatchInterrupted(KeyboardInterrupt):
 
 ProgressCallback = Callable[[BatchProgress], None]
 _MAX_ERRORS_KEPT = 20
+# A line's other fields (id, sampling, message wrappers, metadata a data set carries) beside its
+# prompt text, in bytes.
+_LINE_ALLOWANCE = 64 * 2**10
+# JSON text per byte of prompt, at worst: a \uXXXX escape is 6 bytes for one byte of text.
+_ESCAPE_FACTOR = 6
+
+
+def line_byte_limit(llm: Any, max_line_bytes: int | None = None) -> tuple[int, str]:
+    """``(cap, note)``: the most bytes one input line may have, and why (for the error message).
+
+    ``max_line_bytes`` wins when given. Otherwise, from the engine's ``max_prompt_bytes`` (the
+    most UTF-8 bytes of prompt text that can fit its context): a line holding a prompt that fits
+    is at most ``6 × max_prompt_bytes`` of JSON-escaped text plus 64 KiB of other fields.
+    Without that property: ``DEFAULT_MAX_LINE_BYTES`` (16 MiB).
+    """
+    if max_line_bytes is not None:
+        if max_line_bytes < 1:
+            raise ValueError(f"max_line_bytes={max_line_bytes} must be >= 1")
+        return max_line_bytes, ""
+    prompt_bytes = getattr(llm, "max_prompt_bytes", None)
+    if not isinstance(prompt_bytes, int) or isinstance(prompt_bytes, bool) or prompt_bytes <= 0:
+        return DEFAULT_MAX_LINE_BYTES, ""
+    ctx = getattr(llm, "token_limit", None) or getattr(llm, "max_model_len", None)
+    context = f"the model's context of {ctx} tokens" if ctx else "the model's context"
+    note = f": {context} holds at most {prompt_bytes} bytes of prompt"
+    return prompt_bytes * _ESCAPE_FACTOR + _LINE_ALLOWANCE, note
 
 
 def _limited(it: Iterator[tuple[int, Any]], limit: int | None) -> Iterator[tuple[int, Any]]:
     return it if limit is None else itertools.islice(it, limit)
 
 
-def _jobs(in_path: str | os.PathLike[str], limit: int | None) -> Iterator[Job | LineError]:
+def _jobs(
+    in_path: str | os.PathLike[str], limit: int | None, line_cap: tuple[int, str]
+) -> Iterator[Job | LineError]:
     """Jobs and bad lines of the first ``limit`` non-blank input lines, in file order.
 
     One :func:`parse_lines` stream sees every line (it keeps the duplicate-id state); a line
-    that is not UTF-8 goes through it as a placeholder and comes out as its decoding error.
+    that is not UTF-8 or longer than ``line_cap`` (bytes, note) goes through it as a placeholder
+    and comes out as its own error.
     """
     undecodable: dict[int, LineError] = {}
+    lines = iter_input_lines(in_path, max_line_bytes=line_cap[0], limit_note=line_cap[1])
 
     def texts() -> Iterator[tuple[int, str]]:
-        for line_no, text in _limited(iter_input_lines(in_path), limit):
+        for line_no, text in _limited(lines, limit):
             if isinstance(text, LineError):
                 undecodable[line_no] = text
                 yield line_no, ""  # parses as a LineError, swapped for the real one below
@@ -111,6 +153,8 @@ def run_batch(
     raw_prompts: bool = False,
     max_in_flight: int | None = None,
     progress: ProgressCallback | None = None,
+    max_line_bytes: int | None = None,
+    output_lock: OutputLock | None = None,
 ) -> BatchSummary:
     """Generate a result for every job of IN and append it to OUT.
 
@@ -120,21 +164,40 @@ def run_batch(
     ``{"temperature": 0.0, "seed": 1}``). ``raw_prompts``: send native ``prompt`` text as is
     instead of as a user chat turn. ``max_in_flight``: most jobs queued in the engine at once
     (default 2 × ``llm.max_num_seqs``, or 128). ``progress`` is called after every engine step
-    and every result. Returns a :class:`BatchSummary`; a KeyboardInterrupt aborts the queued
-    requests and is re-raised as :class:`BatchInterrupted` carrying the summary so far.
+    and every result. ``max_line_bytes``: the cap on one input line's bytes (default: from
+    ``llm.max_prompt_bytes``, see :func:`line_byte_limit`); a longer line is a bad line, skipped
+    unread. ``output_lock``: OUT's lock when the caller already holds it (the CLI takes it before
+    loading the model); without it the run takes its own and drops it at the end.
+
+    Returns a :class:`BatchSummary`; a KeyboardInterrupt aborts the queued requests and is
+    re-raised as :class:`BatchInterrupted` carrying the summary so far. Raises
+    :class:`~localgen.batch.jsonl_io.OutputLocked` when another run is writing OUT,
+    :class:`~localgen.batch.jsonl_io.OutputError` when OUT cannot be written, ValueError for a
+    bad argument.
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit={limit} must be >= 0")
-    t0 = time.perf_counter()
-    state = scan_output(out_path)  # also repairs a truncated last line
+    line_cap = line_byte_limit(llm, max_line_bytes)
+    if output_lock is not None and not (output_lock.held and output_lock.path == lock_path(out_path)):
+        raise ValueError(f"output_lock must be a held lock on {out_path}, not on {output_lock.out_path}")
+    held = OutputLock.acquire(out_path) if output_lock is None else contextlib.nullcontext(output_lock)
+    with held:
+        return _run_locked(llm, in_path, out_path, limit, max_tokens, default_sampling, raw_prompts,
+                           max_in_flight, progress, line_cap)
 
-    # Pass 1 (JSON only, no tokenization): how many jobs are there and how many are done.
-    total = skipped_planned = 0
-    for item in _jobs(in_path, limit):
-        total += 1
-        if isinstance(item, Job) and item.done_key in state.done:
-            skipped_planned += 1
-    todo = total - skipped_planned
+
+def _run_locked(llm: Any, in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
+                limit: int | None, max_tokens: int | None, default_sampling: dict[str, Any] | None,
+                raw_prompts: bool, max_in_flight: int | None, progress: ProgressCallback | None,
+                line_cap: tuple[int, str]) -> BatchSummary:
+    """:func:`run_batch` once OUT is locked."""
+    t0 = time.perf_counter()
+    try:
+        state, total, todo = _plan(in_path, out_path, limit, line_cap)
+    except KeyboardInterrupt:  # before any job ran: nothing was written
+        seconds = time.perf_counter() - t0
+        empty = BatchSummary(total=0, done=0, skipped_resume=0, failed=0, tokens=0, seconds=seconds, interrupted=True)
+        raise BatchInterrupted(empty) from None
 
     window = max_in_flight or max(2 * int(getattr(llm, "max_num_seqs", 64) or 64), 16)
     model = str(getattr(llm, "model_name", "unknown"))
@@ -206,7 +269,7 @@ def run_batch(
         summary.tokens += out.completion_tokens
         summary.prompt_tokens += out.prompt_tokens
 
-    items = _jobs(in_path, limit)
+    items = _jobs(in_path, limit, line_cap)
     exhausted = False
     try:
         while True:
@@ -252,6 +315,19 @@ def run_batch(
     summary.seconds = time.perf_counter() - t0
     report()
     return summary
+
+
+def _plan(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str], limit: int | None,
+          line_cap: tuple[int, str]) -> tuple[OutputState, int, int]:
+    """``(OUT's state, input lines, jobs to do)``: reads OUT (repairing a truncated last line)
+    and makes a first pass over IN, JSON only, no tokenization."""
+    state = scan_output(out_path)
+    total = skipped = 0
+    for item in _jobs(in_path, limit, line_cap):
+        total += 1
+        if isinstance(item, Job) and item.done_key in state.done:
+            skipped += 1
+    return state, total, total - skipped
 
 
 def _abort_all(llm: Any, inflight: dict[str, Job]) -> None:
