@@ -5,12 +5,54 @@ Heavy imports (torch, the engine) happen inside functions so `localgen --help` s
 
 from __future__ import annotations
 
+import signal
+import threading
 from pathlib import Path
+from types import FrameType
 from typing import Any, Optional
 
 import typer
 
 from localgen.cli.units import parse_size
+
+# Exit statuses of a run stopped by a signal, 128 + the signal's number as a shell reports them:
+# 130 for Ctrl-C (SIGINT), 143 for SIGTERM, which supervisors (systemd, Kubernetes, `timeout`)
+# read as "stopped on request" rather than as a failure of the command.
+EXIT_SIGINT = 130
+EXIT_SIGTERM = 143
+
+
+class SigtermAsInterrupt:
+    """Within ``with``, SIGTERM raises KeyboardInterrupt in the main thread, so ``kill PID``
+    stops a command as cleanly as Ctrl-C. A second SIGTERM takes the default action (the
+    process ends at once: whoever sends two wants it gone). The previous handler is restored at
+    exit. ``received``: whether a SIGTERM came; :attr:`exit_status` is 143 then, else 130.
+    Outside the main thread it does nothing (only the main thread may set handlers)."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._previous: Any = None
+        self._installed = False
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = True
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise KeyboardInterrupt
+
+    @property
+    def exit_status(self) -> int:
+        return EXIT_SIGTERM if self.received else EXIT_SIGINT
+
+    def __enter__(self) -> "SigtermAsInterrupt":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+            self._installed = False
 
 
 def load_llm(
@@ -112,11 +154,11 @@ def batch(
 ) -> None:
     """Generate answers for every line of IN.jsonl, appending one result per line to OUT.jsonl.
 
-    Bad lines get an error record with their line number and the rest still run; the exit status is 1 when any line failed. Rerunning the same command resumes: lines whose id already has a result in OUT are skipped.
+    Bad lines get an error record with their line number and the rest still run; the exit status is 1 when any line failed. Rerunning the same command resumes: lines whose id already has a result in OUT are skipped. One run writes an OUT at a time: a second one exits with status 1 before loading the model. SIGTERM stops it like Ctrl-C (exit status 143; 130 for Ctrl-C).
     """
     from rich.console import Console
 
-    from localgen.batch.runner import BatchInterrupted, run_batch
+    from localgen.batch.jsonl_io import OutputError, OutputLock
     from localgen.runtime.request import SamplingParams
 
     err = Console(stderr=True, highlight=False)
@@ -133,42 +175,53 @@ def batch(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
 
-    offload, _ = offload_options(model, percent, gpu_batch_size, num_gpu_batches, compress_weight,
-                                 compress_cache, cpu_cache_compute, offload_dir, gpu_memory, cpu_memory,
-                                 512, max_tokens or 256, lambda m: err.print(m, markup=False))
-    err.print(f"loading model {model or '(embedded default)'} ...")
-    llm = load_llm(model, kv_cache_memory=kv_bytes, max_num_seqs=max_num_seqs, dtype=dtype, device=device, **offload)
-    ctx = getattr(llm, "max_model_len", None)
-    err.print(f"model {getattr(llm, 'model_name', '?')}" + (f", context {ctx} tokens" if ctx else ""))
-
-    bar = _ProgressBar(err) if progress_bar else None
-    interrupted = False
-    try:
-        if bar:
-            bar.start()
-        summary = run_batch(
-            llm,
-            input,
-            output,
-            limit=limit,
-            max_tokens=max_tokens,
-            default_sampling=defaults,
-            raw_prompts=raw,
-            max_in_flight=2 * max_num_seqs,
-            progress=bar.update if bar else None,
-        )
-    except BatchInterrupted as e:
-        summary = e.summary
-        interrupted = True
-    finally:
-        if bar:
-            bar.stop()
+    with SigtermAsInterrupt() as term:
+        try:  # before anything heavy, so a second run on OUT (or an unwritable OUT) fails at once
+            lock = OutputLock.acquire(output)
+        except OutputError as e:
+            err.print(f"error: {e}", markup=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+        with lock:
+            try:
+                offload, _ = offload_options(model, percent, gpu_batch_size, num_gpu_batches, compress_weight,
+                                             compress_cache, cpu_cache_compute, offload_dir, gpu_memory,
+                                             cpu_memory, 512, max_tokens or 256,
+                                             lambda m: err.print(m, markup=False))
+                err.print(f"loading model {model or '(embedded default)'} ...")
+                llm = load_llm(model, kv_cache_memory=kv_bytes, max_num_seqs=max_num_seqs, dtype=dtype,
+                               device=device, **offload)
+            except KeyboardInterrupt:
+                err.print("[yellow]interrupted[/] while loading the model; nothing was written.")
+                raise typer.Exit(term.exit_status) from None
+            ctx = getattr(llm, "max_model_len", None)
+            err.print(f"model {getattr(llm, 'model_name', '?')}" + (f", context {ctx} tokens" if ctx else ""))
+            run = dict(limit=limit, max_tokens=max_tokens, default_sampling=defaults, raw_prompts=raw,
+                       max_in_flight=2 * max_num_seqs, output_lock=lock)
+            summary, interrupted = _run_with_progress(llm, input, output, run, err if progress_bar else None)
 
     _print_summary(summary, output, err)
     if interrupted:
         err.print("[yellow]interrupted[/]: every result above is saved; rerun the same command to resume.")
-        raise typer.Exit(130)
+        raise typer.Exit(term.exit_status)
     raise typer.Exit(1 if summary.failed else 0)
+
+
+def _run_with_progress(llm: Any, input: Path, output: Path, options: dict[str, Any],
+                       console: Any) -> tuple[Any, bool]:
+    """``(summary, interrupted)`` of :func:`run_batch` under a progress bar on ``console``
+    (None: no bar)."""
+    from localgen.batch.runner import BatchInterrupted, run_batch
+
+    bar = _ProgressBar(console) if console is not None else None
+    try:
+        if bar:
+            bar.start()
+        return run_batch(llm, input, output, progress=bar.update if bar else None, **options), False
+    except BatchInterrupted as e:
+        return e.summary, True
+    finally:
+        if bar:
+            bar.stop()
 
 
 def _print_summary(summary: Any, output: Path, err: Any) -> None:

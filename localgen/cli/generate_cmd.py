@@ -60,7 +60,7 @@ def generate(
 
     The prompt goes through the model's chat template as a user turn (after --system, if given) unless --raw. A one-line summary (tokens, tokens/s, time to first token) goes to stderr.
     """
-    from localgen.runtime.request import Priority, PromptTooLongError, Request, SamplingParams
+    from localgen.runtime.request import Priority, Request, SamplingParams
 
     if prompt is None or prompt == "-":
         if prompt is None and sys.stdin.isatty():
@@ -110,7 +110,20 @@ def generate(
                                            compress_weight, compress_cache, cpu_cache_compute, offload_dir,
                                            gpu_memory, cpu_memory, 512, max_tokens or 256,
                                            lambda m: typer.echo(m, err=True))
-    llm = load_llm(model, kv_cache_memory=kv_bytes, dtype=dtype, device=device, **offload)
+    with batch_cmd.SigtermAsInterrupt() as term:  # `kill` stops it like Ctrl-C (exit 143, not 130)
+        try:
+            llm = load_llm(model, kv_cache_memory=kv_bytes, dtype=dtype, device=device, **offload)
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(term.exit_status) from None
+        _stream(llm, req, term)
+
+
+def _stream(llm: Any, req: Any, term: "batch_cmd.SigtermAsInterrupt") -> None:
+    """Generate ``req`` on ``llm``, streaming the text to stdout and the stats line to stderr;
+    exits with status 1 for a prompt the engine refuses, ``term.exit_status`` when interrupted."""
+    from localgen.runtime.request import PromptTooLongError
+
     t0 = time.perf_counter()
     try:
         llm.add_request(req)
@@ -151,7 +164,7 @@ def generate(
         out_stream.write("\n")
         out_stream.flush()
         typer.echo("interrupted", err=True)
-        raise typer.Exit(130)
+        raise typer.Exit(term.exit_status)
     t_end = time.perf_counter()
     if wrote_any:
         out_stream.write("\n")
