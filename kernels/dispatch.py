@@ -34,6 +34,8 @@ from typing import Callable
 
 import torch
 
+from localgen.fileio import atomic_write_json
+
 from .quant_ref import QuantizedWeight, dequantize_weight, quantize_weight
 
 IMPLS = ("flat", "tiled", "torch")
@@ -129,8 +131,8 @@ class GemmDispatchTable:
                    d.get("dtype", "bfloat16"))
 
     def save(self, path: str) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_json(), f, indent=2)
+        """Write ``to_json()`` to ``path`` atomically. Raises OSError naming the path."""
+        atomic_write_json(path, self.to_json())
 
     @classmethod
     def load(cls, path: str) -> "GemmDispatchTable":
@@ -346,8 +348,7 @@ def main(argv=None) -> None:
     d = table.to_json()
     d["dense_cached"] = args.dense_cached
     d["timings"] = raw
-    with open(args.out, "w") as f:
-        json.dump(d, f, indent=2)
+    atomic_write_json(args.out, d)
 
 
 if __name__ == "__main__":

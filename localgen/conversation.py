@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from localgen.fileio import atomic_write_text
 from localgen.runtime.request import Priority, Request, RequestOutput, SamplingParams
 
 
@@ -97,11 +98,12 @@ class Conversation:
                            "turns": [asdict(t) for t in self.turns]}, indent=2) + "\n"
 
     def save(self, path: str | Path) -> list[Path]:
-        """Write ``path`` as Markdown (.md) and JSON (.json) side by side; returns both paths."""
+        """Write ``path`` as Markdown (.md) and JSON (.json) side by side, each atomically;
+        returns both paths. Raises OSError naming the file that could not be written."""
         p = Path(path).expanduser()
         base = p.with_suffix("") if p.suffix.lower() in (".md", ".json") else p
         base.parent.mkdir(parents=True, exist_ok=True)
         md, js = base.with_suffix(".md"), base.with_suffix(".json")
-        md.write_text(self.to_markdown(), encoding="utf-8")
-        js.write_text(self.to_json(), encoding="utf-8")
+        atomic_write_text(md, self.to_markdown())
+        atomic_write_text(js, self.to_json())
         return [md, js]

@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from localgen.bench.data import data_dir
+from localgen.fileio import atomic_write_json
 
 DATA = data_dir()
 PPL_TARGET = 0.03  # relative perplexity increase allowed
@@ -244,7 +245,7 @@ def main(argv=None) -> int:
                "targets": {"ppl_delta_pct_max": 100 * PPL_TARGET,
                            "lambada_delta_points_min": -100 * LAMBADA_TARGET},
                "results": [asdict(r) for r in res]}
-        Path(a.out).write_text(json.dumps(doc, indent=2) + "\n")
+        atomic_write_json(a.out, doc)
     return 1 if a.check and any(r.passed is False for r in res) else 0
 
 

@@ -29,6 +29,7 @@ import time
 import torch
 
 from localgen.bench.data import data_dir
+from localgen.fileio import atomic_write_json
 from localgen.kernels import paged_attention_ref as ref
 from localgen.kv import attention
 
@@ -214,8 +215,7 @@ def main(argv=None) -> dict:
         "recompute": {name: {dt: rates(s, phi, BOUNDS[dt]) for dt in ("bfloat16", "float16")}
                       for name, s in (("wikitext", wiki), ("mt_bench", mt))},
     }
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    atomic_write_json(args.out, result)
     for name in ("wikitext", "mt_bench"):
         x = result["x"][name]
         print(f"{name}: x in [{x['x_min']:.2f}, {x['x_max']:.2f}] (p0.01 {x['x_p0.01']:.2f}, "

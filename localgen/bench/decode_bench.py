@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+from localgen.fileio import atomic_write_json
 
 
 @dataclass
@@ -451,8 +452,7 @@ def main(argv=None) -> int:
     res = bench(a.model, [int(x) for x in a.batches.split(",")], a.prompt_len, a.gen_len,
                 device=a.device, dtype=a.dtype, with_hf=not a.no_hf, repeat=a.repeat)
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=2)
+        atomic_write_json(a.out, res)
     return 0
 
 

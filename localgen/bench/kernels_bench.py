@@ -32,13 +32,14 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
-import json
 import os
 import statistics
 import sys
 import time
 
 import torch
+
+from localgen.fileio import atomic_write_json
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -319,8 +320,7 @@ def main(argv=None) -> dict:
               "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                         "block_size": args.block_size, "dtype": args.dtype},
               "repeat": args.repeat, "seconds": time.time() - t0, "rows": rows}
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    atomic_write_json(args.out, result)
     print(f"wrote {args.out}")
     return result
 

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from localgen.fileio import atomic_write_json
 from localgen.models.dummy import DummyStore
 
 if "psutil" not in sys.modules:  # the GPU machines lack psutil; the engine only needs RAM size
@@ -502,8 +503,7 @@ def main(argv=None) -> int:
     for line in peer_ratios(results, gpu_mem):
         print(line)
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump([asdict(r) for r in results], f, indent=2)
+        atomic_write_json(a.out, [asdict(r) for r in results])
     return 0
 
 

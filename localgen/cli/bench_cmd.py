@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 import typer
+
+from localgen.fileio import atomic_write_json
 
 app = typer.Typer(help="Benchmarks: localgen beside its peers, measured in the same run.",
                   no_args_is_help=True)
@@ -45,7 +46,7 @@ def batch(
         typer.echo(f"ratio         {res.ratio:8.2f}x   identical greedy outputs: "
                    f"{res.identical_outputs}/{res.num_prompts}")
     if out:
-        out.write_text(json.dumps(res.to_json(), indent=2))
+        atomic_write_json(out, res.to_json())
 
 
 @app.command("kernels")
@@ -158,4 +159,4 @@ def decode(
                              device=device, dtype=dtype, with_hf=peer, repeat=repeat,
                              log=lambda m: typer.echo(m))
     if out:
-        out.write_text(json.dumps(res, indent=2))
+        atomic_write_json(out, res)

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from localgen.fileio import atomic_write_json
 from localgen.policy.policy import Policy
 from localgen.profiler.hardware import user_config_dir
 
@@ -19,12 +20,13 @@ def policy_path(model_name: str) -> Path:
 
 
 def save_policy(model_name: str, policy: Policy, meta: dict[str, Any] | None = None) -> Path:
-    """Write ``{"model", "policy", "meta"}`` (meta: workload, profile, predicted throughput...)."""
+    """Write ``{"model", "policy", "meta"}`` (meta: workload, profile, predicted throughput...)
+    to ``policy_path(model_name)`` atomically; returns the path. Raises OSError naming the path
+    (an older saved policy is then intact)."""
     p = policy_path(model_name)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps({"model": model_name, "policy": policy.validate().to_dict(),
-                             "meta": meta or {}}, indent=2) + "\n")
-    return p
+    return atomic_write_json(p, {"model": model_name, "policy": policy.validate().to_dict(),
+                                 "meta": meta or {}})
 
 
 def load_saved_policy(model_name: str) -> Policy | None:

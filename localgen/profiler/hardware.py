@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from localgen.fileio import atomic_write_text
+
 GiB = 1 << 30
 PROFILE_FILE = "hardware.json"
 
@@ -108,11 +110,12 @@ class HardwareProfile:
         return cls.from_dict(json.loads(text))
 
     def save(self, path: str | os.PathLike | None = None) -> Path:
-        """Write JSON to ``path`` (default: ``user_config_dir()/hardware.json``); returns the path."""
+        """Write JSON to ``path`` (default: ``user_config_dir()/hardware.json``) atomically,
+        creating its folder; returns the path. Raises OSError naming the path (the old file, if
+        any, is then intact)."""
         p = Path(path) if path is not None else user_config_dir() / PROFILE_FILE
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(self.to_json())
-        return p
+        return atomic_write_text(p, self.to_json())
 
 
 def user_config_dir() -> Path:
