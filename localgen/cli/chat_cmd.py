@@ -7,11 +7,13 @@ cannot load is explained in the conversation view.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
 
 from localgen.cli import batch_cmd
+from localgen.cli.profile_cmd import require_writable_dir
 from localgen.cli.units import parse_size
 
 CHAT_PROMPT_TOKENS = 512  # the conversation length the printed memory prediction assumes
@@ -48,6 +50,9 @@ def chat(
             kv_bytes = parse_size(kv_cache_memory)
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--kv-cache-memory") from None
+
+    # F4 saves transcripts in the current folder by default: say so now, not after the chat
+    require_writable_dir(Path.cwd(), "start localgen chat from a writable folder to save transcripts")
 
     from dataclasses import replace
 

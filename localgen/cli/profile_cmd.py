@@ -1,16 +1,36 @@
-"""`localgen profile`: measure this machine and save its HardwareProfile (FlexGen App. A.3 constants)."""
+"""`localgen profile`: measure this machine and save its HardwareProfile (FlexGen App. A.3 constants).
+
+The folders it writes into are checked before the measurements start, and measurements that
+cannot be saved where asked are printed and saved elsewhere, never dropped.
+"""
 
 from __future__ import annotations
 
+import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import NoReturn
 
 import typer
+
+from localgen.fileio import atomic_write_text, check_writable_dir
 
 
 def default_offload_dir() -> Path:
     from localgen.profiler.hardware import user_config_dir
 
     return user_config_dir() / "offload"
+
+
+def require_writable_dir(path: Path, fix: str) -> None:
+    """``check_writable_dir(path)``, or an ``error:`` line on stderr (the folder, the reason and
+    ``fix``: how to choose another) and exit status 1. For commands to call before slow work."""
+    try:
+        check_writable_dir(path)
+    except OSError as e:
+        typer.echo(f"error: {e.strerror or e} ({fix})", err=True)
+        raise typer.Exit(1) from None
 
 
 def profile(
@@ -23,10 +43,15 @@ def profile(
     from rich.console import Console
     from rich.progress import Progress
 
+    from localgen.profiler.hardware import PROFILE_FILE, user_config_dir
     from localgen.profiler.probes import QUICK, run_profile
 
     console = Console()
+    target = output if output is not None else user_config_dir() / PROFILE_FILE
+    require_writable_dir(target.parent, "pass --output FILE" if output is not None else
+                         "set LOCALGEN_CONFIG_DIR to a writable folder or pass --output FILE")
     offload_dir = offload_dir or default_offload_dir()
+    require_writable_dir(offload_dir, "pass --offload-dir DIR")
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("profiling", total=1)
 
@@ -35,9 +60,37 @@ def profile(
 
         hw = run_profile(offload_dir, sizes=QUICK if quick else None, progress=step,
                          use_gpu=False if cpu_only else None)
-    path = hw.save(output)
     print_profile(hw, console)
+    try:
+        path = hw.save(target)
+    except OSError as e:
+        save_elsewhere(hw, target, e)
     console.print(f"saved to {path}")
+
+
+def save_elsewhere(hw, target: Path, err: OSError) -> NoReturn:
+    """Print ``hw`` as JSON on stdout and save it in the current folder (else the temp folder),
+    then exit with status 1 and a line on stderr saying where it is and how to use it:
+    measurements that could not be saved at ``target`` are never lost."""
+    text = hw.to_json()
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    name = time.strftime("localgen-hardware-%Y%m%d-%H%M%S.json")
+    spare = None
+    for folder in (Path("."), Path(tempfile.gettempdir())):
+        try:
+            spare = atomic_write_text(folder / name, text).resolve()
+            break
+        except OSError:
+            continue
+    msg = f"error: could not save the profile to {target} ({err.strerror or err})."
+    if spare is None:
+        msg += " The measurements are printed above (JSON): save them in a file to use them."
+    else:
+        msg += (f" The measurements are saved in {spare}: use them with `localgen tune --profile {spare}`"
+                f" (or chat --profile) or copy the file to {target}.")
+    typer.echo(msg, err=True)
+    raise typer.Exit(1)
 
 
 def print_profile(hw, console) -> None:

@@ -30,6 +30,7 @@ def tune(
         if value not in allowed:
             raise typer.BadParameter(f"{value!r} is not one of {'|'.join(allowed)}", param_hint=name)
     req = TuneRequest(model, workload, prompt_len, gen_len, compression, latency_bound, tiers)
+    _check_output_dirs(model, profile, offload_dir)
     if yes:
         _run_plain(req, profile, offload_dir)
         return
@@ -38,6 +39,20 @@ def tune(
     except ImportError:  # source checkout without the package installed
         from tui.tune import TuneApp
     TuneApp(req, profile_name=profile, offload_dir=offload_dir).run()
+
+
+def _check_output_dirs(model: str, profile: str | None, offload_dir: Path | None) -> None:
+    """Exit with an error line unless the folders tune writes into take files: the policy folder,
+    and when it will measure (no profile given or saved) the config and offload folders."""
+    from localgen.cli.profile_cmd import default_offload_dir, require_writable_dir
+    from localgen.policy.store import policy_path
+    from localgen.profiler.hardware import PROFILE_FILE, user_config_dir
+
+    fix = "set LOCALGEN_CONFIG_DIR to a writable folder"
+    require_writable_dir(policy_path(model).parent, fix)
+    if profile is None and not (user_config_dir() / PROFILE_FILE).is_file():
+        require_writable_dir(user_config_dir(), fix + " or pass --profile NAME|FILE")
+        require_writable_dir(offload_dir or default_offload_dir(), "pass --offload-dir DIR")
 
 
 def _run_plain(req, profile_name, offload_dir) -> None:
