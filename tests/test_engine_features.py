@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from localgen.api import LLM, Priority, PromptTooLongError, Request, SamplingParams
+from localgen.api import (LLM, KVBudgetError, Priority, PromptTooLongError, Request,
+                          SamplingParams)
 from tests.tiny_models import make_hf_model
 
 CHAT = [{"role": "user", "content": "what is the capital of France?"}]
@@ -67,6 +68,45 @@ def test_context_limit_and_too_long_prompt(model_dir):
     out = llm.generate([Request(prompt_token_ids=[7] * 30,
                                 sampling=SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))])[0]
     assert out.finish_reason == "length" and out.prompt_tokens + out.completion_tokens == 40
+
+
+def test_kv_budget_limits_and_errors_name_the_budget(model_dir):
+    llm = load(model_dir, max_model_len=64)
+    per_block = llm.engine.kv_cache.bytes_per_block
+    small = load(model_dir, max_model_len=64, kv_cache_memory=3 * per_block)  # 12 tokens
+    assert small.token_limit == 12
+    with pytest.raises(KVBudgetError, match=r"holds 12 tokens; this prompt needs 13 .*--kv-cache-memory") as e:
+        small.add_request(Request(prompt_token_ids=[7] * 12))
+    assert e.value.needed_bytes == 4 * per_block and e.value.budget_bytes == 3 * per_block
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    full = llm.generate([Request(prompt_token_ids=[7] * 5, sampling=sp)])[0]
+    cut = small.generate([Request(prompt_token_ids=[7] * 5, sampling=sp)])[0]
+    assert cut.finish_reason == "length" and cut.token_ids == full.token_ids[:7]
+
+
+def test_prompt_text_over_the_byte_bound_is_refused_untokenized(model_dir, monkeypatch):
+    llm = load(model_dir, max_model_len=64)
+    assert llm.max_prompt_bytes == 63 * llm.engine.max_token_bytes * 4
+    calls = []
+    monkeypatch.setattr(llm.engine, "tokenizer", _Counting(llm.tokenizer, calls))
+    with pytest.raises(PromptTooLongError, match="not tokenized"):
+        llm.add_request(Request(prompt="x" * (llm.max_prompt_bytes + 1)))
+    assert calls == []
+    with pytest.raises(PromptTooLongError, match="tokens does not fit"):
+        llm.add_request(Request(prompt="x " * 100))  # under the bound: tokenized, then judged
+    assert calls == [200]
+
+
+class _Counting:
+    def __init__(self, tok, calls):
+        self._tok, self._calls = tok, calls
+
+    def __call__(self, text, **kw):
+        self._calls.append(len(text))
+        return self._tok(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
 
 
 def test_interactive_request_runs_before_queued_batch_work(model_dir):

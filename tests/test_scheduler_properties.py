@@ -37,7 +37,8 @@ class TokenKV:
 
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.nbytes = num_blocks * block_size * 1024  # 1 KiB a token, for the budget messages
+        self.bytes_per_block = block_size * 1024  # 1 KiB a token, for the budget messages
+        self.nbytes = num_blocks * self.bytes_per_block
         self.slots = [[None] * block_size for _ in range(num_blocks)]
 
     def read(self, table: list[int], n: int) -> list[int]:

@@ -69,6 +69,11 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of K and V, all layers, of one block (what each block of a budget costs)."""
+        return self.data[:, :, 0].numel() * self.data.element_size()
+
 
 def activation_reserve_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int,
                              dtype: torch.dtype) -> int:

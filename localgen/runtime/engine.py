@@ -156,7 +156,7 @@ class Engine:
 
     def _budget_error(self, num_tokens: int) -> KVBudgetError:
         bm = self.block_manager
-        per_block = self.kv_cache.nbytes // bm.num_blocks
+        per_block = self.kv_cache.bytes_per_block
         need = bm.blocks_for(num_tokens) * per_block
         have = bm.num_blocks * per_block
         return KVBudgetError(

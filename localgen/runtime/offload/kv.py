@@ -905,3 +905,8 @@ class TieredKVCache:
     @property
     def nbytes(self) -> int:
         return (self.layer_bytes + self.pool_bytes) * len(self.tiers)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of K and V, all layers, of one block (the layers' pools hold num_blocks + 1)."""
+        return self.layer_bytes * len(self.tiers) // (self.num_blocks + 1)
