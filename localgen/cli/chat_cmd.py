@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 
 from localgen.cli import batch_cmd
-from localgen.cli.profile_cmd import require_writable_dir
+from localgen.fileio import check_writable_dir
 from localgen.cli.units import parse_size
 
 CHAT_PROMPT_TOKENS = 512  # the conversation length the printed memory prediction assumes
@@ -51,8 +51,13 @@ def chat(
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--kv-cache-memory") from None
 
-    # F4 saves transcripts in the current folder by default: say so now, not after the chat
-    require_writable_dir(Path.cwd(), "start localgen chat from a writable folder to save transcripts")
+    # F4 offers the current folder for transcripts: say now that it cannot be used there, but
+    # chat anyway (the save dialog takes any other path)
+    try:
+        check_writable_dir(Path.cwd())
+    except OSError as e:
+        typer.echo(f"warning: {e.strerror or e}; F4 needs another folder to save transcripts",
+                   err=True)
 
     from dataclasses import replace
 
