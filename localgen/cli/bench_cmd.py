@@ -49,6 +49,34 @@ def batch(
         atomic_write_json(out, res.to_json())
 
 
+@app.command("soak")
+def soak(
+    prompts: Path = typer.Option(..., "--prompts", exists=True, dir_okay=False,
+                                 help="JSONL with a 'prompt' per line (repeated as needed)."),
+    requests: int = typer.Option(1000, "--requests", min=1, help="Number of requests."),
+    max_tokens: int = typer.Option(16, "--max-tokens", min=1),
+    fraction: float = typer.Option(0.1, "--fraction", min=0.001, max=1.0,
+                                   help="KV budget as a share of what the running batch needs."),
+    max_num_seqs: int = typer.Option(64, "--max-num-seqs", min=1),
+    model: Optional[str] = typer.Option(None, "--model", help="Model (default: embedded)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the result as JSON here."),
+) -> None:
+    """Preemption under memory pressure: the same greedy requests with an ample KV cache and with
+    a fraction of it; every output must match. Exit status 1 when any differs."""
+    from localgen.bench import soak as soak_bench
+
+    res = soak_bench.run(model, prompts, requests, max_tokens, max_num_seqs, fraction,
+                         log=lambda m: typer.echo(m, err=True))
+    for name, r in (("unconstrained", res.unconstrained), ("constrained", res.constrained)):
+        typer.echo(f"{name:14s} KV {r.kv_cache_bytes / 2**20:7.1f} MiB ({r.kv_blocks} blocks): "
+                   f"{r.seconds:7.1f} s, {r.steps} steps, {r.preemptions} preemptions, "
+                   f"{r.generated_tokens} tokens")
+    typer.echo(f"identical greedy outputs: {res.identical_outputs}/{res.num_requests}")
+    if out:
+        atomic_write_json(out, res.to_json())
+    raise typer.Exit(0 if res.identical_outputs == res.num_requests else 1)
+
+
 @app.command("kernels")
 def kernels(
     out: Path = typer.Option(..., "--out", help="Write the JSON results here."),
