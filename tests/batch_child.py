@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
 
     if opts.mode == "run":
         from localgen.batch import BatchInterrupted, run_batch
-        from localgen.batch.jsonl_io import OutputError
+        from localgen.batch.output_lock import OutputError
 
         try:
             run_batch(make(), opts.args[0], opts.args[1], max_in_flight=8)

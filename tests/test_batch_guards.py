@@ -16,7 +16,7 @@ from test_batch_fakes import FakeLLM
 from typer.testing import CliRunner
 
 from localgen.batch import iter_input_lines, run_batch
-from localgen.batch.jsonl_io import OutputError, OutputLock, OutputLocked, lock_path
+from localgen.batch.output_lock import OutputError, OutputLock, OutputLocked, lock_path
 from localgen.batch.runner import line_byte_limit
 from localgen.cli import batch_cmd
 from localgen.cli.main import app

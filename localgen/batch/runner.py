@@ -5,7 +5,7 @@ The engine is any object with the ``localgen.api.LLM`` surface used here: ``add_
 ``max_num_seqs``. Jobs are submitted through a bounded window (the file is never tokenized up
 front), the engine is stepped (continuous batching, Orca), and every finished request is written
 to OUT at once (see :mod:`localgen.batch.jsonl_io` for the resume rule). One run writes an OUT
-at a time (:class:`~localgen.batch.jsonl_io.OutputLock`), and input lines too long for the
+at a time (:class:`~localgen.batch.output_lock.OutputLock`), and input lines too long for the
 model's context are rejected before they are parsed (:func:`line_byte_limit`).
 """
 
@@ -23,13 +23,12 @@ from localgen.batch.formats import Job, LineError, parse_lines
 from localgen.batch.jsonl_io import (
     DEFAULT_MAX_LINE_BYTES,
     JsonlWriter,
-    OutputLock,
     OutputState,
     error_identity,
     iter_input_lines,
-    lock_path,
     scan_output,
 )
+from localgen.batch.output_lock import OutputLock, lock_path
 from localgen.runtime.request import PromptTooLongError, RequestOutput
 
 
@@ -171,8 +170,8 @@ def run_batch(
 
     Returns a :class:`BatchSummary`; a KeyboardInterrupt aborts the queued requests and is
     re-raised as :class:`BatchInterrupted` carrying the summary so far. Raises
-    :class:`~localgen.batch.jsonl_io.OutputLocked` when another run is writing OUT,
-    :class:`~localgen.batch.jsonl_io.OutputError` when OUT cannot be written, ValueError for a
+    :class:`~localgen.batch.output_lock.OutputLocked` when another run is writing OUT,
+    :class:`~localgen.batch.output_lock.OutputError` when OUT cannot be written, ValueError for a
     bad argument.
     """
     if limit is not None and limit < 0:

@@ -158,7 +158,7 @@ def batch(
     """
     from rich.console import Console
 
-    from localgen.batch.jsonl_io import OutputError, OutputLock
+    from localgen.batch.output_lock import OutputError, OutputLock
     from localgen.runtime.request import SamplingParams
 
     err = Console(stderr=True, highlight=False)
