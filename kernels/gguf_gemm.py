@@ -1,0 +1,186 @@
+"""Triton matmul with GGUF quantized weights kept in the file's own block layout (no repack).
+
+``y[m, n] = x[m, k] · W[n, k]ᵀ`` where row ``n`` of W is ``k / QK`` consecutive GGUF blocks of
+the type (ggml-common.h: ``block_q4_K``, ``block_q5_K``, ``block_q6_K``, ``block_q8_0``,
+``block_q4_0``), raw bytes ``[N, row_bytes]`` as read from the file.
+
+* Decode (``M <= DECODE_MAX_M``): one fused kernel. Each program owns ``BLOCK_N`` output rows and
+  walks K 256 weights at a time; the weights of that step are dequantized in registers from the
+  block bytes (each value's byte and scale are gathered by index, so every layout shares one loop
+  and the byte reads of a step stay within the rows' contiguous block bytes) and multiplied into
+  the ``[BLOCK_M, BLOCK_N]`` accumulator with ``tl.dot``. Every weight byte is read from memory
+  once per call: decode is bound by reading W.
+* Prefill (larger M): the same dequantization writes W once to a bf16/fp16 buffer and cuBLAS
+  does the GEMM, which is compute-bound at that M.
+
+The value order inside each block follows ``gguf.quants`` (the reference these kernels are tested
+against): e.g. Q4_K's 128 bytes of nibbles hold, per 32-byte chunk ``c``, sub-block ``2c`` in the
+low nibbles and ``2c + 1`` in the high ones, with 6-bit scales and mins packed in 12 bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# GGMLQuantizationType values (gguf.constants), the types these kernels read.
+Q4_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 8, 12, 13, 14
+# bytes per block and weights per block, per type (ggml-common.h)
+BLOCK_BYTES = {Q4_0: 18, Q8_0: 34, Q4_K: 144, Q5_K: 176, Q6_K: 210}
+BLOCK_WEIGHTS = {Q4_0: 32, Q8_0: 32, Q4_K: 256, Q5_K: 256, Q6_K: 256}
+TILE_K = 256  # weights dequantized per loop step: one K-quant super-block, eight 32-blocks
+DECODE_MAX_M = 16
+
+
+@triton.jit
+def _f16(ptr):
+    """fp16 stored at a byte address (2-aligned in every layout here) as float32."""
+    return tl.load(ptr.to(tl.pointer_type(tl.float16))).to(tl.float32)
+
+
+@triton.jit
+def _u8(ptr):
+    return tl.load(ptr).to(tl.int32)
+
+
+@triton.jit
+def _k4_scale_min(blk, s):
+    """6-bit scale and min of sub-block ``s`` (0..7) from the 12 packed bytes at ``blk + 4``."""
+    sc_lo = _u8(blk + 4 + s) & 63
+    mn_lo = _u8(blk + 4 + s + 4) & 63
+    hi = s >= 4
+    s4 = tl.where(hi, s - 4, 0)
+    packed = _u8(blk + 4 + 8 + s4)
+    sc_hi = (packed & 15) | ((_u8(blk + 4 + s4) >> 6) << 4)
+    mn_hi = (packed >> 4) | ((_u8(blk + 4 + s4 + 4) >> 6) << 4)
+    return tl.where(hi, sc_hi, sc_lo).to(tl.float32), tl.where(hi, mn_hi, mn_lo).to(tl.float32)
+
+
+@triton.jit
+def _dequant_tile(row, kt, v, QTYPE: tl.constexpr):
+    """float32 weights ``[BLOCK_N, TILE_K]`` of tile ``kt`` (weights ``kt*256 + v``) of the rows
+    whose bytes start at ``row`` (``[BLOCK_N, 1]`` byte pointers)."""
+    if QTYPE == 12:  # Q4_K: d, dmin, 12 scale bytes, 128 nibble bytes
+        blk = row + kt * 144
+        s = v // 32
+        q = (_u8(blk + 16 + (v // 64) * 32 + v % 32) >> ((s % 2) * 4)) & 15
+        sc, mn = _k4_scale_min(blk, s)
+        w = _f16(blk) * sc * q.to(tl.float32) - _f16(blk + 2) * mn
+    elif QTYPE == 13:  # Q5_K: as Q4_K, then 32 bytes of fifth bits, then the nibbles
+        blk = row + kt * 176
+        s = v // 32
+        lo = (_u8(blk + 48 + (v // 64) * 32 + v % 32) >> ((s % 2) * 4)) & 15
+        hi = (_u8(blk + 16 + v % 32) >> s) & 1
+        sc, mn = _k4_scale_min(blk, s)
+        w = _f16(blk) * sc * (lo | (hi << 4)).to(tl.float32) - _f16(blk + 2) * mn
+    elif QTYPE == 14:  # Q6_K: 128 low-nibble bytes, 64 two-bit bytes, 16 int8 scales, d
+        blk = row + kt * 210
+        h = v // 128
+        g = (v % 128) // 32
+        l = v % 32
+        lo = (_u8(blk + 64 * h + 32 * (g % 2) + l) >> (4 * (g // 2))) & 15
+        hi = (_u8(blk + 128 + 32 * h + l) >> (2 * g)) & 3
+        sc = tl.load(blk + 192 + v // 16).to(tl.int8, bitcast=True).to(tl.float32)
+        w = _f16(blk + 208) * sc * ((lo | (hi << 4)) - 32).to(tl.float32)
+    elif QTYPE == 8:  # Q8_0: d, 32 int8
+        blk = row + (kt * 8 + v // 32) * 34
+        w = _f16(blk) * tl.load(blk + 2 + v % 32).to(tl.int8, bitcast=True).to(tl.float32)
+    else:  # Q4_0: d, 16 bytes: weight j in the low nibble of byte j, j + 16 in the high one
+        blk = row + (kt * 8 + v // 32) * 18
+        j = v % 32
+        q = (_u8(blk + 2 + j % 16) >> ((j // 16) * 4)) & 15
+        w = _f16(blk) * (q - 8).to(tl.float32)
+    return w
+
+
+@triton.jit
+def _gemm_decode(x_ptr, w_ptr, y_ptr, M, N, num_tiles, stride_xm, stride_wn, stride_ym,
+                 QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    v = tl.arange(0, 256)
+    # rows past N read row N - 1 (always valid) and are masked at the store
+    row = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    m_mask = (offs_m < M)[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kt in range(num_tiles):
+        w = _dequant_tile(row, kt, v[None, :], QTYPE)
+        x = tl.load(x_rows + kt * 256 + v[None, :], mask=m_mask, other=0.0)
+        if IEEE:  # float32 activations: no TF32 rounding of the operands
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)))
+    y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _dequant_rows(w_ptr, out_ptr, N, num_tiles, stride_wn, stride_on,
+                  QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_n = tl.program_id(0)
+    kt = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    v = tl.arange(0, 256)
+    row = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
+    w = _dequant_tile(row, kt, v[None, :], QTYPE)
+    out = out_ptr + offs_n.to(tl.int64)[:, None] * stride_on + kt * 256 + v[None, :]
+    tl.store(out, w.to(out_ptr.dtype.element_ty), mask=(offs_n < N)[:, None])
+
+
+def supported(qtype: int) -> bool:
+    return int(qtype) in BLOCK_BYTES
+
+
+def _check(raw: torch.Tensor, qtype: int, k: int) -> int:
+    qtype = int(qtype)
+    if qtype not in BLOCK_BYTES:
+        raise ValueError(f"GGUF type {qtype} has no Triton kernel (have {sorted(BLOCK_BYTES)})")
+    if k % TILE_K:
+        raise ValueError(f"k={k} must be a multiple of {TILE_K}")
+    row_bytes = k // BLOCK_WEIGHTS[qtype] * BLOCK_BYTES[qtype]
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != row_bytes or raw.stride(1) != 1:
+        raise ValueError(f"raw must be uint8 [N, {row_bytes}] with contiguous rows for k={k}, "
+                         f"got {raw.dtype} {tuple(raw.shape)}")
+    return qtype
+
+
+def dequantize(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype = torch.bfloat16,
+               block_n: int = 16) -> torch.Tensor:
+    """``[N, k]`` weights in ``dtype`` from GGUF blocks ``raw`` (uint8 ``[N, row_bytes]``).
+    Raises ValueError for a type without a kernel, ``k`` not a multiple of 256, or a shape that
+    does not match."""
+    qtype = _check(raw, qtype, k)
+    n = raw.shape[0]
+    out = torch.empty(n, k, dtype=dtype, device=raw.device)
+    grid = (triton.cdiv(n, block_n), k // TILE_K)
+    _dequant_rows[grid](raw, out, n, k // TILE_K, raw.stride(0), out.stride(0), QTYPE=qtype,
+                        BLOCK_N=block_n)
+    return out
+
+
+def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
+           block_n: int = 32) -> torch.Tensor:
+    """``x [M, k] · Wᵀ`` -> ``[M, N]`` in x's dtype (fp16/bf16/fp32), W the GGUF blocks ``raw``.
+    M <= DECODE_MAX_M runs the fused kernel; larger M dequantizes W once and calls cuBLAS.
+    Raises ValueError as :func:`dequantize`, or when x is not ``[M, k]``."""
+    qtype = _check(raw, qtype, k)
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
+    m, n = x.shape[0], raw.shape[0]
+    if m > DECODE_MAX_M:
+        w_dtype = x.dtype if x.dtype != torch.float32 else torch.float32
+        return x @ dequantize(raw, qtype, k, w_dtype).t()
+    x = x.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    dot = tl.float32 if x.dtype == torch.float32 else (
+        tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16)
+    grid = (triton.cdiv(n, block_n), 1)
+    _gemm_decode[grid](x, raw, y, m, n, k // TILE_K, x.stride(0), raw.stride(0), y.stride(0),
+                       QTYPE=qtype, BLOCK_M=16, BLOCK_N=block_n, DOT_DTYPE=dot,
+                       IEEE=x.dtype == torch.float32)
+    return y

@@ -1,0 +1,96 @@
+"""GGUF-quantized matmul on CUDA: the Triton kernels of ``kernels/gguf_gemm.py`` beside the
+copy-bandwidth bound and cuBLAS on the same weights in bf16, measured in one run.
+
+    python -m localgen.bench.gguf_gemm_bench --out gguf_gemm.json
+
+For each weight shape (Llama-2-7B's by default), type and M: the kernel's time, the bytes of
+quantized weight it must read, those bytes over a measured device-to-device copy's read rate (the
+floor), and ``x @ W_bf16.T`` with the dequantized weight resident (what an expanded model runs).
+Weights are random blocks with finite scales; speed does not depend on the values.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from localgen.fileio import atomic_write_json
+
+SHAPES = {"7b_qkvo": (4096, 4096), "7b_gate_up": (11008, 4096), "7b_down": (4096, 11008)}
+
+
+def _random_blocks(qtype: int, n: int, k: int, device) -> torch.Tensor:
+    from localgen.kernels import gguf_gemm
+
+    nb, bb = k // gguf_gemm.BLOCK_WEIGHTS[qtype], gguf_gemm.BLOCK_BYTES[qtype]
+    raw = torch.randint(0, 256, (n, nb, bb), dtype=torch.uint8, device=device)
+    scales = {2: (0,), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}[qtype]
+    for off in scales:
+        d = (torch.rand(n, nb, device=device) / 64).to(torch.float16)
+        raw[:, :, off:off + 2] = d.view(torch.uint8).view(n, nb, 2)
+    return raw.view(n, nb * bb)
+
+
+def _time_us(fn, reps: int = 50) -> float:
+    """Median microseconds of ``fn`` with L2 flushed between calls (triton's do_bench)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median") * 1e3
+
+
+def copy_read_gbps(device) -> float:
+    """GB/s read by a 1 GiB device-to-device copy (bytes read only)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    us = _time_us(lambda: dst.copy_(src))
+    return src.numel() / us / 1e3
+
+
+def run(shapes: dict[str, tuple[int, int]], qtypes: list[int], ms: list[int],
+        block_ns: list[int], dtype: torch.dtype = torch.bfloat16) -> dict:
+    """One row per (shape, type, M): the best of ``block_ns`` (output rows a program) for the
+    fused kernel; the prefill path (M > 16) has no such choice."""
+    from localgen.kernels import gguf_gemm
+
+    dev = torch.device("cuda")
+    floor = copy_read_gbps(dev)
+    rows = []
+    for name, (n, k) in shapes.items():
+        for qt in qtypes:
+            raw = _random_blocks(qt, n, k, dev)
+            w16 = gguf_gemm.dequantize(raw, qt, k, dtype)
+            for m in ms:
+                x = torch.randn(m, k, device=dev, dtype=dtype)
+                err = (gguf_gemm.matmul(x, raw, qt, k).float() - x.float() @ w16.float().t()).abs().max()
+                tried = {bn: _time_us(lambda: gguf_gemm.matmul(x, raw, qt, k, block_n=bn))
+                         for bn in (block_ns if m <= gguf_gemm.DECODE_MAX_M else block_ns[:1])}
+                block_n = min(tried, key=tried.get)
+                ours = tried[block_n]
+                cublas = _time_us(lambda: x @ w16.t())
+                rows.append(dict(shape=name, n=n, k=k, qtype=qt, m=m, us=ours, block_n=block_n,
+                                 us_by_block_n=tried, cublas_bf16_us=cublas,
+                                 weight_bytes=raw.numel(), gbps=raw.numel() / ours / 1e3,
+                                 share_of_copy=raw.numel() / ours / 1e3 / floor,
+                                 speedup_vs_bf16=cublas / ours, max_abs_err=float(err)))
+                print(f"{name:11s} {n:5d}x{k:5d} type {qt:2d} M={m:4d}: {ours:8.1f} us "
+                      f"(BN {block_n:3d}, {rows[-1]['gbps']:6.0f} GB/s, {rows[-1]['share_of_copy']:5.1%} of copy) "
+                      f"bf16 cuBLAS {cublas:8.1f} us -> {cublas / ours:5.2f}x  err {float(err):.2e}",
+                      flush=True)
+    return dict(device=torch.cuda.get_device_name(), copy_read_gbps=floor, dtype=str(dtype),
+                rows=rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--qtypes", default="12,14,8,13,2", help="GGMLQuantizationType values")
+    p.add_argument("--ms", default="1,4,16,64,512")
+    p.add_argument("--block-n", default="16,32,64", help="output rows a program, tried per cell")
+    a = p.parse_args()
+    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+    atomic_write_json(a.out, run(SHAPES, ints(a.qtypes), ints(a.ms), ints(a.block_n)))
+
+
+if __name__ == "__main__":
+    main()
