@@ -1,0 +1,688 @@
+/* y[m, n] = x[m, k] . W[n, k]^T with W kept in GGUF's own block layout (no repack): row r of W is
+ * k / block_size blocks at raw + r * w_stride. Block layouts follow ggml's ggml-common.h (the
+ * `gguf` Python package's gguf/quants.py decodes the same bytes).
+ *
+ * The activation rows are quantized once per call to 8 bits, as llama.cpp does: per 32 values
+ * (float scale, int8 values, float scale * sum) for the 32-value block types, per 256 values
+ * (float scale, int8 values, int16 sums per 16) for the K-quants and IQ4_XS. A weight block then
+ * meets its activation block in integer dot products (maddubs / VNNI dpbusd), scaled in float
+ * once per block. Weight offsets and minimums are applied through the activation sums, so the
+ * unsigned weight codes go into maddubs as they are.
+ *
+ * Threads take chunks of output rows (dynamic, so a core slowed by another process does less);
+ * each weight row is read from memory once per call: it meets up to 4 activation rows per
+ * unpack, and the activation rows come in tiles that stay in L2 while the chunk's weights do.
+ *
+ * AVX2 (+FMA, F16C) is the fast path; AVX512-VNNI or AVX-VNNI replaces maddubs + madd in the
+ * 32-value types; anything else runs the scalar path, which dequantizes a block to float and
+ * dots it with the same quantized activations. lg_gguf_matmul's `scalar` argument forces that
+ * path (tests compare both).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define LG_AVX2 1
+#include <immintrin.h>
+#elif defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#define AI static inline __attribute__((always_inline))
+
+/* ggml's type ids (gguf.GGMLQuantizationType). */
+enum {
+    T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11,
+    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23
+};
+
+/* Values per block and bytes per block, by type (0 where not implemented). */
+static int block_values(int t) {
+    switch (t) {
+    case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: case T_IQ4_NL: return 32;
+    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: return 256;
+    default: return 0;
+    }
+}
+
+static int block_bytes(int t) {
+    switch (t) {
+    case T_Q4_0: return 18;  case T_Q4_1: return 20;  case T_Q5_0: return 22;
+    case T_Q5_1: return 24;  case T_Q8_0: return 34;  case T_IQ4_NL: return 18;
+    case T_Q2_K: return 84;  case T_Q3_K: return 110; case T_Q4_K: return 144;
+    case T_Q5_K: return 176; case T_Q6_K: return 210; case T_IQ4_XS: return 136;
+    default: return 0;
+    }
+}
+
+/* IQ4_NL / IQ4_XS code book (ggml-common.h kvalues_iq4nl). */
+static const int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                   1,    13,   25,  38,  53,  69,  89,  113};
+
+static inline float h2f(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, man = h & 0x3ff;
+    if (e == 0) {
+        const float f = ldexpf((float)man, -24);
+        return sign ? -f : f;
+    }
+    const uint32_t bits = sign | (e == 31 ? 0x7f800000u | (man << 13) : ((e + 112) << 23) | (man << 13));
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline uint32_t rd32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* ---- Activation rows --------------------------------------------------------------------- */
+/* A quantized activation row of k values, for blocks of B = 32 or 256:
+ *   int8  q[k]            at 0
+ *   float d[k / B]        at k                (the block's scale: x ~ d * q)
+ *   B = 32:  float s[k / 32]      at k + 4 k/B (d * the block's sum of q)
+ *   B = 256: int16 bsum[k / 16]   at k + 4 k/B (sums of q per 16 values)
+ * The scale is amax / 127, the codes round(x * 127 / amax) to nearest even, in float32 (the
+ * Python reference twin does the same arithmetic). */
+static size_t xrow_bytes(int64_t k, int B) {
+    const size_t raw = (size_t)k + 4 * (size_t)(k / B) + (B == 32 ? 4 * (size_t)(k / 32) : 2 * (size_t)(k / 16));
+    return (raw + 63) & ~(size_t)63;
+}
+
+static float block_amax(const float *x, int n) {
+    float amax = 0.0f;
+    for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+    return amax;
+}
+
+/* q[0..31] = round(x * id); returns their sum, and the sums per 16 in s16[0..1]. */
+static int quant32(const float *x, float id, int8_t *q, int *s16) {
+#ifdef LG_AVX2
+    const __m256 vid = _mm256_set1_ps(id);
+    __m256i v[4];
+    for (int i = 0; i < 4; i++) v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), vid));
+    const __m256i lo = _mm256_add_epi32(v[0], v[1]), hi = _mm256_add_epi32(v[2], v[3]);
+    /* packs interleave the 128-bit lanes; the permute puts the values back in order */
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, p);
+    __m256i h = _mm256_hadd_epi32(lo, hi); /* lane0: lo0+lo1 lo2+lo3 hi0+hi1 hi2+hi3, lane1 the rest */
+    h = _mm256_hadd_epi32(h, h);
+    const int a = _mm256_extract_epi32(h, 0) + _mm256_extract_epi32(h, 4);
+    const int b = _mm256_extract_epi32(h, 1) + _mm256_extract_epi32(h, 5);
+    s16[0] = a;
+    s16[1] = b;
+    return a + b;
+#else
+    int s[2] = {0, 0};
+    for (int i = 0; i < 32; i++) {
+        const int v = (int)nearbyintf(x[i] * id);
+        q[i] = (int8_t)v;
+        s[i / 16] += v;
+    }
+    s16[0] = s[0];
+    s16[1] = s[1];
+    return s[0] + s[1];
+#endif
+}
+
+static void quant_row32(const float *x, int64_t k, uint8_t *out) {
+    const int64_t nb = k / 32;
+    int8_t *q = (int8_t *)out;
+    float *d = (float *)(out + k), *s = d + nb;
+    for (int64_t b = 0; b < nb; b++) {
+        const float amax = block_amax(x + 32 * b, 32);
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int s16[2];
+        const int sum = quant32(x + 32 * b, id, q + 32 * b, s16);
+        d[b] = amax / 127.0f;
+        s[b] = d[b] * (float)sum;
+    }
+}
+
+static void quant_row256(const float *x, int64_t k, uint8_t *out) {
+    const int64_t nb = k / 256;
+    int8_t *q = (int8_t *)out;
+    float *d = (float *)(out + k);
+    int16_t *bs = (int16_t *)(d + nb);
+    for (int64_t b = 0; b < nb; b++) {
+        const float amax = block_amax(x + 256 * b, 256);
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int c = 0; c < 8; c++) {
+            int s16[2];
+            quant32(x + 256 * b + 32 * c, id, q + 256 * b + 32 * c, s16);
+            bs[16 * b + 2 * c] = (int16_t)s16[0];
+            bs[16 * b + 2 * c + 1] = (int16_t)s16[1];
+        }
+        d[b] = amax / 127.0f;
+    }
+}
+
+/* ---- Scalar block decoding (the reference layouts; also the non-AVX2 path) ----------------- */
+
+/* Q4_K / Q5_K: 8 six-bit scales and mins from the 12 packed bytes. */
+static void k4_scales(const uint8_t *p, uint8_t *sc, uint8_t *mn) {
+    const uint32_t u0 = rd32(p), u1 = rd32(p + 4), u2 = rd32(p + 8);
+    const uint32_t v[4] = {u0 & 0x3f3f3f3fu, (u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u),
+                           u1 & 0x3f3f3f3fu, ((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u)};
+    memcpy(sc, &v[0], 8);
+    memcpy(mn, &v[2], 8);
+}
+
+/* Q3_K: 16 six-bit scales (stored + 32) from the 12 packed bytes, as int8 minus 32. */
+static void k3_scales(const uint8_t *p, int8_t *sc) {
+    const uint32_t a0 = rd32(p), a1 = rd32(p + 4), t = rd32(p + 8), m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    const uint32_t v[4] = {(a0 & m4) | ((t & m2) << 4), (a1 & m4) | (((t >> 2) & m2) << 4),
+                           ((a0 >> 4) & m4) | (((t >> 4) & m2) << 4),
+                           ((a1 >> 4) & m4) | (((t >> 6) & m2) << 4)};
+    uint8_t u[16];
+    memcpy(u, v, 16);
+    for (int i = 0; i < 16; i++) sc[i] = (int8_t)(u[i] - 32);
+}
+
+/* IQ4_XS: 8 six-bit scales (stored + 32), as int minus 32. */
+static void xs_scales(const uint8_t *p, int8_t *sc) {
+    const unsigned sh = p[0] | (p[1] << 8);
+    for (int j = 0; j < 8; j++)
+        sc[j] = (int8_t)((((p[2 + j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32);
+}
+
+/* Element e = 128 h + 32 s + l of the 2-bit planes shared by Q2_K and Q3_K. */
+#define PLANE(qs, h, s, l) (((qs)[32 * (h) + (l)] >> (2 * (s))) & 3)
+
+/* One block of type t at b, as float32, in the same order of operations as gguf/quants.py. */
+static void deq_block(int t, const uint8_t *b, float *o) {
+    switch (t) {
+    case T_Q4_0: case T_IQ4_NL: {
+        const float d = h2f(b);
+        for (int j = 0; j < 16; j++) {
+            const int lo = b[2 + j] & 15, hi = b[2 + j] >> 4;
+            o[j] = t == T_Q4_0 ? d * (float)(lo - 8) : d * (float)KVALUES[lo];
+            o[j + 16] = t == T_Q4_0 ? d * (float)(hi - 8) : d * (float)KVALUES[hi];
+        }
+        break;
+    }
+    case T_Q4_1: {
+        const float d = h2f(b), m = h2f(b + 2);
+        for (int j = 0; j < 16; j++) {
+            o[j] = d * (float)(b[4 + j] & 15) + m;
+            o[j + 16] = d * (float)(b[4 + j] >> 4) + m;
+        }
+        break;
+    }
+    case T_Q5_0: case T_Q5_1: {
+        const int one = t == T_Q5_1;
+        const float d = h2f(b), m = one ? h2f(b + 2) : 0.0f;
+        const uint32_t qh = rd32(b + 2 + 2 * one);
+        const uint8_t *qs = b + 6 + 2 * one;
+        for (int j = 0; j < 32; j++) {
+            const int q = (j < 16 ? qs[j] & 15 : qs[j - 16] >> 4) | (((qh >> j) & 1) << 4);
+            o[j] = one ? d * (float)q + m : d * (float)(q - 16);
+        }
+        break;
+    }
+    case T_Q8_0: {
+        const float d = h2f(b);
+        for (int j = 0; j < 32; j++) o[j] = (float)(int8_t)b[2 + j] * d;
+        break;
+    }
+    case T_Q2_K: {
+        const float d = h2f(b + 80), dmin = h2f(b + 82);
+        for (int e = 0; e < 256; e++) {
+            const int h = e / 128, s = (e / 32) % 4, l = e % 32, i = e / 16;
+            o[e] = d * (float)(b[i] & 15) * (float)PLANE(b + 16, h, s, l) - dmin * (float)(b[i] >> 4);
+        }
+        break;
+    }
+    case T_Q3_K: {
+        int8_t sc[16];
+        k3_scales(b + 96, sc);
+        const float d = h2f(b + 108);
+        for (int e = 0; e < 256; e++) {
+            const int h = e / 128, s = (e / 32) % 4, l = e % 32;
+            const int q = PLANE(b + 32, h, s, l) - (((b[l] >> (4 * h + s)) & 1) ? 0 : 4);
+            o[e] = d * (float)sc[e / 16] * (float)q;
+        }
+        break;
+    }
+    case T_Q4_K: case T_Q5_K: {
+        uint8_t sc[8], mn[8];
+        k4_scales(b + 4, sc, mn);
+        const float d = h2f(b), dmin = h2f(b + 2);
+        const int five = t == T_Q5_K;
+        const uint8_t *qh = b + 16, *qs = b + 16 + 32 * five;
+        for (int e = 0; e < 256; e++) {
+            const int j = e / 32, l = e % 32;
+            int q = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
+            if (five) q |= ((qh[l] >> j) & 1) << 4;
+            o[e] = d * (float)sc[j] * (float)q - dmin * (float)mn[j];
+        }
+        break;
+    }
+    case T_Q6_K: {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = h2f(b + 208);
+        for (int e = 0; e < 256; e++) {
+            const int h = e / 128, s = (e / 32) % 4, l = e % 32;
+            const int lo = (ql[64 * h + 32 * (s % 2) + l] >> (4 * (s / 2))) & 15;
+            const int q = (lo | (((qh[32 * h + l] >> (2 * s)) & 3) << 4)) - 32;
+            o[e] = d * (float)sc[e / 16] * (float)q;
+        }
+        break;
+    }
+    case T_IQ4_XS: {
+        int8_t sc[8];
+        xs_scales(b + 2, sc);
+        const float d = h2f(b);
+        for (int j = 0; j < 8; j++) {
+            const float dl = d * (float)sc[j];
+            for (int l = 0; l < 16; l++) {
+                o[32 * j + l] = dl * (float)KVALUES[b[8 + 16 * j + l] & 15];
+                o[32 * j + 16 + l] = dl * (float)KVALUES[b[8 + 16 * j + l] >> 4];
+            }
+        }
+        break;
+    }
+    }
+}
+
+/* Scalar kernel: one weight row against nx activation rows (stride xs), y[j * ys] = dot j. */
+static void rows_scalar(int t, const uint8_t *w, const uint8_t *x, size_t xs, int64_t k, float *y,
+                        int64_t ys, int nx) {
+    const int B = block_values(t), bb = block_bytes(t);
+    const int64_t nb = k / B;
+    float wf[256];
+    double acc[4] = {0, 0, 0, 0};
+    for (int64_t b = 0; b < nb; b++) {
+        deq_block(t, w + b * bb, wf);
+        for (int j = 0; j < nx; j++) {
+            const int8_t *q = (const int8_t *)(x + j * xs) + b * B;
+            const float dx = ((const float *)(x + j * xs + k))[b];
+            float s = 0.0f;
+            for (int i = 0; i < B; i++) s += wf[i] * (float)q[i];
+            acc[j] += (double)(s * dx);
+        }
+    }
+    for (int j = 0; j < nx; j++) y[j * ys] = (float)acc[j];
+}
+
+#ifdef LG_AVX2
+/* ---- AVX2 kernels -------------------------------------------------------------------------- */
+
+static inline float hsum_ps(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+
+/* Sums of 4 adjacent u8 * s8 products, as int32 (u <= 255 where VNNI, else u * s pairs must fit
+ * int16: every caller's codes do). */
+AI __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* 16 bytes of nibbles -> 32 bytes: the low nibbles, then the high ones (the 32-value blocks'
+ * element order). */
+AI __m256i nibbles16(const uint8_t *p) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(15));
+}
+
+/* Bit j of a 32-bit word -> byte j = 0x10 or 0. */
+AI __m256i bits_to_0x10(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                               _mm256_setr_epi64x(0, 0x0101010101010101LL,
+                                                                  0x0202020202020202LL,
+                                                                  0x0303030303030303LL));
+    const __m256i sel = _mm256_set1_epi64x(0x8040201008040201LL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, sel), sel),
+                            _mm256_set1_epi8(0x10));
+}
+
+/* A 32-value block's weights as bytes: unsigned codes (Q4_0/Q4_1/Q5_0/Q5_1) or signed values
+ * (Q8_0, IQ4_NL). */
+AI __m256i w32(int t, const uint8_t *b) {
+    switch (t) {
+    case T_Q4_0: return nibbles16(b + 2);
+    case T_Q4_1: return nibbles16(b + 4);
+    case T_Q5_0: return _mm256_or_si256(nibbles16(b + 6), bits_to_0x10(rd32(b + 2)));
+    case T_Q5_1: return _mm256_or_si256(nibbles16(b + 8), bits_to_0x10(rd32(b + 4)));
+    case T_Q8_0: return _mm256_loadu_si256((const __m256i *)(b + 2));
+    default: { /* IQ4_NL */
+        const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES));
+        return _mm256_shuffle_epi8(kv, nibbles16(b + 2));
+    }
+    }
+}
+
+/* The 32-value types: sum over blocks of dw dx (w . q) plus the offset or minimum through the
+ * activation sum s = dx sum(q): Q4_0 -8 dw s, Q5_0 -16 dw s, Q4_1/Q5_1 + m s. */
+AI void rows32(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int64_t k, float *y,
+               int64_t ys, const int nx) {
+    const int bb = block_bytes(t), sgn = t == T_Q8_0 || t == T_IQ4_NL;
+    const int64_t nb = k / 32;
+    __m256 acc[4];
+    float acs[4] = {0, 0, 0, 0};
+    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bb;
+        const float dw = h2f(blk);
+        const float off = t == T_Q4_0 ? -8.0f * dw : t == T_Q5_0 ? -16.0f * dw
+                        : (t == T_Q4_1 || t == T_Q5_1) ? h2f(blk + 2) : 0.0f;
+        const __m256i wv = w32(t, blk);
+        const __m256i wu = sgn ? _mm256_abs_epi8(wv) : wv;
+        for (int j = 0; j < nx; j++) {
+            const uint8_t *xr = x + j * xs;
+            const float *dx = (const float *)(xr + k);
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + 32 * b));
+            if (sgn) xv = _mm256_sign_epi8(xv, wv);
+            const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(wu, xv));
+            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx[b]), p, acc[j]);
+            if (!sgn) acs[j] += off * dx[nb + b];
+        }
+    }
+    for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(acc[j]) + acs[j];
+}
+
+/* int16 element i of each 128-bit lane of v, broadcast over the lane (lanes may differ). */
+AI __m256i pick16(__m256i v, int i_lo, int i_hi) {
+    const __m128i lo = _mm_set1_epi16((short)((2 * i_lo) | ((2 * i_lo + 1) << 8)));
+    const __m128i hi = _mm_set1_epi16((short)((2 * i_hi) | ((2 * i_hi + 1) << 8)));
+    return _mm256_shuffle_epi8(v, _mm256_set_m128i(hi, lo));
+}
+
+/* 4 int32 -> float, in the low half of a vector whose high half is 0. */
+AI __m256 low4_ps(__m128i v) {
+    return _mm256_cvtepi32_ps(_mm256_inserti128_si256(_mm256_setzero_si256(), v, 0));
+}
+
+/* Q4_K, Q5_K, IQ4_XS: one scale per 32 values. For each 64 values c, the block's bytes give two
+ * sub-blocks (2c, 2c+1) of codes; each row adds sc * (codes . q) in int32, then once per block
+ * d dx (that sum) - dmin dx (mins . sums of q per 32). */
+AI void rows_k32(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int64_t k, float *y,
+                 int64_t ys, const int nx) {
+    const int bb = block_bytes(t), five = t == T_Q5_K, iq = t == T_IQ4_XS;
+    const int64_t nb = k / 256;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES));
+    __m256 acc[4];
+    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bb;
+        const float d = h2f(blk), dmin = iq ? 0.0f : h2f(blk + 2);
+        uint8_t sc[8], mn[8];
+        if (iq) xs_scales(blk + 2, (int8_t *)sc); else k4_scales(blk + 4, sc, mn);
+        /* scales as int16 in both lanes (signed for IQ4_XS, unsigned otherwise) */
+        const __m128i sc8 = _mm_loadl_epi64((const __m128i *)sc);
+        const __m256i sc16 = _mm256_broadcastsi128_si256(iq ? _mm_cvtepi8_epi16(sc8) : _mm_cvtepu8_epi16(sc8));
+        const uint8_t *qs = blk + (iq ? 8 : 16 + 32 * five);
+        __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+        __m256i isum[4];
+        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            if (five) {
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4), _mm256_set1_epi8(0x10)));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh, 3), _mm256_set1_epi8(0x10)));
+                qh = _mm256_srli_epi16(qh, 2);
+            }
+            if (iq) { /* 16 bytes per sub-block: low nibbles are its first 16 values */
+                const __m256i a = _mm256_permute2x128_si256(lo, hi, 0x20);
+                const __m256i bq = _mm256_permute2x128_si256(lo, hi, 0x31);
+                lo = _mm256_shuffle_epi8(kv, a);
+                hi = _mm256_shuffle_epi8(kv, bq);
+            }
+            const __m256i ulo = iq ? _mm256_abs_epi8(lo) : lo, uhi = iq ? _mm256_abs_epi8(hi) : hi;
+            const __m256i s_lo = pick16(sc16, 2 * c, 2 * c), s_hi = pick16(sc16, 2 * c + 1, 2 * c + 1);
+            for (int j = 0; j < nx; j++) {
+                const int8_t *xq = (const int8_t *)(x + j * xs) + 256 * b + 64 * c;
+                __m256i x0 = _mm256_loadu_si256((const __m256i *)xq);
+                __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 32));
+                if (iq) {
+                    x0 = _mm256_sign_epi8(x0, lo);
+                    x1 = _mm256_sign_epi8(x1, hi);
+                }
+                const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(ulo, x0), s_lo);
+                const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(uhi, x1), s_hi);
+                isum[j] = _mm256_add_epi32(isum[j], _mm256_add_epi32(p0, p1));
+            }
+        }
+        const __m128i mn16 = iq ? _mm_setzero_si128() : _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
+        for (int j = 0; j < nx; j++) {
+            const uint8_t *xr = x + j * xs;
+            const float dx = ((const float *)(xr + k))[b];
+            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(isum[j]), acc[j]);
+            if (!iq) {
+                const int16_t *bs = (const int16_t *)(xr + k + 4 * nb) + 16 * b;
+                const __m128i s32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs),
+                                                   _mm_loadu_si128((const __m128i *)(bs + 8)));
+                acc[j] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * dx), low4_ps(_mm_madd_epi16(s32, mn16)), acc[j]);
+            }
+        }
+    }
+    for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(acc[j]);
+}
+
+/* Q2_K, Q3_K, Q6_K: one scale per 16 values. The block is two halves h of four 32-value groups
+ * s (value 128 h + 32 s + l); a group's low 16 values take scale 8h + 2s, its high 16 the next.
+ * Codes are unsigned (Q3_K: 0..7 meaning -4..3, Q6_K: 0..63 meaning -32..31, Q2_K: 0..3 with a
+ * minimum); the offset or minimum comes off through the sums of q per 16. */
+AI void rows_k16(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int64_t k, float *y,
+                 int64_t ys, const int nx) {
+    const int bb = block_bytes(t);
+    const int64_t nb = k / 256;
+    const __m256i m2 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    __m256 acc[4];
+    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bb;
+        float d, dmin = 0.0f;
+        __m128i sc8, mn8 = _mm_setzero_si128(); /* 16 scales (int8), 16 minimums (Q2_K) */
+        if (t == T_Q2_K) {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)blk);
+            sc8 = _mm_and_si128(raw, _mm_set1_epi8(15));
+            mn8 = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15));
+            d = h2f(blk + 80);
+            dmin = h2f(blk + 82);
+        } else if (t == T_Q3_K) {
+            int8_t s[16];
+            k3_scales(blk + 96, s);
+            sc8 = _mm_loadu_si128((const __m128i *)s);
+            d = h2f(blk + 108);
+        } else {
+            sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+            d = h2f(blk + 208);
+        }
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8); /* scale i at int16 i */
+        __m256i hm = t == T_Q3_K ? _mm256_loadu_si256((const __m256i *)blk) : _mm256_setzero_si256();
+        __m256i isum[4];
+        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const __m256i sch = _mm256_permute4x64_epi64(sc16, h ? 0xEE : 0x44); /* scales 8h.. in both lanes */
+            __m256i g[4];
+            if (t == T_Q6_K) {
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                g[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+                g[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+                g[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30));
+                g[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                       _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+            } else {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + (t == T_Q3_K ? 32 : 16) + 32 * h));
+                for (int s = 0; s < 4; s++) {
+                    g[s] = _mm256_and_si256(_mm256_srli_epi16(q, 2 * s), m2);
+                    if (t == T_Q3_K) { /* the high bit of group (h, s) is bit 4h + s of hmask */
+                        g[s] = _mm256_or_si256(g[s], _mm256_and_si256(_mm256_slli_epi16(hm, 2), _mm256_set1_epi8(4)));
+                        hm = _mm256_srli_epi16(hm, 1);
+                    }
+                }
+            }
+            for (int s = 0; s < 4; s++) {
+                const __m256i scs = pick16(sch, 2 * s, 2 * s + 1);
+                for (int j = 0; j < nx; j++) {
+                    const int8_t *xq = (const int8_t *)(x + j * xs) + 256 * b + 128 * h + 32 * s;
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
+                    isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(_mm256_maddubs_epi16(g[s], xv), scs));
+                }
+            }
+        }
+        const __m256i mn16 = _mm256_cvtepu8_epi16(mn8);
+        const int offs = t == T_Q6_K ? 5 : 2; /* offsets 32 and 4, as shifts */
+        for (int j = 0; j < nx; j++) {
+            const uint8_t *xr = x + j * xs;
+            const float dx = ((const float *)(xr + k))[b];
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)((const int16_t *)(xr + k + 4 * nb) + 16 * b));
+            __m256i is = isum[j];
+            if (t != T_Q2_K) is = _mm256_sub_epi32(is, _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), offs));
+            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(is), acc[j]);
+            if (t == T_Q2_K)
+                acc[j] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * dx), _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mn16)), acc[j]);
+        }
+    }
+    for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(acc[j]);
+}
+
+AI void rows_avx2(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int64_t k, float *y,
+                  int64_t ys, const int nx) {
+    switch (t) {
+    case T_Q4_0: rows32(T_Q4_0, w, x, xs, k, y, ys, nx); break;
+    case T_Q4_1: rows32(T_Q4_1, w, x, xs, k, y, ys, nx); break;
+    case T_Q5_0: rows32(T_Q5_0, w, x, xs, k, y, ys, nx); break;
+    case T_Q5_1: rows32(T_Q5_1, w, x, xs, k, y, ys, nx); break;
+    case T_Q8_0: rows32(T_Q8_0, w, x, xs, k, y, ys, nx); break;
+    case T_IQ4_NL: rows32(T_IQ4_NL, w, x, xs, k, y, ys, nx); break;
+    case T_Q4_K: rows_k32(T_Q4_K, w, x, xs, k, y, ys, nx); break;
+    case T_Q5_K: rows_k32(T_Q5_K, w, x, xs, k, y, ys, nx); break;
+    case T_IQ4_XS: rows_k32(T_IQ4_XS, w, x, xs, k, y, ys, nx); break;
+    case T_Q2_K: rows_k16(T_Q2_K, w, x, xs, k, y, ys, nx); break;
+    case T_Q3_K: rows_k16(T_Q3_K, w, x, xs, k, y, ys, nx); break;
+    case T_Q6_K: rows_k16(T_Q6_K, w, x, xs, k, y, ys, nx); break;
+    }
+}
+
+/* One variant per row count, so each has its accumulators in registers. */
+#define ROWS_N(N) \
+    static void rows_avx2_##N(int t, const uint8_t *w, const uint8_t *x, size_t xs, int64_t k, \
+                              float *y, int64_t ys) { rows_avx2(t, w, x, xs, k, y, ys, N); }
+ROWS_N(1)
+ROWS_N(2)
+ROWS_N(3)
+ROWS_N(4)
+#endif /* LG_AVX2 */
+
+/* One weight row against nx <= 4 activation rows. */
+static void rows(int t, const uint8_t *w, const uint8_t *x, size_t xs, int64_t k, float *y,
+                 int64_t ys, int nx, int scalar) {
+#ifdef LG_AVX2
+    if (!scalar) {
+        switch (nx) {
+        case 1: rows_avx2_1(t, w, x, xs, k, y, ys); return;
+        case 2: rows_avx2_2(t, w, x, xs, k, y, ys); return;
+        case 3: rows_avx2_3(t, w, x, xs, k, y, ys); return;
+        default: rows_avx2_4(t, w, x, xs, k, y, ys); return;
+        }
+    }
+#endif
+    (void)scalar;
+    rows_scalar(t, w, x, xs, k, y, ys, nx);
+}
+
+/* ---- Entry points -------------------------------------------------------------------------- */
+
+/* 1 for the types this file implements (ggml type ids), else 0. */
+int lg_gguf_supported(int qtype) { return block_values(qtype) != 0; }
+
+/* 1 where the AVX2 kernels are compiled in, 0 where the scalar path is all there is. */
+int lg_gguf_simd(void) {
+#ifdef LG_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* y [m, n] float32 = x [m, k] float32 (contiguous) . W^T, W's row r at w + r * w_stride (bytes)
+ * holding k / block_values blocks of qtype. Threads take chunks of n_chunk output rows; within a
+ * chunk, activation rows go m_tile at a time. scalar != 0 forces the scalar path.
+ * Returns 0; -1 for a type not implemented; -2 for k not a multiple of the block or a row stride
+ * shorter than a row; -3 when the activation buffer cannot be allocated. */
+int lg_gguf_matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n,
+                   int64_t w_stride, int qtype, float *y, int threads, int64_t m_tile,
+                   int64_t n_chunk, int scalar) {
+    const int B = block_values(qtype);
+    if (!B) return -1;
+    if (k <= 0 || k % B || w_stride < k / B * block_bytes(qtype)) return -2;
+    if (m <= 0 || n <= 0) return 0;
+    const int ablock = (qtype == T_Q2_K || qtype == T_Q3_K || qtype == T_Q4_K || qtype == T_Q5_K
+                        || qtype == T_Q6_K || qtype == T_IQ4_XS) ? 256 : 32;
+    const size_t xs = xrow_bytes(k, ablock);
+    uint8_t *xq = aligned_alloc(64, xs * (size_t)m);
+    if (!xq) return -3;
+    if (m_tile < 1) m_tile = m;
+    if (n_chunk < 1) n_chunk = n;
+    const int64_t chunks = (n + n_chunk - 1) / n_chunk;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++) {
+            if (ablock == 32) quant_row32(x + i * k, k, xq + i * xs);
+            else quant_row256(x + i * k, k, xq + i * xs);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t r0 = c * n_chunk, r1 = r0 + n_chunk < n ? r0 + n_chunk : n;
+            for (int64_t i0 = 0; i0 < m; i0 += m_tile) {
+                const int64_t i1 = i0 + m_tile < m ? i0 + m_tile : m;
+                for (int64_t r = r0; r < r1; r++)
+                    for (int64_t i = i0; i < i1; i += 4)
+                        rows(qtype, w + r * w_stride, xq + i * xs, xs, k, y + i * n + r, n,
+                             (int)(i1 - i < 4 ? i1 - i : 4), scalar);
+            }
+        }
+    }
+    free(xq);
+    return 0;
+}
+
+/* out [n, k] float32 = W dequantized (the scalar block decoding above; rows split over threads).
+ * Returns 0, -1 for a type not implemented, -2 for a bad k or stride. */
+int lg_gguf_dequant(const uint8_t *w, int64_t n, int64_t w_stride, int qtype, int64_t k, float *out,
+                    int threads) {
+    const int B = block_values(qtype), bb = block_bytes(qtype);
+    if (!B) return -1;
+    if (k <= 0 || k % B || w_stride < k / B * bb) return -2;
+    if (threads < 1) threads = 1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t b = 0; b < k / B; b++) deq_block(qtype, w + r * w_stride + b * bb, out + r * k + b * B);
+    return 0;
+}
+
+/* Bytes of one quantized activation row of k values for qtype (what lg_gguf_matmul allocates
+ * per row of x), or 0 for a type not implemented. */
+int64_t lg_gguf_xrow_bytes(int qtype, int64_t k) {
+    const int B = block_values(qtype);
+    if (!B) return 0;
+    return (int64_t)xrow_bytes(k, B);
+}

@@ -1,0 +1,187 @@
+"""Matmul with GGUF quantized weights on the CPU, the weights kept in GGUF's own block layout
+(``csrc/gguf_matmul.c``; block layouts from ggml's ggml-common.h, decoded the same way as the
+``gguf`` package's ``gguf/quants.py``).
+
+``matmul`` quantizes the activation rows once per call to 8 bits, as llama.cpp does (per 32
+values for the 32-value block types, per 256 for the K-quants and IQ4_XS: float scale
+``amax / 127``, codes rounded to nearest even), then takes integer dot products against the
+weight codes (AVX2 maddubs, VNNI dpbusd where present) scaled in float once per block. Output
+rows are split over torch's OpenMP threads; each weight row is read once per call whatever m.
+
+Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS (``SUPPORTED``).
+
+Reference twin: ``reference`` (``gguf.quants.dequantize`` + float64 matmul, the activations
+optionally quantized as the kernel does).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from . import cpu_build
+
+Q = GGMLQuantizationType
+SUPPORTED = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
+                       Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS})
+# Activation block (values per scale) by weight type: ggml's Q8_K for the 256-value types.
+_ACT_BLOCK = {t: 256 if GGML_QUANT_SIZES[t][0] == 256 else 32 for t in SUPPORTED}
+
+# Bytes of quantized activation rows one thread keeps in L2 while it sweeps a chunk of weights
+# (a tile of m), and bytes of weight rows per chunk of work: small enough that a 2-thread decode
+# step gets many chunks to balance, large enough that a chunk's rows stream sequentially.
+X_TILE_BYTES = 160 * 1024
+W_CHUNK_BYTES = 48 * 1024
+# Weight bytes x rows below which one thread beats entering a parallel region.
+MIN_PARALLEL_WORK = 64 * 1024
+
+_i64, _int, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_SIGNATURES = {
+    "lg_gguf_matmul": [_p, _i64, _i64, _p, _i64, _i64, _int, _p, _int, _i64, _i64, _int],
+    "lg_gguf_dequant": [_p, _i64, _i64, _int, _i64, _p, _int],
+    "lg_gguf_supported": [_int],
+    "lg_gguf_simd": [],
+}
+
+
+def _lib():
+    lib = cpu_build.library("gguf_matmul", _SIGNATURES)
+    if lib is not None and not getattr(lib, "_lg_xrow", False):
+        lib.lg_gguf_xrow_bytes.argtypes = [_int, _i64]
+        lib.lg_gguf_xrow_bytes.restype = _i64
+        lib._lg_xrow = True
+    return lib
+
+
+def available() -> bool:
+    """True when the C library could be built and loaded on this machine."""
+    return _lib() is not None
+
+
+def simd() -> bool:
+    """True when the library was compiled with its AVX2 kernels (else it runs scalar C)."""
+    lib = _lib()
+    return lib is not None and bool(lib.lg_gguf_simd())
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    """Bytes of one row of k values of qtype. Raises ValueError if k is not a multiple of the
+    type's block."""
+    block, size = GGML_QUANT_SIZES[Q(qtype)]
+    if k <= 0 or k % block:
+        raise ValueError(f"gguf_cpu: k={k} is not a positive multiple of {Q(qtype).name}'s "
+                         f"block of {block} values")
+    return k // block * size
+
+
+def _check(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int) -> None:
+    """Raise ValueError unless x is [m, k] and raw [n, row_bytes(qtype, k)] uint8 with unit
+    stride along its bytes, both on the CPU."""
+    want = row_bytes(qtype, k)
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"gguf_cpu: x has shape {tuple(x.shape)}, expected [m, {k}]")
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != want:
+        raise ValueError(f"gguf_cpu: raw has shape {tuple(raw.shape)} {raw.dtype}, expected "
+                         f"[n, {want}] uint8 for {Q(qtype).name} with k={k}")
+    if raw.shape[0] and raw.stride(1) != 1:
+        raise ValueError(f"gguf_cpu: raw's bytes must be contiguous within a row (strides "
+                         f"{raw.stride()})")
+    if x.device.type != "cpu" or raw.device.type != "cpu":
+        raise ValueError(f"gguf_cpu: tensors must be on the CPU (x on {x.device}, raw on "
+                         f"{raw.device})")
+
+
+def _plan(m: int, n: int, k: int, qtype: int, wrow: int) -> tuple[int, int, int]:
+    """(threads, m_tile, n_chunk) for one call: tiles of m in multiples of 4 (the kernel's
+    rows per weight unpack), chunks of n sized by W_CHUNK_BYTES, at least 4 per thread."""
+    threads = torch.get_num_threads() if n * wrow * m >= MIN_PARALLEL_WORK else 1
+    xrow = int(_lib().lg_gguf_xrow_bytes(int(qtype), k))
+    m_tile = max(4, X_TILE_BYTES // xrow // 4 * 4)
+    n_chunk = max(1, min(W_CHUNK_BYTES // wrow, -(-n // (4 * threads))))
+    return threads, m_tile, n_chunk
+
+
+def _matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
+            scalar: bool = False) -> torch.Tensor | None:
+    """``matmul`` with the choice of the scalar C path (``scalar=True``, for tests)."""
+    if int(qtype) not in SUPPORTED:
+        return None
+    _check(x, raw, qtype, k)
+    lib = _lib()
+    if lib is None:
+        return None
+    x = x.to(torch.float32).contiguous()
+    m, n = x.shape[0], raw.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32)
+    if m == 0 or n == 0:
+        return y.zero_()
+    threads, m_tile, n_chunk = _plan(m, n, k, qtype, raw.shape[1])
+    rc = lib.lg_gguf_matmul(x.data_ptr(), m, k, raw.data_ptr(), n, raw.stride(0), int(qtype),
+                            y.data_ptr(), threads, m_tile, n_chunk, int(scalar))
+    if rc == -3:
+        raise MemoryError(f"gguf_cpu: no memory for the quantized activations of x "
+                          f"{tuple(x.shape)}")
+    if rc:
+        raise ValueError(f"gguf_cpu: the kernel rejected x {tuple(x.shape)}, raw "
+                         f"{tuple(raw.shape)} {Q(qtype).name} (code {rc})")
+    return y
+
+
+def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor | None:
+    """``y = x @ W.T`` with W stored as GGUF blocks.
+
+    x: ``[m, k]`` float32 (bf16/fp16 are converted); raw: ``[n, row_bytes]`` uint8, row r
+    holding W's row r as k / block_size blocks of ``qtype`` (a ``gguf.GGMLQuantizationType``
+    value), bytes contiguous within a row; k: the values per row. Returns ``[m, n]`` float32,
+    or None when the type is not in ``SUPPORTED`` or the C library cannot be built. The
+    activations are quantized to 8 bits per block on the way (see the module docstring): the
+    result differs from the float product by at most ``sum |w| * amax_block / 254`` per element.
+
+    Raises ValueError when k is not a multiple of the type's block or the shapes disagree
+    (naming them), MemoryError when the activation buffer cannot be allocated.
+    """
+    return _matmul(x, raw, qtype, k)
+
+
+def dequantize(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor | None:
+    """W as float32 ``[n, k]`` from raw ``[n, row_bytes]`` uint8 GGUF blocks (the scalar C
+    decoding, threaded over rows; equal to ``gguf.quants.dequantize``), or None where the type
+    is not in ``SUPPORTED`` or the library cannot be built. Raises ValueError as ``matmul``."""
+    if int(qtype) not in SUPPORTED:
+        return None
+    _check(torch.empty((0, k)), raw, qtype, k)
+    lib = _lib()
+    if lib is None:
+        return None
+    out = torch.empty((raw.shape[0], k), dtype=torch.float32)
+    rc = lib.lg_gguf_dequant(raw.data_ptr(), raw.shape[0], raw.stride(0), int(qtype), k,
+                             out.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise ValueError(f"gguf_cpu: the kernel rejected raw {tuple(raw.shape)} {Q(qtype).name}")
+    return out
+
+
+def quantize_activations(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x ``[m, k]`` as the kernel sees it after its 8-bit quantization, as float64 (exact): per
+    ``block`` values, scale ``amax / 127`` and codes ``round(x * (127 / amax))`` (half to
+    even), both computed in float32 as the C does."""
+    xb = x.to(torch.float32).reshape(x.shape[0], -1, block)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(xb * inv).double() * (amax / 127.0).double()).reshape(x.shape)
+
+
+def reference(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
+              quantize_x: bool = False) -> torch.Tensor:
+    """The pure-torch twin of ``matmul``: ``gguf.quants.dequantize`` of raw, then a float64
+    matmul with x (quantized as the kernel does when ``quantize_x``). Returns ``[m, n]``
+    float64. Raises ValueError as ``matmul``."""
+    from gguf.quants import dequantize as gguf_dequantize
+
+    _check(x, raw, qtype, k)
+    w = gguf_dequantize(np.ascontiguousarray(raw.numpy()), Q(qtype))
+    xs = quantize_activations(x, _ACT_BLOCK[Q(qtype)]) if quantize_x else x
+    return xs.to(torch.float64) @ torch.from_numpy(w).to(torch.float64).T
