@@ -5,11 +5,11 @@ the type (ggml-common.h: ``block_q4_K``, ``block_q5_K``, ``block_q6_K``, ``block
 ``block_q4_0``), raw bytes ``[N, row_bytes]`` as read from the file.
 
 * Decode (``M <= DECODE_MAX_M``): one fused kernel. Each program owns ``BLOCK_N`` output rows and
-  walks K 256 weights at a time; the weights of that step are dequantized in registers from the
-  block bytes (each value's byte and scale are gathered by index, so every layout shares one loop
-  and the byte reads of a step stay within the rows' contiguous block bytes) and multiplied into
-  the ``[BLOCK_M, BLOCK_N]`` accumulator with ``tl.dot``. Every weight byte is read from memory
-  once per call: decode is bound by reading W.
+  a slice of K, walked one 256-weight tile at a time; each 32-weight group of the tile (16 for
+  Q4_0) is loaded as contiguous bytes of every row, dequantized in registers with that row's
+  scales and multiplied into the ``[BLOCK_M, BLOCK_N]`` accumulator with ``tl.dot``. Every weight
+  byte is read from memory once per call: decode is bound by reading W, so K is split across
+  programs until the grid fills the GPU, their float32 partial sums added atomically.
 * Prefill (larger M): the same dequantization writes W once to a bf16/fp16 buffer and cuBLAS
   does the GEMM, which is compute-bound at that M.
 
@@ -58,7 +58,7 @@ def _k4_scale_min(blk, s):
 
 
 @triton.jit
-def _dequant_tile(row, kt, v, QTYPE: tl.constexpr):
+def _dequant_tile(row, kt, v, QTYPE: tl.constexpr):  # the dequantize kernel's gather form
     """float32 weights ``[BLOCK_N, TILE_K]`` of tile ``kt`` (weights ``kt*256 + v``) of the rows
     whose bytes start at ``row`` (``[BLOCK_N, 1]`` byte pointers)."""
     if QTYPE == 12:  # Q4_K: d, dmin, 12 scale bytes, 128 nibble bytes
@@ -95,28 +95,144 @@ def _dequant_tile(row, kt, v, QTYPE: tl.constexpr):
 
 
 @triton.jit
-def _gemm_decode(x_ptr, w_ptr, y_ptr, M, N, num_tiles, stride_xm, stride_wn, stride_ym,
-                 QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+def _f16_rows(blk, off):
+    """fp16 field at byte ``off`` of each row's block (``blk``: ``[BLOCK_N]`` byte pointers)."""
+    return tl.load((blk + off).to(tl.pointer_type(tl.float16))).to(tl.float32)
+
+
+@triton.jit
+def _bytes(blk, off, WIDTH: tl.constexpr):
+    """``[BLOCK_N, WIDTH]`` int32 of each row's bytes ``off .. off + WIDTH`` (contiguous loads)."""
+    return tl.load(blk[:, None] + off + tl.arange(0, WIDTH)[None, :]).to(tl.int32)
+
+
+@triton.jit
+def _dot_group(acc, x_cols, w, m_mask, WIDTH: tl.constexpr, DOT_DTYPE: tl.constexpr,
+               IEEE: tl.constexpr):
+    """``acc += x[:, cols] · wᵀ`` for ``WIDTH`` consecutive columns starting at ``x_cols``."""
+    x = tl.load(x_cols + tl.arange(0, WIDTH)[None, :], mask=m_mask, other=0.0)
+    if IEEE:  # float32 activations: no TF32 rounding of the operands
+        return acc + tl.dot(x, tl.trans(w), input_precision="ieee")
+    return acc + tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)))
+
+
+@triton.jit
+def _k4_scale_min_of(blk, S: tl.constexpr):
+    """``[BLOCK_N]`` 6-bit scale and min of sub-block ``S`` (Q4_K/Q5_K bytes 4..15)."""
+    if S < 4:
+        sc = tl.load(blk + 4 + S).to(tl.int32) & 63
+        mn = tl.load(blk + 8 + S).to(tl.int32) & 63
+    else:
+        packed = tl.load(blk + 12 + (S - 4)).to(tl.int32)
+        sc = (packed & 15) | ((tl.load(blk + 4 + (S - 4)).to(tl.int32) >> 6) << 4)
+        mn = (packed >> 4) | ((tl.load(blk + 8 + (S - 4)).to(tl.int32) >> 6) << 4)
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _tile_k4(acc, rows, kt, xt, m_mask, FIFTH_BIT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+             IEEE: tl.constexpr):
+    """One Q4_K (or, with FIFTH_BIT, Q5_K) super-block of every row: eight 32-weight groups."""
+    if FIFTH_BIT:
+        blk = rows + kt * 176
+        qh = _bytes(blk, 16, 32)
+        qs_at = 48
+    else:
+        blk = rows + kt * 144
+        qs_at = 16
+    d = _f16_rows(blk, 0)
+    dmin = _f16_rows(blk, 2)
+    for c in tl.static_range(4):
+        qb = _bytes(blk, qs_at + 32 * c, 32)
+        for h in tl.static_range(2):
+            sc, mn = _k4_scale_min_of(blk, 2 * c + h)
+            q = (qb >> (4 * h)) & 15
+            if FIFTH_BIT:
+                q = q | (((qh >> (2 * c + h)) & 1) << 4)
+            w = (d * sc)[:, None] * q.to(tl.float32) - (dmin * mn)[:, None]
+            acc = _dot_group(acc, xt + 64 * c + 32 * h, w, m_mask, 32, DOT_DTYPE, IEEE)
+    return acc
+
+
+@triton.jit
+def _tile_q6_k(acc, rows, kt, xt, m_mask, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+    """One Q6_K super-block of every row: eight 32-weight groups, a scale per 16 weights."""
+    blk = rows + kt * 210
+    d = _f16_rows(blk, 208)
+    first16 = (tl.arange(0, 32) < 16)[None, :]
+    for h in tl.static_range(2):
+        qh = _bytes(blk, 128 + 32 * h, 32)
+        for half in tl.static_range(2):
+            ql = _bytes(blk, 64 * h + 32 * half, 32)
+            for nib in tl.static_range(2):
+                g = 2 * nib + half  # the group's quarter of this 128-weight half
+                q = ((ql >> (4 * nib)) & 15) | (((qh >> (2 * g)) & 3) << 4)
+                sa = tl.load(blk + 192 + 8 * h + 2 * g).to(tl.int8, bitcast=True).to(tl.float32)
+                sb = tl.load(blk + 193 + 8 * h + 2 * g).to(tl.int8, bitcast=True).to(tl.float32)
+                scale = tl.where(first16, (d * sa)[:, None], (d * sb)[:, None])
+                w = scale * (q - 32).to(tl.float32)
+                acc = _dot_group(acc, xt + 128 * h + 32 * g, w, m_mask, 32, DOT_DTYPE, IEEE)
+    return acc
+
+
+@triton.jit
+def _tile_q8_0(acc, rows, kt, xt, m_mask, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+    """Eight Q8_0 blocks of every row (256 weights)."""
+    for b in tl.static_range(8):
+        blk = rows + (kt * 8 + b) * 34
+        q = tl.load(blk[:, None] + 2 + tl.arange(0, 32)[None, :]).to(tl.int8, bitcast=True)
+        w = _f16_rows(blk, 0)[:, None] * q.to(tl.float32)
+        acc = _dot_group(acc, xt + 32 * b, w, m_mask, 32, DOT_DTYPE, IEEE)
+    return acc
+
+
+@triton.jit
+def _tile_q4_0(acc, rows, kt, xt, m_mask, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+    """Eight Q4_0 blocks of every row: weights 0..15 in the low nibbles, 16..31 in the high."""
+    for b in tl.static_range(8):
+        blk = rows + (kt * 8 + b) * 18
+        d = _f16_rows(blk, 0)[:, None]
+        qb = _bytes(blk, 2, 16)
+        for h in tl.static_range(2):
+            w = d * (((qb >> (4 * h)) & 15) - 8).to(tl.float32)
+            acc = _dot_group(acc, xt + 32 * b + 16 * h, w, m_mask, 16, DOT_DTYPE, IEEE)
+    return acc
+
+
+@triton.jit
+def _gemm_decode(x_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_xm, stride_wn,
+                 stride_ym, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 SPLIT_K: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+    """Program (n, s): output rows ``n*BLOCK_N ..`` over K tiles ``s*tiles_per_split ..``; split
+    programs add their float32 partial sums into ``y`` atomically."""
     pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    v = tl.arange(0, 256)
+    offs_m = tl.arange(0, BLOCK_M)
     # rows past N read row N - 1 (always valid) and are masked at the store
-    row = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
+    rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     m_mask = (offs_m < M)[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kt in range(num_tiles):
-        w = _dequant_tile(row, kt, v[None, :], QTYPE)
-        x = tl.load(x_rows + kt * 256 + v[None, :], mask=m_mask, other=0.0)
-        if IEEE:  # float32 activations: no TF32 rounding of the operands
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+    kt0 = pid_k * tiles_per_split
+    for kt in range(kt0, tl.minimum(kt0 + tiles_per_split, num_tiles)):
+        xt = x_rows + kt * 256
+        if QTYPE == 12:
+            acc = _tile_k4(acc, rows, kt, xt, m_mask, False, DOT_DTYPE, IEEE)
+        elif QTYPE == 13:
+            acc = _tile_k4(acc, rows, kt, xt, m_mask, True, DOT_DTYPE, IEEE)
+        elif QTYPE == 14:
+            acc = _tile_q6_k(acc, rows, kt, xt, m_mask, DOT_DTYPE, IEEE)
+        elif QTYPE == 8:
+            acc = _tile_q8_0(acc, rows, kt, xt, m_mask, DOT_DTYPE, IEEE)
         else:
-            acc += tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)))
+            acc = _tile_q4_0(acc, rows, kt, xt, m_mask, DOT_DTYPE, IEEE)
     y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask & (offs_n < N)[None, :])
+    mask = m_mask & (offs_n < N)[None, :]
+    if SPLIT_K == 1:
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(y, acc, mask=mask)
 
 
 @triton.jit
@@ -163,24 +279,37 @@ def dequantize(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype = torch
     return out
 
 
-def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
-           block_n: int = 32) -> torch.Tensor:
+def split_k(n_programs: int, num_tiles: int, device: torch.device) -> int:
+    """K slices per output tile so that about four programs per multiprocessor run: a decode
+    GEMV has too few output tiles alone to keep every multiprocessor's loads in flight."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(num_tiles, -(-4 * sms // n_programs)))
+
+
+def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int, block_n: int = 32,
+           splits: int | None = None) -> torch.Tensor:
     """``x [M, k] · Wᵀ`` -> ``[M, N]`` in x's dtype (fp16/bf16/fp32), W the GGUF blocks ``raw``.
-    M <= DECODE_MAX_M runs the fused kernel; larger M dequantizes W once and calls cuBLAS.
+    M <= DECODE_MAX_M runs the fused kernel (``splits`` K slices; None: :func:`split_k`);
+    larger M dequantizes W once and calls cuBLAS.
     Raises ValueError as :func:`dequantize`, or when x is not ``[M, k]``."""
     qtype = _check(raw, qtype, k)
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
     m, n = x.shape[0], raw.shape[0]
     if m > DECODE_MAX_M:
-        w_dtype = x.dtype if x.dtype != torch.float32 else torch.float32
-        return x @ dequantize(raw, qtype, k, w_dtype).t()
+        return x @ dequantize(raw, qtype, k, x.dtype).t()
     x = x.contiguous()
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    tiles, n_programs = k // TILE_K, triton.cdiv(n, block_n)
+    splits = splits or split_k(n_programs, tiles, x.device)
+    per_split = triton.cdiv(tiles, splits)
+    splits = triton.cdiv(tiles, per_split)
+    y = (torch.empty if splits == 1 else torch.zeros)(
+        m, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
     dot = tl.float32 if x.dtype == torch.float32 else (
         tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16)
-    grid = (triton.cdiv(n, block_n), 1)
-    _gemm_decode[grid](x, raw, y, m, n, k // TILE_K, x.stride(0), raw.stride(0), y.stride(0),
-                       QTYPE=qtype, BLOCK_M=16, BLOCK_N=block_n, DOT_DTYPE=dot,
-                       IEEE=x.dtype == torch.float32)
-    return y
+    _gemm_decode[(n_programs, splits)](
+        x, raw, y, m, n, tiles, per_split, x.stride(0), raw.stride(0), y.stride(0), QTYPE=qtype,
+        BLOCK_M=16, BLOCK_N=block_n, SPLIT_K=splits, DOT_DTYPE=dot, IEEE=x.dtype == torch.float32)
+    return y.to(x.dtype)

@@ -44,12 +44,12 @@ def test_dequantize_equals_gguf(qtype):
 
 
 @pytest.mark.parametrize("qtype", sorted(gguf_gemm.BLOCK_BYTES))
-@pytest.mark.parametrize("m", [1, 3, 16, 20])
-def test_matmul_matches_float64(qtype, m):
+@pytest.mark.parametrize("m,splits", [(1, None), (3, 3), (16, 2), (20, None)])
+def test_matmul_matches_float64(qtype, m, splits):
     n, k = 37, 512  # n not a multiple of the 32-row tile
     raw = random_blocks(qtype, n, k, seed=100 + qtype)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    y = gguf_gemm.matmul(x, torch.from_numpy(raw), qtype, k)
+    y = gguf_gemm.matmul(x, torch.from_numpy(raw), qtype, k, splits=splits)
     want = x.double().numpy() @ reference(raw, qtype, k).T
     # float32 products summed in another order than float64: relative to the row's scale
     tol = 1e-5 * np.abs(x.double().numpy()) @ np.abs(reference(raw, qtype, k)).T + 1e-6
