@@ -108,8 +108,13 @@ def _bytes(blk, off, WIDTH: tl.constexpr):
 
 @triton.jit
 def _dot_group(acc, x_cols, w, m_mask, WIDTH: tl.constexpr, DOT_DTYPE: tl.constexpr,
-               IEEE: tl.constexpr):
-    """``acc += x[:, cols] · wᵀ`` for ``WIDTH`` consecutive columns starting at ``x_cols``."""
+               IEEE: tl.constexpr, GEMV: tl.constexpr):
+    """``acc += x[:, cols] · wᵀ`` for ``WIDTH`` consecutive columns starting at ``x_cols``.
+    GEMV (one activation row): ``acc`` is ``[BLOCK_N, WIDTH]`` of products summed at the end, so
+    the weights never change register layout (a ``tl.dot`` operand goes through shared memory)."""
+    if GEMV:
+        x = tl.load(x_cols + tl.arange(0, WIDTH)[None, :]).to(tl.float32)
+        return acc + w * x
     x = tl.load(x_cols + tl.arange(0, WIDTH)[None, :], mask=m_mask, other=0.0)
     if IEEE:  # float32 activations: no TF32 rounding of the operands
         return acc + tl.dot(x, tl.trans(w), input_precision="ieee")
@@ -131,7 +136,7 @@ def _k4_scale_min_of(blk, S: tl.constexpr):
 
 @triton.jit
 def _tile_k4(acc, rows, kt, xt, m_mask, FIFTH_BIT: tl.constexpr, DOT_DTYPE: tl.constexpr,
-             IEEE: tl.constexpr):
+             IEEE: tl.constexpr, GEMV: tl.constexpr):
     """One Q4_K (or, with FIFTH_BIT, Q5_K) super-block of every row: eight 32-weight groups."""
     if FIFTH_BIT:
         blk = rows + kt * 176
@@ -150,12 +155,13 @@ def _tile_k4(acc, rows, kt, xt, m_mask, FIFTH_BIT: tl.constexpr, DOT_DTYPE: tl.c
             if FIFTH_BIT:
                 q = q | (((qh >> (2 * c + h)) & 1) << 4)
             w = (d * sc)[:, None] * q.to(tl.float32) - (dmin * mn)[:, None]
-            acc = _dot_group(acc, xt + 64 * c + 32 * h, w, m_mask, 32, DOT_DTYPE, IEEE)
+            acc = _dot_group(acc, xt + 64 * c + 32 * h, w, m_mask, 32, DOT_DTYPE, IEEE, GEMV)
     return acc
 
 
 @triton.jit
-def _tile_q6_k(acc, rows, kt, xt, m_mask, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+def _tile_q6_k(acc, rows, kt, xt, m_mask, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+               GEMV: tl.constexpr):
     """One Q6_K super-block of every row: eight 32-weight groups, a scale per 16 weights."""
     blk = rows + kt * 210
     d = _f16_rows(blk, 208)
@@ -171,40 +177,44 @@ def _tile_q6_k(acc, rows, kt, xt, m_mask, DOT_DTYPE: tl.constexpr, IEEE: tl.cons
                 sb = tl.load(blk + 193 + 8 * h + 2 * g).to(tl.int8, bitcast=True).to(tl.float32)
                 scale = tl.where(first16, (d * sa)[:, None], (d * sb)[:, None])
                 w = scale * (q - 32).to(tl.float32)
-                acc = _dot_group(acc, xt + 128 * h + 32 * g, w, m_mask, 32, DOT_DTYPE, IEEE)
+                acc = _dot_group(acc, xt + 128 * h + 32 * g, w, m_mask, 32, DOT_DTYPE, IEEE, GEMV)
     return acc
 
 
 @triton.jit
-def _tile_q8_0(acc, rows, kt, xt, m_mask, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+def _tile_q8_0(acc, rows, kt, xt, m_mask, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+               GEMV: tl.constexpr):
     """Eight Q8_0 blocks of every row (256 weights)."""
     for b in tl.static_range(8):
         blk = rows + (kt * 8 + b) * 34
         q = tl.load(blk[:, None] + 2 + tl.arange(0, 32)[None, :]).to(tl.int8, bitcast=True)
         w = _f16_rows(blk, 0)[:, None] * q.to(tl.float32)
-        acc = _dot_group(acc, xt + 32 * b, w, m_mask, 32, DOT_DTYPE, IEEE)
+        acc = _dot_group(acc, xt + 32 * b, w, m_mask, 32, DOT_DTYPE, IEEE, GEMV)
     return acc
 
 
 @triton.jit
-def _tile_q4_0(acc, rows, kt, xt, m_mask, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
-    """Eight Q4_0 blocks of every row: weights 0..15 in the low nibbles, 16..31 in the high."""
+def _tile_q4_0(acc, rows, kt, xt, m_mask, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+               GEMV: tl.constexpr):
+    """Eight Q4_0 blocks of every row: weights 0..15 in the low nibbles, 16..31 in the high
+    (each byte is loaded for both of its weights; the second load hits L1)."""
+    t = tl.arange(0, 32)
     for b in tl.static_range(8):
         blk = rows + (kt * 8 + b) * 18
-        d = _f16_rows(blk, 0)[:, None]
-        qb = _bytes(blk, 2, 16)
-        for h in tl.static_range(2):
-            w = d * (((qb >> (4 * h)) & 15) - 8).to(tl.float32)
-            acc = _dot_group(acc, xt + 32 * b + 16 * h, w, m_mask, 16, DOT_DTYPE, IEEE)
+        qb = tl.load(blk[:, None] + 2 + (t % 16)[None, :]).to(tl.int32)
+        q = (qb >> (4 * (t // 16))[None, :]) & 15
+        w = _f16_rows(blk, 0)[:, None] * (q - 8).to(tl.float32)
+        acc = _dot_group(acc, xt + 32 * b, w, m_mask, 32, DOT_DTYPE, IEEE, GEMV)
     return acc
 
 
 @triton.jit
 def _gemm_decode(x_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_xm, stride_wn,
                  stride_ym, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 SPLIT_K: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+                 SPLIT_K: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+                 GEMV: tl.constexpr):
     """Program (n, s): output rows ``n*BLOCK_N ..`` over K tiles ``s*tiles_per_split ..``; split
-    programs add their float32 partial sums into ``y`` atomically."""
+    programs add their float32 partial sums into ``y`` atomically. GEMV: M == 1 (BLOCK_M 1)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -213,26 +223,33 @@ def _gemm_decode(x_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_x
     rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     m_mask = (offs_m < M)[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if GEMV:
+        acc = tl.zeros([BLOCK_N, 32], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     kt0 = pid_k * tiles_per_split
     for kt in range(kt0, tl.minimum(kt0 + tiles_per_split, num_tiles)):
         xt = x_rows + kt * 256
         if QTYPE == 12:
-            acc = _tile_k4(acc, rows, kt, xt, m_mask, False, DOT_DTYPE, IEEE)
+            acc = _tile_k4(acc, rows, kt, xt, m_mask, False, DOT_DTYPE, IEEE, GEMV)
         elif QTYPE == 13:
-            acc = _tile_k4(acc, rows, kt, xt, m_mask, True, DOT_DTYPE, IEEE)
+            acc = _tile_k4(acc, rows, kt, xt, m_mask, True, DOT_DTYPE, IEEE, GEMV)
         elif QTYPE == 14:
-            acc = _tile_q6_k(acc, rows, kt, xt, m_mask, DOT_DTYPE, IEEE)
+            acc = _tile_q6_k(acc, rows, kt, xt, m_mask, DOT_DTYPE, IEEE, GEMV)
         elif QTYPE == 8:
-            acc = _tile_q8_0(acc, rows, kt, xt, m_mask, DOT_DTYPE, IEEE)
+            acc = _tile_q8_0(acc, rows, kt, xt, m_mask, DOT_DTYPE, IEEE, GEMV)
         else:
-            acc = _tile_q4_0(acc, rows, kt, xt, m_mask, DOT_DTYPE, IEEE)
+            acc = _tile_q4_0(acc, rows, kt, xt, m_mask, DOT_DTYPE, IEEE, GEMV)
+    if GEMV:
+        out = tl.sum(acc, axis=1)[None, :]
+    else:
+        out = acc
     y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     mask = m_mask & (offs_n < N)[None, :]
     if SPLIT_K == 1:
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.atomic_add(y, acc, mask=mask)
+        tl.atomic_add(y, out, mask=mask)
 
 
 @triton.jit
@@ -311,5 +328,6 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int, block_n: int 
         tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16)
     _gemm_decode[(n_programs, splits)](
         x, raw, y, m, n, tiles, per_split, x.stride(0), raw.stride(0), y.stride(0), QTYPE=qtype,
-        BLOCK_M=16, BLOCK_N=block_n, SPLIT_K=splits, DOT_DTYPE=dot, IEEE=x.dtype == torch.float32)
+        BLOCK_M=1 if m == 1 else 16, BLOCK_N=block_n, SPLIT_K=splits, DOT_DTYPE=dot,
+        IEEE=x.dtype == torch.float32, GEMV=m == 1)
     return y.to(x.dtype)

@@ -84,7 +84,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--qtypes", default="12,14,8,13,2", help="GGMLQuantizationType values")
     p.add_argument("--ms", default="1,4,16,64,512")
-    p.add_argument("--block-n", default="16,32,64", help="output rows a program, tried per cell")
+    p.add_argument("--block-n", default="32,64,128", help="output rows a program, tried per cell")
     a = p.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     atomic_write_json(a.out, run(SHAPES, ints(a.qtypes), ints(a.ms), ints(a.block_n)))
