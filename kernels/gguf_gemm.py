@@ -113,12 +113,14 @@ def _dot_group(acc, x_cols, w, m_mask, WIDTH: tl.constexpr, DOT_DTYPE: tl.conste
     GEMV (one activation row): ``acc`` is ``[BLOCK_N, WIDTH]`` of products summed at the end, so
     the weights never change register layout (a ``tl.dot`` operand goes through shared memory)."""
     if GEMV:
-        x = tl.load(x_cols + tl.arange(0, WIDTH)[None, :]).to(tl.float32)
-        return acc + w * x
-    x = tl.load(x_cols + tl.arange(0, WIDTH)[None, :], mask=m_mask, other=0.0)
-    if IEEE:  # float32 activations: no TF32 rounding of the operands
-        return acc + tl.dot(x, tl.trans(w), input_precision="ieee")
-    return acc + tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)))
+        out = acc + w * tl.load(x_cols + tl.arange(0, WIDTH)[None, :]).to(tl.float32)
+    else:
+        x = tl.load(x_cols + tl.arange(0, WIDTH)[None, :], mask=m_mask, other=0.0)
+        if IEEE:  # float32 activations: no TF32 rounding of the operands
+            out = acc + tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            out = acc + tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)))
+    return out
 
 
 @triton.jit
