@@ -170,8 +170,9 @@ def quantize_activations(x: torch.Tensor, block: int) -> torch.Tensor:
     even), both computed in float32 as the C does."""
     xb = x.to(torch.float32).reshape(x.shape[0], -1, block)
     amax = xb.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    return (torch.round(xb * inv).double() * (amax / 127.0).double()).reshape(x.shape)
+    c127 = torch.full_like(amax, 127.0)  # tensor / tensor divides; scalar / tensor takes a reciprocal
+    inv = torch.where(amax > 0, c127 / amax, torch.zeros_like(amax))
+    return (torch.round(xb * inv).double() * (amax / c127).double()).reshape(x.shape)
 
 
 def reference(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
