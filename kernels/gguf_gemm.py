@@ -5,13 +5,14 @@ the type (ggml-common.h: ``block_q4_K``, ``block_q5_K``, ``block_q6_K``, ``block
 ``block_q4_0``), raw bytes ``[N, row_bytes]`` as read from the file.
 
 * Decode (``M <= DECODE_MAX_M``): one fused kernel. Each program owns ``BLOCK_N`` output rows and
-  a slice of K, walked one 256-weight tile at a time; each 32-weight group of the tile (16 for
-  Q4_0) is loaded as contiguous bytes of every row, dequantized in registers with that row's
-  scales and multiplied into the ``[BLOCK_M, BLOCK_N]`` accumulator with ``tl.dot``. Every weight
+  a slice of K, walked one 256-weight tile at a time; each 32-weight group of the tile is loaded
+  as contiguous bytes of every row (``_group``), dequantized in registers with that row's scales
+  and multiplied into the ``[BLOCK_M, BLOCK_N]`` accumulator with ``tl.dot`` (for M = 1, products
+  accumulated elementwise and summed once at the end). Every weight
   byte is read from memory once per call: decode is bound by reading W, so K is split across
   programs until the grid fills the GPU, their float32 partial sums added atomically.
-* Prefill (larger M): the same dequantization writes W once to a bf16/fp16 buffer and cuBLAS
-  does the GEMM, which is compute-bound at that M.
+* Prefill (larger M): the same ``_group`` dequantization writes W once to a bf16/fp16 buffer and
+  cuBLAS does the GEMM, which is compute-bound at that M.
 
 The value order inside each block follows ``gguf.quants`` (the reference these kernels are tested
 against): e.g. Q4_K's 128 bytes of nibbles hold, per 32-byte chunk ``c``, sub-block ``2c`` in the
@@ -34,97 +35,24 @@ DECODE_MAX_M = 16
 
 
 @triton.jit
-def _f16(ptr):
-    """fp16 stored at a byte address (2-aligned in every layout here) as float32."""
-    return tl.load(ptr.to(tl.pointer_type(tl.float16))).to(tl.float32)
-
-
-@triton.jit
-def _u8(ptr):
-    return tl.load(ptr).to(tl.int32)
-
-
-@triton.jit
-def _k4_scale_min(blk, s):
-    """6-bit scale and min of sub-block ``s`` (0..7) from the 12 packed bytes at ``blk + 4``."""
-    sc_lo = _u8(blk + 4 + s) & 63
-    mn_lo = _u8(blk + 4 + s + 4) & 63
-    hi = s >= 4
-    s4 = tl.where(hi, s - 4, 0)
-    packed = _u8(blk + 4 + 8 + s4)
-    sc_hi = (packed & 15) | ((_u8(blk + 4 + s4) >> 6) << 4)
-    mn_hi = (packed >> 4) | ((_u8(blk + 4 + s4 + 4) >> 6) << 4)
-    return tl.where(hi, sc_hi, sc_lo).to(tl.float32), tl.where(hi, mn_hi, mn_lo).to(tl.float32)
-
-
-@triton.jit
-def _dequant_tile(row, kt, v, QTYPE: tl.constexpr):  # the dequantize kernel's gather form
-    """float32 weights ``[BLOCK_N, TILE_K]`` of tile ``kt`` (weights ``kt*256 + v``) of the rows
-    whose bytes start at ``row`` (``[BLOCK_N, 1]`` byte pointers)."""
-    if QTYPE == 12:  # Q4_K: d, dmin, 12 scale bytes, 128 nibble bytes
-        blk = row + kt * 144
-        s = v // 32
-        q = (_u8(blk + 16 + (v // 64) * 32 + v % 32) >> ((s % 2) * 4)) & 15
-        sc, mn = _k4_scale_min(blk, s)
-        w = _f16(blk) * sc * q.to(tl.float32) - _f16(blk + 2) * mn
-    elif QTYPE == 13:  # Q5_K: as Q4_K, then 32 bytes of fifth bits, then the nibbles
-        blk = row + kt * 176
-        s = v // 32
-        lo = (_u8(blk + 48 + (v // 64) * 32 + v % 32) >> ((s % 2) * 4)) & 15
-        hi = (_u8(blk + 16 + v % 32) >> s) & 1
-        sc, mn = _k4_scale_min(blk, s)
-        w = _f16(blk) * sc * (lo | (hi << 4)).to(tl.float32) - _f16(blk + 2) * mn
-    elif QTYPE == 14:  # Q6_K: 128 low-nibble bytes, 64 two-bit bytes, 16 int8 scales, d
-        blk = row + kt * 210
-        h = v // 128
-        g = (v % 128) // 32
-        l = v % 32
-        lo = (_u8(blk + 64 * h + 32 * (g % 2) + l) >> (4 * (g // 2))) & 15
-        hi = (_u8(blk + 128 + 32 * h + l) >> (2 * g)) & 3
-        sc = tl.load(blk + 192 + v // 16).to(tl.int8, bitcast=True).to(tl.float32)
-        w = _f16(blk + 208) * sc * ((lo | (hi << 4)) - 32).to(tl.float32)
-    elif QTYPE == 8:  # Q8_0: d, 32 int8
-        blk = row + (kt * 8 + v // 32) * 34
-        w = _f16(blk) * tl.load(blk + 2 + v % 32).to(tl.int8, bitcast=True).to(tl.float32)
-    else:  # Q4_0: d, 16 bytes: weight j in the low nibble of byte j, j + 16 in the high one
-        blk = row + (kt * 8 + v // 32) * 18
-        j = v % 32
-        q = (_u8(blk + 2 + j % 16) >> ((j // 16) * 4)) & 15
-        w = _f16(blk) * (q - 8).to(tl.float32)
-    return w
-
-
-@triton.jit
 def _f16_rows(blk, off):
     """fp16 field at byte ``off`` of each row's block (``blk``: ``[BLOCK_N]`` byte pointers)."""
     return tl.load((blk + off).to(tl.pointer_type(tl.float16))).to(tl.float32)
 
 
 @triton.jit
-def _bytes(blk, off, WIDTH: tl.constexpr):
-    """``[BLOCK_N, WIDTH]`` int32 of each row's bytes ``off .. off + WIDTH`` (contiguous loads)."""
-    return tl.load(blk[:, None] + off + tl.arange(0, WIDTH)[None, :]).to(tl.int32)
+def _bytes(blk, off):
+    """``[BLOCK_N, 32]`` int32 of each row's bytes ``off .. off + 32`` (contiguous loads)."""
+    return tl.load(blk[:, None] + off + tl.arange(0, 32)[None, :]).to(tl.int32)
 
 
 @triton.jit
-def _dot_group(acc, x_cols, w, m_mask, WIDTH: tl.constexpr, DOT_DTYPE: tl.constexpr,
-               IEEE: tl.constexpr, GEMV: tl.constexpr):
-    """``acc += x[:, cols] · wᵀ`` for ``WIDTH`` consecutive columns starting at ``x_cols``.
-    GEMV (one activation row): ``acc`` is ``[BLOCK_N, WIDTH]`` of products summed at the end, so
-    the weights never change register layout (a ``tl.dot`` operand goes through shared memory)."""
-    if GEMV:
-        out = acc + w * tl.load(x_cols + tl.arange(0, WIDTH)[None, :]).to(tl.float32)
-    else:
-        x = tl.load(x_cols + tl.arange(0, WIDTH)[None, :], mask=m_mask, other=0.0)
-        if IEEE:  # float32 activations: no TF32 rounding of the operands
-            out = acc + tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            out = acc + tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)))
-    return out
+def _i8_rows(blk, off):
+    return tl.load(blk + off).to(tl.int8, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _k4_scale_min_of(blk, S: tl.constexpr):
+def _k4_scale_min(blk, S: tl.constexpr):
     """``[BLOCK_N]`` 6-bit scale and min of sub-block ``S`` (Q4_K/Q5_K bytes 4..15)."""
     if S < 4:
         sc = tl.load(blk + 4 + S).to(tl.int32) & 63
@@ -137,77 +65,56 @@ def _k4_scale_min_of(blk, S: tl.constexpr):
 
 
 @triton.jit
-def _tile_k4(acc, rows, kt, xt, m_mask, FIFTH_BIT: tl.constexpr, DOT_DTYPE: tl.constexpr,
-             IEEE: tl.constexpr, GEMV: tl.constexpr):
-    """One Q4_K (or, with FIFTH_BIT, Q5_K) super-block of every row: eight 32-weight groups."""
-    if FIFTH_BIT:
-        blk = rows + kt * 176
-        qh = _bytes(blk, 16, 32)
-        qs_at = 48
-    else:
-        blk = rows + kt * 144
-        qs_at = 16
-    d = _f16_rows(blk, 0)
-    dmin = _f16_rows(blk, 2)
-    for c in tl.static_range(4):
-        qb = _bytes(blk, qs_at + 32 * c, 32)
-        for h in tl.static_range(2):
-            sc, mn = _k4_scale_min_of(blk, 2 * c + h)
-            q = (qb >> (4 * h)) & 15
-            if FIFTH_BIT:
-                q = q | (((qh >> (2 * c + h)) & 1) << 4)
-            w = (d * sc)[:, None] * q.to(tl.float32) - (dmin * mn)[:, None]
-            acc = _dot_group(acc, xt + 64 * c + 32 * h, w, m_mask, 32, DOT_DTYPE, IEEE, GEMV)
-    return acc
-
-
-@triton.jit
-def _tile_q6_k(acc, rows, kt, xt, m_mask, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
-               GEMV: tl.constexpr):
-    """One Q6_K super-block of every row: eight 32-weight groups, a scale per 16 weights."""
-    blk = rows + kt * 210
-    d = _f16_rows(blk, 208)
-    first16 = (tl.arange(0, 32) < 16)[None, :]
-    for h in tl.static_range(2):
-        qh = _bytes(blk, 128 + 32 * h, 32)
-        for half in tl.static_range(2):
-            ql = _bytes(blk, 64 * h + 32 * half, 32)
-            for nib in tl.static_range(2):
-                g = 2 * nib + half  # the group's quarter of this 128-weight half
-                q = ((ql >> (4 * nib)) & 15) | (((qh >> (2 * g)) & 3) << 4)
-                sa = tl.load(blk + 192 + 8 * h + 2 * g).to(tl.int8, bitcast=True).to(tl.float32)
-                sb = tl.load(blk + 193 + 8 * h + 2 * g).to(tl.int8, bitcast=True).to(tl.float32)
-                scale = tl.where(first16, (d * sa)[:, None], (d * sb)[:, None])
-                w = scale * (q - 32).to(tl.float32)
-                acc = _dot_group(acc, xt + 128 * h + 32 * g, w, m_mask, 32, DOT_DTYPE, IEEE, GEMV)
-    return acc
-
-
-@triton.jit
-def _tile_q8_0(acc, rows, kt, xt, m_mask, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
-               GEMV: tl.constexpr):
-    """Eight Q8_0 blocks of every row (256 weights)."""
-    for b in tl.static_range(8):
-        blk = rows + (kt * 8 + b) * 34
-        q = tl.load(blk[:, None] + 2 + tl.arange(0, 32)[None, :]).to(tl.int8, bitcast=True)
+def _group(rows, kt, G: tl.constexpr, QTYPE: tl.constexpr):
+    """float32 weights ``[BLOCK_N, 32]``: values ``kt*256 + 32*G ..`` of every row (``rows``:
+    ``[BLOCK_N]`` byte pointers to the rows' first block). Block layouts as in gguf.quants."""
+    t = tl.arange(0, 32)[None, :]
+    if QTYPE == 12 or QTYPE == 13:  # Q4_K / Q5_K: d, dmin, 12 scale bytes, [32 qh], nibbles
+        if QTYPE == 12:
+            blk = rows + kt * 144
+            q = (_bytes(blk, 16 + 32 * (G // 2)) >> (4 * (G % 2))) & 15
+        else:
+            blk = rows + kt * 176
+            q = (_bytes(blk, 48 + 32 * (G // 2)) >> (4 * (G % 2))) & 15
+            q = q | (((_bytes(blk, 16) >> G) & 1) << 4)
+        sc, mn = _k4_scale_min(blk, G)
+        w = (_f16_rows(blk, 0) * sc)[:, None] * q.to(tl.float32) - (_f16_rows(blk, 2) * mn)[:, None]
+    elif QTYPE == 14:  # Q6_K: 128 low-nibble bytes, 64 two-bit bytes, 16 int8 scales, d
+        blk = rows + kt * 210
+        h = G // 4
+        quarter = G % 4
+        lo = (_bytes(blk, 64 * h + 32 * (quarter % 2)) >> (4 * (quarter // 2))) & 15
+        hi = (_bytes(blk, 128 + 32 * h) >> (2 * quarter)) & 3
+        d = _f16_rows(blk, 208)
+        sa = d * _i8_rows(blk, 192 + 2 * G)  # a scale per 16 weights
+        sb = d * _i8_rows(blk, 193 + 2 * G)
+        w = tl.where(t < 16, sa[:, None], sb[:, None]) * ((lo | (hi << 4)) - 32).to(tl.float32)
+    elif QTYPE == 8:  # Q8_0: d, 32 int8
+        blk = rows + (kt * 8 + G) * 34
+        q = tl.load(blk[:, None] + 2 + t).to(tl.int8, bitcast=True)
         w = _f16_rows(blk, 0)[:, None] * q.to(tl.float32)
-        acc = _dot_group(acc, xt + 32 * b, w, m_mask, 32, DOT_DTYPE, IEEE, GEMV)
-    return acc
+    else:  # Q4_0: d, 16 bytes: weight j in the low nibble of byte j, j + 16 in the high one
+        blk = rows + (kt * 8 + G) * 18
+        q = (tl.load(blk[:, None] + 2 + t % 16).to(tl.int32) >> (4 * (t // 16))) & 15
+        w = _f16_rows(blk, 0)[:, None] * (q - 8).to(tl.float32)
+    return w
 
 
 @triton.jit
-def _tile_q4_0(acc, rows, kt, xt, m_mask, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+def _dot_group(acc, x_cols, w, m_mask, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
                GEMV: tl.constexpr):
-    """Eight Q4_0 blocks of every row: weights 0..15 in the low nibbles, 16..31 in the high
-    (each byte is loaded for both of its weights; the second load hits L1)."""
-    t = tl.arange(0, 32)
-    for b in tl.static_range(8):
-        blk = rows + (kt * 8 + b) * 18
-        qb = tl.load(blk[:, None] + 2 + (t % 16)[None, :]).to(tl.int32)
-        q = (qb >> (4 * (t // 16))[None, :]) & 15
-        w = _f16_rows(blk, 0)[:, None] * (q - 8).to(tl.float32)
-        acc = _dot_group(acc, xt + 32 * b, w, m_mask, 32, DOT_DTYPE, IEEE, GEMV)
-    return acc
+    """``acc += x[:, cols] · wᵀ`` for the 32 columns starting at ``x_cols``.
+    GEMV (one activation row): ``acc`` is ``[BLOCK_N, 32]`` of products summed at the end, so
+    the weights never change register layout (a ``tl.dot`` operand goes through shared memory)."""
+    if GEMV:
+        out = acc + w * tl.load(x_cols + tl.arange(0, 32)[None, :]).to(tl.float32)
+    else:
+        x = tl.load(x_cols + tl.arange(0, 32)[None, :], mask=m_mask, other=0.0)
+        if IEEE:  # float32 activations: no TF32 rounding of the operands
+            out = acc + tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            out = acc + tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)))
+    return out
 
 
 @triton.jit
@@ -231,17 +138,9 @@ def _gemm_decode(x_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_x
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     kt0 = pid_k * tiles_per_split
     for kt in range(kt0, tl.minimum(kt0 + tiles_per_split, num_tiles)):
-        xt = x_rows + kt * 256
-        if QTYPE == 12:
-            acc = _tile_k4(acc, rows, kt, xt, m_mask, False, DOT_DTYPE, IEEE, GEMV)
-        elif QTYPE == 13:
-            acc = _tile_k4(acc, rows, kt, xt, m_mask, True, DOT_DTYPE, IEEE, GEMV)
-        elif QTYPE == 14:
-            acc = _tile_q6_k(acc, rows, kt, xt, m_mask, DOT_DTYPE, IEEE, GEMV)
-        elif QTYPE == 8:
-            acc = _tile_q8_0(acc, rows, kt, xt, m_mask, DOT_DTYPE, IEEE, GEMV)
-        else:
-            acc = _tile_q4_0(acc, rows, kt, xt, m_mask, DOT_DTYPE, IEEE, GEMV)
+        for g in tl.static_range(8):
+            acc = _dot_group(acc, x_rows + kt * 256 + 32 * g, _group(rows, kt, g, QTYPE), m_mask,
+                             DOT_DTYPE, IEEE, GEMV)
     if GEMV:
         out = tl.sum(acc, axis=1)[None, :]
     else:
@@ -255,16 +154,18 @@ def _gemm_decode(x_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_x
 
 
 @triton.jit
-def _dequant_rows(w_ptr, out_ptr, N, num_tiles, stride_wn, stride_on,
-                  QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dequant_rows(w_ptr, out_ptr, N, stride_wn, stride_on, QTYPE: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """Program (n, kt): the 256 weights of tile ``kt`` of rows ``n*BLOCK_N ..`` to ``out``."""
     pid_n = tl.program_id(0)
     kt = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    v = tl.arange(0, 256)
-    row = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
-    w = _dequant_tile(row, kt, v[None, :], QTYPE)
-    out = out_ptr + offs_n.to(tl.int64)[:, None] * stride_on + kt * 256 + v[None, :]
-    tl.store(out, w.to(out_ptr.dtype.element_ty), mask=(offs_n < N)[:, None])
+    rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
+    out = out_ptr + offs_n.to(tl.int64)[:, None] * stride_on + kt * 256 + tl.arange(0, 32)[None, :]
+    mask = (offs_n < N)[:, None]
+    for g in tl.static_range(8):
+        w = _group(rows, kt, g, QTYPE)
+        tl.store(out + 32 * g, w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def supported(qtype: int) -> bool:
@@ -278,14 +179,15 @@ def _check(raw: torch.Tensor, qtype: int, k: int) -> int:
     if k % TILE_K:
         raise ValueError(f"k={k} must be a multiple of {TILE_K}")
     row_bytes = k // BLOCK_WEIGHTS[qtype] * BLOCK_BYTES[qtype]
-    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != row_bytes or raw.stride(1) != 1:
+    if (raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != row_bytes
+            or raw.stride(1) != 1):
         raise ValueError(f"raw must be uint8 [N, {row_bytes}] with contiguous rows for k={k}, "
                          f"got {raw.dtype} {tuple(raw.shape)}")
     return qtype
 
 
 def dequantize(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype = torch.bfloat16,
-               block_n: int = 16) -> torch.Tensor:
+               block_n: int = 64) -> torch.Tensor:
     """``[N, k]`` weights in ``dtype`` from GGUF blocks ``raw`` (uint8 ``[N, row_bytes]``).
     Raises ValueError for a type without a kernel, ``k`` not a multiple of 256, or a shape that
     does not match."""
@@ -293,8 +195,7 @@ def dequantize(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype = torch
     n = raw.shape[0]
     out = torch.empty(n, k, dtype=dtype, device=raw.device)
     grid = (triton.cdiv(n, block_n), k // TILE_K)
-    _dequant_rows[grid](raw, out, n, k // TILE_K, raw.stride(0), out.stride(0), QTYPE=qtype,
-                        BLOCK_N=block_n)
+    _dequant_rows[grid](raw, out, n, raw.stride(0), out.stride(0), QTYPE=qtype, BLOCK_N=block_n)
     return out
 
 
