@@ -8,6 +8,7 @@ so greedy decoding produces varied tokens rather than one repeated id.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from functools import lru_cache
 from pathlib import Path
@@ -290,6 +291,8 @@ def write_gguf(
     *,
     name: str = "tiny",
     with_tokenizer: bool = True,
+    metadata: Mapping[str, Any] | None = None,
+    tensors: Mapping[str, np.ndarray] | None = None,
 ) -> Path:
     """Write a llama/qwen2 GGUF of a tiny HF model; return `path`.
 
@@ -297,6 +300,11 @@ def write_gguf(
     `qtype`: F32, F16, BF16, Q8_0, Q4_0 or Q4_1; 2-D weights get `qtype`, 1-D norms and biases stay
     F32 (as llama.cpp does). Q/K rows are permuted for the llama arch only (llama.cpp does not
     permute qwen2). With `with_tokenizer`, the tiny BPE vocab, merges and chat template are stored.
+    RoPE scaling as llama.cpp's converter stores it: linear as ``rope.scaling.type``/``factor``,
+    llama3 (llama arch) only as the ``rope_freqs.weight`` tensor (`llama3_rope_factors`).
+    `metadata` replaces or adds keys (``{arch}`` in a key becomes the arch; None drops the key;
+    bool/int/float/str/list values), `tensors` adds F32 tensors by GGUF name: files localgen must
+    refuse.
     """
     import gguf
     from gguf import GGMLQuantizationType as Q
@@ -329,6 +337,11 @@ def write_gguf(
     )
     if with_tokenizer:
         _add_tokenizer(w, cfg)
+    _add_rope_scaling(w, cfg, arch)
+    for key, value in (metadata or {}).items():
+        _set_key(w, key.format(arch=arch), value)
+    for gg, data in (tensors or {}).items():
+        w.add_tensor(gg, np.ascontiguousarray(data, dtype=np.float32))
 
     for hf_name, t in state.items():
         gg = hf_to_gguf_name(hf_name)
@@ -352,6 +365,67 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+def _rope_parameters(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The config's RoPE dict as the converter sees it (rope_parameters, else rope_scaling, with
+    the top-level rope_theta filled in)."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if "rope_theta" not in rope and cfg.get("rope_theta") is not None:
+        rope["rope_theta"] = cfg["rope_theta"]
+    rope.setdefault("rope_type", rope.get("type"))
+    return rope
+
+
+def llama3_rope_factors(cfg: Mapping[str, Any]) -> np.ndarray:
+    """The ``rope_freqs.weight`` tensor llama.cpp's convert_hf_to_gguf.py writes for a Llama whose
+    rope_type is "llama3": float32 ``[head_dim/2]`` divisors of the inverse frequencies — 1 for
+    wavelengths under original/high_freq_factor, `factor` over original/low_freq_factor, the
+    smooth llama3 blend between. As in the converter, the original context length is the config's
+    top-level ``original_max_position_embeddings`` (default 8192), not rope_scaling's, and the
+    missing factors default to 8, 1 and 4; the arithmetic is float32 as there."""
+    rope = _rope_parameters(cfg)
+    base = float(rope.get("rope_theta", 10000.0))
+    dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    factor = float(rope.get("factor", 8.0))
+    low, high = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
+    original = float(cfg.get("original_max_position_embeddings", 8192))
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    wavelen = 2 * math.pi / inv
+    smooth = (original / wavelen - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    out = torch.where(wavelen > original / low, torch.full_like(inv, factor), blended)
+    out = torch.where(wavelen < original / high, torch.ones_like(inv), out)
+    return out.numpy().astype(np.float32)
+
+
+def _add_rope_scaling(w, cfg: Mapping[str, Any], arch: str) -> None:
+    import gguf
+
+    rope = _rope_parameters(cfg)
+    rtype = str(rope.get("rope_type") or "").lower()
+    if rtype == "linear" and rope.get("factor") is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+    elif rtype == "llama3" and arch == "llama":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg))
+
+
+def _set_key(w, key: str, value: Any) -> None:
+    """Replace (value None: drop) one metadata key of a GGUFWriter that has not written yet."""
+    w.kv_data[0].pop(key, None)
+    if value is None:
+        return
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        (w.add_uint32 if value >= 0 else w.add_int32)(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    elif isinstance(value, str):
+        w.add_string(key, value)
+    else:
+        w.add_array(key, list(value))
 
 
 def _add_tokenizer(w, cfg: Mapping[str, Any]) -> None:

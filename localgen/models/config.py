@@ -27,7 +27,14 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
 
 
 class UnsupportedModelError(ValueError):
-    """Raised at load time for an architecture localgen has no layer math for."""
+    """Raised at load time for an architecture, a checkpoint setting or a tensor type localgen
+    has no math for; the message names the file, the key or tensor and its value."""
+
+
+class CorruptModelError(ValueError):
+    """Raised at load time for a model file that cannot be what it claims: not GGUF at all, a
+    header cut short, tensor data past the end of the file; the message names the file and what
+    is missing."""
 
 
 def supported_list() -> str:
@@ -58,6 +65,9 @@ class ModelConfig:
     # Llama family
     rope_theta: float = 10000.0
     rope_scaling: Mapping[str, Any] | None = None  # HF dict: {"rope_type": "llama3"|"linear"|…}
+    # Per-frequency divisors [head_dim // 2] of the inverse frequencies, applied after
+    # rope_scaling: a GGUF's `rope_freqs` tensor (llama.cpp's form of llama3 scaling).
+    rope_freq_factors: tuple[float, ...] | None = None
     attention_bias: bool = False  # Qwen2 has q/k/v biases
     mlp_bias: bool = False
     # OPT
@@ -108,7 +118,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
-        """Build from a Hugging Face ``config.json`` dict.
+        """Build from a Hugging Face ``config.json`` dict (plus localgen's own
+        ``rope_freq_factors``, a list of head_dim/2 floats, which the GGUF source sets).
 
         Raises UnsupportedModelError naming the supported architectures.
         """
@@ -163,11 +174,17 @@ class ModelConfig:
             norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta or 10000.0),
             rope_scaling=rope_scaling,
+            rope_freq_factors=_freq_factors(d.get("rope_freq_factors")),
             attention_bias=bool(d.get("attention_bias", arch == "Qwen2ForCausalLM")),
             mlp_bias=bool(d.get("mlp_bias", False)),
             activation=d.get("hidden_act", "silu"),
             **common,
         )
+
+
+def _freq_factors(v: Any) -> tuple[float, ...] | None:
+    """localgen's own config key ``rope_freq_factors`` (set by the GGUF source) as a tuple."""
+    return None if v is None else tuple(float(x) for x in v)
 
 
 def _architecture_of(d: Mapping[str, Any]) -> str:

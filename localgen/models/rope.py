@@ -1,5 +1,7 @@
 """Rotary position embeddings (RoFormer), Hugging Face's rotate-half layout, with the
-``linear`` and ``llama3`` frequency scalings (Llama 3.1 report, §3: "RoPE scaling")."""
+``linear`` and ``llama3`` frequency scalings (Llama 3.1 report, §3: "RoPE scaling") and
+per-frequency divisors (a GGUF's ``rope_freqs`` tensor: llama.cpp's ``ggml_rope_ext``
+``freq_factors``, where pair i turns by ``pos * theta**(-2i/d) / factors[i]``)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,22 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """``[head_dim // 2]`` float32 inverse frequencies after the configured scaling."""
+    """``[head_dim // 2]`` float32 inverse frequencies (radians per position) after the configured
+    scaling, divided by ``cfg.rope_freq_factors`` when set.
+
+    Raises UnsupportedModelError for an unknown rope_type, ValueError when the factors are not
+    head_dim // 2 values."""
+    inv = _scaled(cfg)
+    if cfg.rope_freq_factors is None:
+        return inv
+    factors = torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
+    if factors.shape != inv.shape:
+        raise ValueError(f"rope_freq_factors holds {factors.numel()} values; head_dim "
+                         f"{cfg.head_dim} needs {inv.numel()}")
+    return inv / factors
+
+
+def _scaled(cfg: ModelConfig) -> torch.Tensor:
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     scaling = cfg.rope_scaling or {}
