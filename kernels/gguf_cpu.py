@@ -17,6 +17,7 @@ optionally quantized as the kernel does).
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 import torch
@@ -94,12 +95,18 @@ def _check(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int) -> None:
                          f"{raw.device})")
 
 
+@functools.lru_cache(maxsize=1024)
+def _layout(qtype: int, k: int) -> tuple[int, int]:
+    """(bytes of a weight row, bytes of a quantized activation row) for k values of qtype.
+    Raises ValueError as ``row_bytes``."""
+    return row_bytes(qtype, k), int(_lib().lg_gguf_xrow_bytes(qtype, k))
+
+
 def _plan(m: int, n: int, k: int, qtype: int, wrow: int) -> tuple[int, int, int]:
     """(threads, m_tile, n_chunk) for one call: tiles of m in multiples of 4 (the kernel's
     rows per weight unpack), chunks of n sized by W_CHUNK_BYTES, at least 4 per thread."""
     threads = torch.get_num_threads() if n * wrow * m >= MIN_PARALLEL_WORK else 1
-    xrow = int(_lib().lg_gguf_xrow_bytes(int(qtype), k))
-    m_tile = max(4, X_TILE_BYTES // xrow // 4 * 4)
+    m_tile = max(4, X_TILE_BYTES // _layout(qtype, k)[1] // 4 * 4)
     n_chunk = max(1, min(W_CHUNK_BYTES // wrow, -(-n // (4 * threads))))
     return threads, m_tile, n_chunk
 
@@ -107,19 +114,26 @@ def _plan(m: int, n: int, k: int, qtype: int, wrow: int) -> tuple[int, int, int]
 def _matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
             scalar: bool = False) -> torch.Tensor | None:
     """``matmul`` with the choice of the scalar C path (``scalar=True``, for tests)."""
-    if int(qtype) not in SUPPORTED:
+    qtype = int(qtype)
+    if qtype not in SUPPORTED:
         return None
-    _check(x, raw, qtype, k)
     lib = _lib()
     if lib is None:
         return None
-    x = x.to(torch.float32).contiguous()
+    wrow = _layout(qtype, k)[0]
+    # one expression for the common case (a decode step calls this per linear layer); _check
+    # says what is wrong otherwise
+    if not (x.dim() == 2 and x.shape[1] == k and raw.dtype == torch.uint8 and raw.dim() == 2
+            and raw.shape[1] == wrow and raw.stride(1) == 1 and x.is_cpu and raw.is_cpu):
+        _check(x, raw, qtype, k)
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.to(torch.float32).contiguous()
     m, n = x.shape[0], raw.shape[0]
-    y = torch.empty((m, n), dtype=torch.float32)
+    y = x.new_empty((m, n))
     if m == 0 or n == 0:
         return y.zero_()
-    threads, m_tile, n_chunk = _plan(m, n, k, qtype, raw.shape[1])
-    rc = lib.lg_gguf_matmul(x.data_ptr(), m, k, raw.data_ptr(), n, raw.stride(0), int(qtype),
+    threads, m_tile, n_chunk = _plan(m, n, k, qtype, wrow)
+    rc = lib.lg_gguf_matmul(x.data_ptr(), m, k, raw.data_ptr(), n, raw.stride(0), qtype,
                             y.data_ptr(), threads, m_tile, n_chunk, int(scalar))
     if rc == -3:
         raise MemoryError(f"gguf_cpu: no memory for the quantized activations of x "

@@ -562,6 +562,138 @@ AI void rows_k16(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int
     for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(acc[j]);
 }
 
+/* A 256-value block laid out for the per-row loop of several activation rows: 8 groups of 32
+ * values (group i meets activation values 32 i .. 32 i + 31), each with its codes as maddubs takes
+ * them (|w| where the values are signed, IQ4_XS, whose signs go in w), its scale as int16 over
+ * each 16-value half, and corr, 16 int16 multiplying the row's sums per 16: the minimums (Q2_K;
+ * Q4_K/Q5_K's per-32 ones twice), or the scales (Q3_K, Q6_K: their offsets 4 and 32). */
+typedef struct {
+    __m256i u[8], w[8], sc[8], corr;
+    float d, dmin;
+} kblock;
+
+AI void unpack_k32(const int t, const uint8_t *blk, kblock *kb) {
+    const int five = t == T_Q5_K, iq = t == T_IQ4_XS;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    uint8_t sc[8], mn[8];
+    kb->d = h2f(blk);
+    if (iq) xs_scales(blk + 2, (int8_t *)sc);
+    else {
+        k4_scales(blk + 4, sc, mn);
+        kb->dmin = h2f(blk + 2);
+        const __m128i mn8 = _mm_loadl_epi64((const __m128i *)mn);
+        kb->corr = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn8, mn8));
+    }
+    const __m128i sc8 = _mm_loadl_epi64((const __m128i *)sc);
+    const __m256i sc16 = _mm256_broadcastsi128_si256(iq ? _mm_cvtepi8_epi16(sc8) : _mm_cvtepu8_epi16(sc8));
+    const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES));
+    const uint8_t *qs = blk + (iq ? 8 : 16 + 32 * five);
+    __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        if (five) {
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4), _mm256_set1_epi8(0x10)));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh, 3), _mm256_set1_epi8(0x10)));
+            qh = _mm256_srli_epi16(qh, 2);
+        }
+        if (iq) {
+            kb->w[2 * c] = _mm256_shuffle_epi8(kv, _mm256_permute2x128_si256(lo, hi, 0x20));
+            kb->w[2 * c + 1] = _mm256_shuffle_epi8(kv, _mm256_permute2x128_si256(lo, hi, 0x31));
+            kb->u[2 * c] = _mm256_abs_epi8(kb->w[2 * c]);
+            kb->u[2 * c + 1] = _mm256_abs_epi8(kb->w[2 * c + 1]);
+        } else {
+            kb->u[2 * c] = lo;
+            kb->u[2 * c + 1] = hi;
+        }
+        kb->sc[2 * c] = pick16(sc16, 2 * c, 2 * c);
+        kb->sc[2 * c + 1] = pick16(sc16, 2 * c + 1, 2 * c + 1);
+    }
+}
+
+AI void unpack_k16(const int t, const uint8_t *blk, kblock *kb) {
+    const __m256i m2 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    __m128i sc8;
+    if (t == T_Q2_K) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)blk);
+        sc8 = _mm_and_si128(raw, _mm_set1_epi8(15));
+        kb->corr = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15)));
+        kb->d = h2f(blk + 80);
+        kb->dmin = h2f(blk + 82);
+    } else if (t == T_Q3_K) {
+        int8_t s[16];
+        k3_scales(blk + 96, s);
+        sc8 = _mm_loadu_si128((const __m128i *)s);
+        kb->d = h2f(blk + 108);
+    } else {
+        sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+        kb->d = h2f(blk + 208);
+    }
+    const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+    if (t != T_Q2_K) kb->corr = sc16;
+    __m256i hm = t == T_Q3_K ? _mm256_loadu_si256((const __m256i *)blk) : _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++) {
+        const __m256i sch = _mm256_permute4x64_epi64(sc16, h ? 0xEE : 0x44);
+        __m256i *g = kb->u + 4 * h;
+        if (t == T_Q6_K) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            g[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+            g[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+            g[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30));
+            g[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                   _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+        } else {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + (t == T_Q3_K ? 32 : 16) + 32 * h));
+            for (int s = 0; s < 4; s++) {
+                g[s] = _mm256_and_si256(_mm256_srli_epi16(q, 2 * s), m2);
+                if (t == T_Q3_K) {
+                    g[s] = _mm256_or_si256(g[s], _mm256_and_si256(_mm256_slli_epi16(hm, 2), _mm256_set1_epi8(4)));
+                    hm = _mm256_srli_epi16(hm, 1);
+                }
+            }
+        }
+        for (int s = 0; s < 4; s++) kb->sc[4 * h + s] = pick16(sch, 2 * s, 2 * s + 1);
+    }
+}
+
+/* The K-quants and IQ4_XS against several activation rows: each block unpacked once (kblock),
+ * then per row 8 maddubs + madd and one float update. */
+AI void rows_kmulti(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int64_t k, float *y,
+                    int64_t ys, const int nx) {
+    const int bb = block_bytes(t), k16 = t == T_Q2_K || t == T_Q3_K || t == T_Q6_K;
+    const int sgn = t == T_IQ4_XS, offs = t == T_Q6_K ? 5 : 2, minimum = t != T_IQ4_XS && t != T_Q3_K && t != T_Q6_K;
+    const int64_t nb = k / 256;
+    __m256 acc[4];
+    kblock kb;
+    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        if (k16) unpack_k16(t, w + b * bb, &kb); else unpack_k32(t, w + b * bb, &kb);
+        for (int j = 0; j < nx; j++) {
+            const uint8_t *xr = x + j * xs;
+            const int8_t *xq = (const int8_t *)xr + 256 * b;
+            __m256i is = _mm256_setzero_si256();
+            for (int i = 0; i < 8; i++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * i));
+                if (sgn) xv = _mm256_sign_epi8(xv, kb.w[i]);
+                is = _mm256_add_epi32(is, _mm256_madd_epi16(_mm256_maddubs_epi16(kb.u[i], xv), kb.sc[i]));
+            }
+            const float dx = ((const float *)(xr + k))[b];
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)((const int16_t *)(xr + k + 4 * nb) + 16 * b));
+            if (t == T_Q3_K || t == T_Q6_K) is = _mm256_sub_epi32(is, _mm256_slli_epi32(_mm256_madd_epi16(bs, kb.corr), offs));
+            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(kb.d * dx), _mm256_cvtepi32_ps(is), acc[j]);
+            if (minimum)
+                acc[j] = _mm256_fnmadd_ps(_mm256_set1_ps(kb.dmin * dx), _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, kb.corr)), acc[j]);
+        }
+    }
+    for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(acc[j]);
+}
+
+/* One activation row: the direct kernels; several: rows_kmulti. */
+#define KROWS(T, ONE) \
+    do { if (nx == 1) ONE(T, w, x, xs, k, y, ys, 1); else rows_kmulti(T, w, x, xs, k, y, ys, nx); } while (0)
+
 AI void rows_avx2(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int64_t k, float *y,
                   int64_t ys, const int nx) {
     switch (t) {
@@ -571,12 +703,12 @@ AI void rows_avx2(const int t, const uint8_t *w, const uint8_t *x, size_t xs, in
     case T_Q5_1: rows32(T_Q5_1, w, x, xs, k, y, ys, nx); break;
     case T_Q8_0: rows32(T_Q8_0, w, x, xs, k, y, ys, nx); break;
     case T_IQ4_NL: rows32(T_IQ4_NL, w, x, xs, k, y, ys, nx); break;
-    case T_Q4_K: rows_k32(T_Q4_K, w, x, xs, k, y, ys, nx); break;
-    case T_Q5_K: rows_k32(T_Q5_K, w, x, xs, k, y, ys, nx); break;
-    case T_IQ4_XS: rows_k32(T_IQ4_XS, w, x, xs, k, y, ys, nx); break;
-    case T_Q2_K: rows_k16(T_Q2_K, w, x, xs, k, y, ys, nx); break;
-    case T_Q3_K: rows_k16(T_Q3_K, w, x, xs, k, y, ys, nx); break;
-    case T_Q6_K: rows_k16(T_Q6_K, w, x, xs, k, y, ys, nx); break;
+    case T_Q4_K: KROWS(T_Q4_K, rows_k32); break;
+    case T_Q5_K: KROWS(T_Q5_K, rows_k32); break;
+    case T_IQ4_XS: KROWS(T_IQ4_XS, rows_k32); break;
+    case T_Q2_K: KROWS(T_Q2_K, rows_k16); break;
+    case T_Q3_K: KROWS(T_Q3_K, rows_k16); break;
+    case T_Q6_K: KROWS(T_Q6_K, rows_k16); break;
     }
 }
 
