@@ -1,0 +1,326 @@
+"""GGUF quantized matrices kept as the file stores them: block facts, a pure-torch dequantizer
+and a packed weight that multiplies from its blocks.
+
+Layouts are llama.cpp's (``ggml-common.h``: ``block_q4_0`` … ``block_iq4_xs``) as ``gguf.quants``
+reads them; block sizes and bytes come from ``gguf.constants.GGML_QUANT_SIZES``. A 2-D GGUF tensor
+of ``ne0 = in_features``, ``ne1 = out_features`` is row-major with its blocks along ``ne0``: row
+``r`` (output feature ``r``) is ``in_features / block_size`` consecutive blocks, so a matrix is a
+uint8 tensor ``[out_features, bytes_per_row]`` whose rows are whole blocks. Rows are therefore
+independent: gathering, permuting (llama.cpp's Q/K permutation) or stacking rows (fused q/k/v)
+moves raw bytes and changes no value.
+
+``dequantize`` follows ``gguf.quants``' arithmetic op for op (float32, same order), so it equals
+``gguf.quants.dequantize`` bit for bit; it runs on CPU and CUDA tensors, vectorized over blocks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as Q
+from gguf.quants import IQ4_NL
+
+# Types `PackedGGUFWeight` keeps compressed (F32/F16/BF16 stay plain tensors).
+PACKED_TYPES: frozenset[Q] = frozenset({
+    Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+    Q.IQ4_NL, Q.IQ4_XS})
+FLOAT_TYPES: frozenset[Q] = frozenset({Q.F32, Q.F16, Q.BF16})
+
+# Weights dequantized at once by the reference matmul: 32 MiB of float32 a chunk, so a large
+# matrix (an lm_head) never expands whole; the dequantization's temporaries are ~3x a chunk.
+CHUNK_WEIGHTS = 1 << 23
+
+
+def block_size(qtype: int) -> int:
+    """Weights per block of ``qtype`` (32, or 256 for K-quants and IQ4_XS). KeyError if unknown."""
+    return GGML_QUANT_SIZES[Q(qtype)][0]
+
+
+def type_size(qtype: int) -> int:
+    """Bytes per block of ``qtype`` (e.g. Q4_K: 144). KeyError if unknown."""
+    return GGML_QUANT_SIZES[Q(qtype)][1]
+
+
+def row_bytes(qtype: int, in_features: int) -> int:
+    """Bytes of one row of ``in_features`` weights. ValueError unless it is whole blocks."""
+    bs = block_size(qtype)
+    if in_features % bs:
+        raise ValueError(f"{Q(qtype).name} rows hold whole {bs}-weight blocks; "
+                         f"{in_features} weights a row is not a multiple")
+    return in_features // bs * type_size(qtype)
+
+
+def bits_per_weight(qtype: int) -> float:
+    """Stored bits per weight, scales included (Q4_K: 4.5)."""
+    return 8 * type_size(qtype) / block_size(qtype)
+
+
+# ---- the dequantizer: one function per type, blocks [N, type_size] uint8 -> [N, block] f32 ----
+
+def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
+    """The fp16 field at byte ``at`` of each block as float32 ``[N, 1]``."""
+    return b[:, at:at + 2].contiguous().view(torch.float16).float()
+
+
+def _bits(b: torch.Tensor, shifts: Iterable[int], mask: int, dim: int = -2) -> torch.Tensor:
+    """``(b >> s) & mask`` for each shift, stacked at ``dim`` (a loop over shifts, not blocks)."""
+    return torch.stack([(b >> s) & mask for s in shifts], dim=dim)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """``[N, 16]`` bytes -> ``[N, 32]`` codes: the low nibbles, then the high ones."""
+    return _bits(qs, (0, 4), 15).reshape(qs.shape[0], -1)
+
+
+def _qh_bits(qh: torch.Tensor) -> torch.Tensor:
+    """``[N, 4]`` bytes read as a little-endian uint32 -> ``[N, 32]`` bits, bit 0 first."""
+    return _bits(qh, range(8), 1, dim=-1).reshape(qh.shape[0], 32)
+
+
+def _q4_0(b):
+    return (_nibbles(b[:, 2:]).view(torch.int8) - 8).float().mul_(_f16(b, 0))
+
+
+def _q4_1(b):
+    return _nibbles(b[:, 4:]).float().mul_(_f16(b, 0)).add_(_f16(b, 2))
+
+
+def _q5_0(b):
+    q = _nibbles(b[:, 6:]) | (_qh_bits(b[:, 2:6]) << 4)
+    return (q.view(torch.int8) - 16).float().mul_(_f16(b, 0))
+
+
+def _q5_1(b):
+    q = _nibbles(b[:, 8:]) | (_qh_bits(b[:, 4:8]) << 4)
+    return q.float().mul_(_f16(b, 0)).add_(_f16(b, 2))
+
+
+def _q8_0(b):
+    return b[:, 2:].view(torch.int8).float().mul_(_f16(b, 0))
+
+
+def _q2_k(b):  # scales[16] (4-bit scale | 4-bit min), qs[64], d, dmin
+    n, sc = b.shape[0], b[:, :16]
+    dl = (_f16(b, 80) * (sc & 15).float()).reshape(n, 16, 1)
+    ml = (_f16(b, 82) * (sc >> 4).float()).reshape(n, 16, 1)
+    q = _bits(b[:, 16:80].reshape(n, 2, 32), (0, 2, 4, 6), 3).reshape(n, 16, 16)
+    return q.float().mul_(dl).sub_(ml).reshape(n, 256)
+
+
+def _q3_k(b):  # hmask[32], qs[64], scales[12] (6-bit, split 4 + 2), d
+    n, sc = b.shape[0], b[:, 96:108]
+    low = _bits(sc[:, :8], (0, 4), 15).reshape(n, 16)
+    high = _bits(sc[:, 8:12], (0, 2, 4, 6), 3).reshape(n, 16)
+    dl = (_f16(b, 108) * ((low | (high << 4)).float() - 32)).reshape(n, 16, 1)
+    ql = _bits(b[:, 32:96].reshape(n, 2, 32), (0, 2, 4, 6), 3).reshape(n, 16, 16)
+    hm = _bits(b[:, :32].reshape(n, 1, 32), range(8), 1).reshape(n, 16, 16)
+    q = ql.view(torch.int8) - ((hm ^ 1) << 2).view(torch.int8)  # a clear hmask bit subtracts 4
+    return q.float().mul_(dl).reshape(n, 256)
+
+
+def _k_scale_min(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K ``scales[12]`` -> eight 6-bit scales and eight 6-bit mins, float32 ``[N, 8]``."""
+    s = sc.reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    scale = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=-1)
+    mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=-1)
+    return scale.float(), mn.float()
+
+
+def _q4_k(b):  # d, dmin, scales[12], qs[128]
+    n = b.shape[0]
+    sc, mn = _k_scale_min(b[:, 4:16])
+    d = (_f16(b, 0) * sc).reshape(n, 8, 1)
+    dm = (_f16(b, 2) * mn).reshape(n, 8, 1)
+    q = _bits(b[:, 16:144].reshape(n, 4, 32), (0, 4), 15).reshape(n, 8, 32)
+    return q.float().mul_(d).sub_(dm).reshape(n, 256)
+
+
+def _q5_k(b):  # d, dmin, scales[12], qh[32], qs[128]
+    n = b.shape[0]
+    sc, mn = _k_scale_min(b[:, 4:16])
+    d = (_f16(b, 0) * sc).reshape(n, 8, 1)
+    dm = (_f16(b, 2) * mn).reshape(n, 8, 1)
+    ql = _bits(b[:, 48:176].reshape(n, 4, 32), (0, 4), 15).reshape(n, 8, 32)
+    qh = _bits(b[:, 16:48].reshape(n, 1, 32), range(8), 1).reshape(n, 8, 32)
+    return (ql | (qh << 4)).float().mul_(d).sub_(dm).reshape(n, 256)
+
+
+def _q6_k(b):  # ql[128], qh[64], int8 scales[16], d
+    n = b.shape[0]
+    d = (_f16(b, 208) * b[:, 192:208].view(torch.int8).float()).reshape(n, 16, 1)
+    ql = _bits(b[:, :128].reshape(n, 2, 64), (0, 4), 15).reshape(n, 8, 32)
+    qh = _bits(b[:, 128:192].reshape(n, 2, 32), (0, 2, 4, 6), 3).reshape(n, 8, 32)
+    q = (ql | (qh << 4)).view(torch.int8) - 32
+    return q.reshape(n, 16, 16).float().mul_(d).reshape(n, 256)
+
+
+_KVALUES: dict[torch.device, torch.Tensor] = {}
+
+
+def _kvalues(codes: torch.Tensor) -> torch.Tensor:
+    """IQ4_NL's non-linear code book (``gguf.quants.IQ4_NL.kvalues``) looked up for 4-bit
+    ``codes``: float32 of their shape. The 16-entry table is made once per device (a
+    host-to-device copy inside a CUDA graph capture would fail)."""
+    t = _KVALUES.get(codes.device)
+    if t is None:
+        t = _KVALUES[codes.device] = torch.tensor(IQ4_NL.kvalues, dtype=torch.float32,
+                                                  device=codes.device)
+    return t.index_select(0, codes.reshape(-1).int()).view(codes.shape)
+
+
+def _iq4_nl(b):  # d, qs[16]
+    return _kvalues(_nibbles(b[:, 2:])).mul_(_f16(b, 0))
+
+
+def _iq4_xs(b):  # d, scales_h (uint16, 2 bits a sub-block), scales_l[4] (4 bits), qs[128]
+    n = b.shape[0]
+    low = _bits(b[:, 4:8], (0, 4), 15, dim=-1).reshape(n, 8)
+    h16 = b[:, 2].int() | (b[:, 3].int() << 8)
+    high = _bits(h16[:, None], range(0, 16, 2), 3, dim=-1).reshape(n, 8)
+    dl = (_f16(b, 0) * ((low | (high << 4)).float() - 32)).reshape(n, 8, 1)
+    q = _bits(b[:, 8:136].reshape(n, 8, 16), (0, 4), 15).reshape(n, 8, 32)
+    return _kvalues(q).mul_(dl).reshape(n, 256)
+
+
+_DEQUANTIZE: dict[Q, Callable[[torch.Tensor], torch.Tensor]] = {
+    Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0,
+    Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
+    Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs,
+}
+assert _DEQUANTIZE.keys() == PACKED_TYPES
+
+
+def dequantize(raw: torch.Tensor, qtype: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Raw GGUF rows ``[rows, row_bytes]`` uint8 (CPU or CUDA) -> ``[rows, row_bytes /
+    type_size * block_size]`` in ``dtype``, computed in float32 exactly as
+    ``gguf.quants.dequantize`` does (bit-equal in float32), then rounded once to ``dtype``.
+
+    Raises ValueError for a type outside ``PACKED_TYPES``, a non-uint8 or non-2-D ``raw``, or
+    rows that are not whole blocks."""
+    qtype = Q(qtype)
+    fn = _DEQUANTIZE.get(qtype)
+    if fn is None:
+        raise ValueError(f"no reference dequantizer for GGUF type {qtype.name}")
+    if raw.dtype != torch.uint8 or raw.dim() != 2:
+        raise ValueError(f"raw blocks must be a 2-D uint8 tensor, got {raw.dtype} {tuple(raw.shape)}")
+    rows, nbytes = raw.shape
+    if nbytes % type_size(qtype):
+        raise ValueError(f"{qtype.name} rows of {nbytes} bytes are not whole "
+                         f"{type_size(qtype)}-byte blocks")
+    w = fn(raw.reshape(-1, type_size(qtype)))
+    return w.reshape(rows, -1).to(dtype)
+
+
+def reference_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
+    """``x @ W.T`` for ``x`` ``[m, k]`` and ``W`` given as raw rows ``[n, row_bytes]`` (same
+    device): W dequantized to ``x.dtype`` ``CHUNK_WEIGHTS`` weights at a time, each chunk one
+    ``F.linear``. Returns ``[m, n]`` in ``x.dtype``."""
+    n, k = raw.shape[0], x.shape[1]
+    step = max(1, CHUNK_WEIGHTS // k)
+    if step >= n:
+        return F.linear(x, dequantize(raw, qtype, x.dtype))
+    out = x.new_empty(x.shape[0], n)
+    for s in range(0, n, step):
+        out[:, s:s + step] = F.linear(x, dequantize(raw[s:s + step], qtype, x.dtype))
+    return out
+
+
+# "0": never the C kernel (it quantizes activations to 8 bits): the exact float reference
+CPU_KERNEL_ENV = "LOCALGEN_GGUF_CPU_KERNEL"
+_cpu_kernels = None  # localgen.kernels.gguf_cpu once looked up; False where it does not import
+
+
+def _cpu_kernel_module():
+    global _cpu_kernels
+    if os.environ.get(CPU_KERNEL_ENV, "1") == "0":
+        return None
+    if _cpu_kernels is None:
+        try:
+            from localgen.kernels import gguf_cpu
+        except ImportError:
+            gguf_cpu = False
+        _cpu_kernels = gguf_cpu
+    return _cpu_kernels or None
+
+
+def _cpu_kernel_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor | None:
+    """``localgen.kernels.gguf_cpu.matmul`` (float32 ``[m, n]``) where it imports and serves
+    ``qtype``; None where the reference must run."""
+    mod = _cpu_kernel_module()
+    if mod is None:
+        return None
+    return mod.matmul(x.float().contiguous(), raw, int(qtype), x.shape[1])
+
+
+class PackedGGUFWeight:
+    """A 2-D GGUF matrix ``[out_features, in_features]`` held as the file's blocks.
+
+    ``raw``: uint8 ``[out_features, row_bytes(qtype, in_features)]``, the file's bytes of each
+    row (no repack: bits per weight are the file's); ``qtype``: a ``PACKED_TYPES`` member.
+    Callable as ``w(x, bias)`` -> ``x @ W.T (+ bias)`` in x's dtype (``quant.linear``'s
+    contract): on the CPU through ``localgen.kernels.gguf_cpu`` where it serves the type, else
+    (and on CUDA) by ``reference_matmul``. Raises ValueError on a type or shape mismatch.
+    """
+
+    def __init__(self, raw: torch.Tensor, qtype: int, shape: Sequence[int]):
+        self.qtype = Q(qtype)
+        if self.qtype not in PACKED_TYPES:
+            raise ValueError(f"GGUF type {self.qtype.name} is not one PackedGGUFWeight holds")
+        out_features, in_features = (int(s) for s in shape)
+        want = (out_features, row_bytes(self.qtype, in_features))
+        if raw.dtype != torch.uint8 or tuple(raw.shape) != want:
+            raise ValueError(f"{self.qtype.name} {out_features}x{in_features} needs uint8 rows "
+                             f"{want}, got {raw.dtype} {tuple(raw.shape)}")
+        self.raw, self.shape = raw, (out_features, in_features)
+
+    def __repr__(self) -> str:
+        return f"PackedGGUFWeight({self.qtype.name}, shape={self.shape}, device={self.device})"
+
+    @property
+    def device(self) -> torch.device:
+        return self.raw.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the file's bytes for this tensor."""
+        return self.raw.numel()
+
+    decode_nbytes = nbytes  # what a matmul reads (``CausalLM.weight_bytes``' name for it)
+
+    def to(self, device: torch.device | str) -> "PackedGGUFWeight":
+        return PackedGGUFWeight(self.raw.to(device), self.qtype, self.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole matrix ``[out_features, in_features]`` in ``dtype``."""
+        return dequantize(self.raw, self.qtype, dtype)
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``ids`` (any shape, int) dequantized: ``[*ids.shape, in_features]`` — an
+        embedding lookup that expands only the rows it reads."""
+        rows = self.raw.index_select(0, ids.reshape(-1))
+        return dequantize(rows, self.qtype, dtype).reshape(*ids.shape, self.shape[1])
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        flat = x if x.dim() == 2 else x.reshape(-1, self.shape[1])
+        y = _cpu_kernel_matmul(flat, self.raw, self.qtype) if flat.device.type == "cpu" else None
+        if y is None:
+            y = reference_matmul(flat, self.raw, self.qtype)
+        y = y.to(x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.shape[0])
+
+    @staticmethod
+    def cat_rows(parts: Sequence["PackedGGUFWeight"]) -> "PackedGGUFWeight | None":
+        """The parts stacked along output features (fused q/k/v, gate/up): their raw rows
+        concatenated. None when types or in_features differ (such parts stay apart)."""
+        first = parts[0]
+        if any(p.qtype != first.qtype or p.shape[1] != first.shape[1] for p in parts):
+            return None
+        raw = torch.cat([p.raw for p in parts])
+        return PackedGGUFWeight(raw, first.qtype, (raw.shape[0], first.shape[1]))
