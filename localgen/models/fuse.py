@@ -8,13 +8,15 @@ import torch
 
 from localgen.models.config import ModelConfig
 from localgen.quant import linear
+from localgen.quant.gguf_blocks import PackedGGUFWeight
 from localgen.quant.int4 import Int4Tensor, cat_rows
 
 
 def fuse_rows(w: dict, name: str, parts: tuple[str, ...]) -> None:
     """``w[name]`` = the ``parts`` stacked along rows (output features), in place, when all are
     present: dense tensors by ``torch.cat``, 4-bit ones code for code (``int4.cat_rows``; left
-    apart when their groups would straddle the seam)."""
+    apart when their groups would straddle the seam), GGUF blocks row for row
+    (``PackedGGUFWeight.cat_rows``; left apart when their types differ, as Q4_K_M's q/k/v)."""
     if not all(k in w for k in parts):
         return
     ts = [w[k] for k in parts]
@@ -22,6 +24,8 @@ def fuse_rows(w: dict, name: str, parts: tuple[str, ...]) -> None:
         fused = torch.cat(ts)
     elif all(isinstance(t, Int4Tensor) for t in ts):
         fused = cat_rows(ts)
+    elif all(isinstance(t, PackedGGUFWeight) for t in ts):
+        fused = PackedGGUFWeight.cat_rows(ts)
     else:
         fused = None
     if fused is not None:

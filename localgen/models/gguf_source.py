@@ -139,11 +139,13 @@ def _field(reader, key: str, default: Any = None) -> Any:
 
 
 class GGUFStore(WeightStore):
-    """Tensors of one GGUF file, by HF name, dequantized on `get`.
+    """Tensors of one GGUF file, by HF name, dequantized on `get` or kept in blocks by `get_packed`.
 
     `get` returns F32 tensors as float32, F16 as float16, BF16 as bfloat16 and every quantized type
     (Q8_0, Q4_0, Q4_1, K-quants… whatever `gguf.quants` can dequantize) as float32, in HF
-    orientation ``[out_features, in_features]``. `nbytes` is the stored (quantized) size.
+    orientation ``[out_features, in_features]``. `get_packed` returns a 2-D tensor stored in one of
+    ``gguf_blocks.PACKED_TYPES`` as a ``PackedGGUFWeight`` (the file's bytes, rows unpermuted like
+    `get`'s); `packs` says which without reading data. `nbytes` is the stored (quantized) size.
     Raises UnsupportedModelError for GGUF archs other than llama/qwen2.
     """
 
@@ -195,7 +197,33 @@ class GGUFStore(WeightStore):
 
     def get(self, name: str) -> torch.Tensor:
         t = self._tensor(name)
-        w = _dequantize(t).reshape(self.shape(name))
+        return self._unpermuted(name, _dequantize(t).reshape(self.shape(name)))
+
+    def stored_type(self, name: str) -> str:
+        """The GGUF type `name` is stored in (``"Q4_K"``, ``"F32"``…)."""
+        return self._tensor(name).tensor_type.name
+
+    def packs(self, name: str) -> bool:
+        """Whether `get_packed` keeps `name` in blocks (a 2-D tensor of a packed type)."""
+        from localgen.quant.gguf_blocks import PACKED_TYPES
+
+        t = self._tensor(name)
+        return len(t.shape) == 2 and t.tensor_type in PACKED_TYPES
+
+    def get_packed(self, name: str):
+        """`name` as a ``PackedGGUFWeight`` (raw blocks copied out of the memory map, CPU) when
+        `packs` holds, else None (`get` serves float types as they are and expands the rest).
+        llama.cpp's Q/K permutation moves whole rows, so it is undone on the raw rows."""
+        from localgen.quant.gguf_blocks import PackedGGUFWeight
+
+        if not self.packs(name):
+            return None
+        t = self._tensor(name)
+        rows, cols = self.shape(name)
+        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True)).reshape(rows, -1)
+        return PackedGGUFWeight(self._unpermuted(name, raw), t.tensor_type, (rows, cols))
+
+    def _unpermuted(self, name: str, w: torch.Tensor) -> torch.Tensor:
         for key, heads in self._permute_heads.items():
             if key in name:
                 w = unpermute_qk(w, heads).contiguous()

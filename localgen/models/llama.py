@@ -25,7 +25,7 @@ from localgen.kv.cpu_decode import cpu_decode_attention
 from localgen.models.config import ModelConfig
 from localgen.models.fuse import fuse_qkv, fuse_rows, project_qkv
 from localgen.models.rope import RotaryPositions, _signed_sin, apply_rope
-from localgen.quant import linear
+from localgen.quant import embedding, linear
 from localgen.quant.cpu_int4 import Int4Linear
 
 _fused_mods = None  # (fused_norm, fused_rope, fused_act) once imported; False when unavailable
@@ -60,6 +60,9 @@ _LAYER = {
     "gate_bias": "mlp.gate_proj.bias", "up_bias": "mlp.up_proj.bias", "down_bias": "mlp.down_proj.bias",
 }
 OPTIONAL = {"q_bias", "k_bias", "v_bias", "o_bias", "gate_bias", "up_bias", "down_bias"}
+# weights that may stay in GGUF blocks (``gguf_blocks.PackedGGUFWeight``): every matrix, and the
+# embedding (looked up row by row; tied, it is also the output matrix)
+PACKABLE = {"q", "k", "v", "o", "gate", "up", "down", "embed", "lm_head"}
 
 
 def layer_weight_names(cfg: ModelConfig, i: int) -> dict[str, str]:
@@ -84,8 +87,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def embed(cfg: ModelConfig, w: dict, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """token_ids ``[num_tokens]`` -> hidden ``[num_tokens, hidden_size]``."""
-    return F.embedding(token_ids, w["embed"])
+    """token_ids ``[num_tokens]`` -> hidden ``[num_tokens, hidden_size]`` (a packed embedding
+    gives float32 rows; the caller casts)."""
+    return embedding(token_ids, w["embed"])
 
 
 def fuse_weights(cfg: ModelConfig, w: dict) -> dict:

@@ -6,8 +6,10 @@ tier); this class keeps them all resident on one device, the plain path.
 
 from __future__ import annotations
 
+import os
+import warnings
 from types import ModuleType
-from typing import Protocol
+from typing import Iterable, Protocol
 
 import torch
 
@@ -43,8 +45,12 @@ def family_of(cfg: ModelConfig) -> ModuleType:
 
 
 def read_weights(store: WeightSource, names: dict[str, str], optional: set[str],
-                 dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """Load ``short -> hf_name`` tensors; missing optional ones are skipped.
+                 dtype: torch.dtype, device: torch.device,
+                 packed: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+    """Load ``short -> hf_name`` tensors; missing optional ones are skipped. Shorts in
+    ``packed`` come as the store's ``get_packed`` gives them (a GGUF matrix kept in its blocks)
+    where it gives one; all else is expanded to ``dtype`` (the offload runtime reads everything
+    this way: it expands GGUF blocks at load).
 
     Raises KeyError naming the missing tensor.
     """
@@ -55,8 +61,53 @@ def read_weights(store: WeightSource, names: dict[str, str], optional: set[str],
             if short in optional:
                 continue
             raise KeyError(f"weight {name!r} missing from the checkpoint")
-        out[short] = store.get(name).to(device=device, dtype=dtype)
+        w = store.get_packed(name) if short in packed else None
+        out[short] = w.to(device) if w is not None else store.get(name).to(device=device, dtype=dtype)
     return out
+
+
+# "0" expands every GGUF tensor at load (the float path; tests compare the packed path with it)
+GGUF_PACKED_ENV = "LOCALGEN_GGUF_PACKED"
+
+
+def packed_shorts(family, store) -> frozenset[str]:
+    """Short names whose GGUF blocks stay packed: the family's ``PACKABLE`` matrices when the
+    store keeps blocks (``get_packed``: a GGUF) and ``LOCALGEN_GGUF_PACKED`` is not ``0``."""
+    if not hasattr(store, "get_packed") or os.environ.get(GGUF_PACKED_ENV, "1") == "0":
+        return frozenset()
+    return frozenset(getattr(family, "PACKABLE", ()))
+
+
+def warn_expanded(store, names: Iterable[str], dtype: torch.dtype) -> None:
+    """One warning naming the quantized tensors among ``names`` that load expanded (a type the
+    packed weight does not hold: IQ1–IQ3, TQ, MXFP4…), their types and the bytes the expansion
+    adds; nothing when there are none."""
+    from localgen.quant.gguf_blocks import PACKED_TYPES
+
+    by_type: dict[str, list[str]] = {}
+    for n in names:
+        kind = store.stored_type(n)
+        if kind not in ("F32", "F16", "BF16") and not store.packs(n):
+            by_type.setdefault(kind, []).append(n)
+    if not by_type:
+        return
+    late = [n for ns in by_type.values() for n in ns]
+    stored = sum(store.nbytes(n) for n in late)
+    expanded = sum(_numel(store.shape(n)) for n in late) * torch.empty(0, dtype=dtype).element_size()
+    listed = "; ".join(f"{kind}: {', '.join(ns[:3])}" + (f" and {len(ns) - 3} more" if len(ns) > 3 else "")
+                       for kind, ns in by_type.items())
+    warnings.warn(f"{getattr(store, 'path', store)}: {len(late)} tensors of GGUF type "
+                  f"{', '.join(by_type)} are expanded to {str(dtype).removeprefix('torch.')} at load "
+                  f"(localgen keeps {'/'.join(t.name for t in sorted(PACKED_TYPES))} in blocks), "
+                  f"{(expanded - stored) / 2**20:.1f} MiB more than their {stored / 2**20:.1f} MiB "
+                  f"in the file ({listed})", stacklevel=3)
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def _use_cpu_int4(cfg: ModelConfig, store, dtype: torch.dtype, device: torch.device) -> bool:
@@ -85,8 +136,16 @@ class CausalLM:
         self.inv_freq = inv_frequencies(cfg).to(self.device) if cfg.family == "llama" else None
         gopt = getattr(self.family, "GLOBAL_OPTIONAL", set())
         gnames = self.family.global_weight_names(cfg)
-        self.global_w = read_weights(store, gnames, gopt, dtype, self.device)
-        if _use_cpu_int4(cfg, store, dtype, self.device):
+        self._packed_shorts = packed_shorts(self.family, store)
+        if self._packed_shorts:
+            every = [*gnames.values(), *(n for i in range(cfg.num_layers)
+                                         for n in self.family.layer_weight_names(cfg, i).values())]
+            warn_expanded(store, [n for n in every if n in store], dtype)
+        int4 = _use_cpu_int4(cfg, store, dtype, self.device)
+        # the int4 path keeps its dense bf16 embedding: the output matrix's large-M GEMM reads it
+        self.global_w = read_weights(store, gnames, gopt, dtype, self.device,
+                                     packed=() if int4 else self._packed_shorts)
+        if int4:
             # the output matrix (tied: the embedding) through the int4 kernel at small M: the
             # largest single read of a decode step (vocab x hidden), a quarter of bf16's bytes
             from localgen.quant.cpu_int4 import int4_output_weight
@@ -107,14 +166,18 @@ class CausalLM:
 
             packed = int4_layer_weights(store, names)
             names = {k: v for k, v in names.items() if k not in replaced_names(packed)}
-        w = read_weights(store, names, self.family.OPTIONAL, self.dtype, self.device)
+        w = read_weights(store, names, self.family.OPTIONAL, self.dtype, self.device,
+                         packed=self._packed_shorts)
         return {**fuse_weights(self.family, self.cfg, w), **packed}
 
     def weight_bytes(self) -> int:
         """Bytes of weights a forward pass reads (4-bit matrices: codes and scales)."""
         packed_head = not isinstance(self.global_w.get("lm_head", torch.empty(0)), torch.Tensor)
-        # with a packed output matrix a decode step reads it, not the dense embedding (a row)
-        tensors = [t for k, t in self.global_w.items() if not (packed_head and k == "embed")]
+        # with a packed output matrix a decode step reads it, not the dense embedding (a row);
+        # a packed embedding is the file's blocks and counts (tied, it is the output matrix)
+        dense_embed = isinstance(self.global_w.get("embed"), torch.Tensor)
+        tensors = [t for k, t in self.global_w.items()
+                   if not (packed_head and dense_embed and k == "embed")]
         tensors += [t for w in self.layers for t in w.values()]
         return sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.decode_nbytes
                    for t in tensors)
