@@ -753,6 +753,17 @@ int lg_gguf_simd(void) {
 #endif
 }
 
+/* Activation values below which lg_gguf_matmul quantizes on the calling thread. */
+#define SERIAL_QUANT_VALUES (64 * 1024)
+
+static void quant_rows(const float *x, int64_t i0, int64_t i1, int64_t k, int ablock, uint8_t *xq,
+                       size_t xs) {
+    for (int64_t i = i0; i < i1; i++) {
+        if (ablock == 32) quant_row32(x + i * k, k, xq + i * xs);
+        else quant_row256(x + i * k, k, xq + i * xs);
+    }
+}
+
 /* y [m, n] float32 = x [m, k] float32 (contiguous) . W^T, W's row r at w + r * w_stride (bytes)
  * holding k / block_values blocks of qtype. Threads take chunks of n_chunk output rows; within a
  * chunk, activation rows go m_tile at a time. scalar != 0 forces the scalar path.
@@ -774,12 +785,14 @@ int lg_gguf_matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, int64
     if (n_chunk < 1) n_chunk = n;
     const int64_t chunks = (n + n_chunk - 1) / n_chunk;
     if (threads < 1) threads = 1;
+    /* A few rows quantize faster than a barrier waits for a thread that has no core yet. */
+    const int serial_quant = m * k < SERIAL_QUANT_VALUES;
+    if (serial_quant) quant_rows(x, 0, m, k, ablock, xq, xs);
 #pragma omp parallel num_threads(threads)
     {
+        if (!serial_quant) {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; i++) {
-            if (ablock == 32) quant_row32(x + i * k, k, xq + i * xs);
-            else quant_row256(x + i * k, k, xq + i * xs);
+            for (int64_t i = 0; i < m; i++) quant_rows(x, i, i + 1, k, ablock, xq, xs);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < chunks; c++) {
