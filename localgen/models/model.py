@@ -70,11 +70,21 @@ def read_weights(store: WeightSource, names: dict[str, str], optional: set[str],
 GGUF_PACKED_ENV = "LOCALGEN_GGUF_PACKED"
 
 
-def packed_shorts(family, store) -> frozenset[str]:
+def packed_shorts(family, store, device: torch.device) -> frozenset[str]:
     """Short names whose GGUF blocks stay packed: the family's ``PACKABLE`` matrices when the
-    store keeps blocks (``get_packed``: a GGUF) and ``LOCALGEN_GGUF_PACKED`` is not ``0``."""
+    store keeps blocks (``get_packed``: a GGUF) and ``LOCALGEN_GGUF_PACKED`` is not ``0`` — on
+    a CPU only where the compiled kernel is built (dequantizing every matrix at every step would
+    be many times slower than expanding once)."""
     if not hasattr(store, "get_packed") or os.environ.get(GGUF_PACKED_ENV, "1") == "0":
         return frozenset()
+    if device.type == "cpu":
+        from localgen.quant.gguf_blocks import CPU_KERNEL_ENV, cpu_kernel_serves
+
+        # LOCALGEN_GGUF_CPU_KERNEL=0 asks for the packed reference path on purpose
+        if os.environ.get(CPU_KERNEL_ENV, "1") != "0" and not cpu_kernel_serves(8):
+            warnings.warn("the GGUF CPU kernel could not be built (see the log): quantized "
+                          "matrices load expanded to float", stacklevel=3)
+            return frozenset()
     return frozenset(getattr(family, "PACKABLE", ()))
 
 
@@ -136,7 +146,7 @@ class CausalLM:
         self.inv_freq = inv_frequencies(cfg).to(self.device) if cfg.family == "llama" else None
         gopt = getattr(self.family, "GLOBAL_OPTIONAL", set())
         gnames = self.family.global_weight_names(cfg)
-        self._packed_shorts = packed_shorts(self.family, store)
+        self._packed_shorts = packed_shorts(self.family, store, self.device)
         if self._packed_shorts:
             every = [*gnames.values(), *(n for i in range(cfg.num_layers)
                                          for n in self.family.layer_weight_names(cfg, i).values())]

@@ -257,14 +257,34 @@ def _cpu_kernel_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.
     return mod.matmul(x.float().contiguous(), raw, int(qtype), x.shape[1])
 
 
+def cpu_kernel_serves(qtype: int) -> bool:
+    """Whether the compiled CPU kernel is built on this machine and reads ``qtype``: without it a
+    packed matrix is dequantized at every call, so a CPU model loads expanded instead."""
+    mod = _cpu_kernel_module()
+    return mod is not None and mod.available() and Q(qtype) in mod.SUPPORTED
+
+
+def _cuda_kernel_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor | None:
+    """``localgen.kernels.gguf_gemm.matmul`` (Triton) where it serves ``qtype`` and the shape;
+    None where the reference must run."""
+    try:
+        from localgen.kernels import gguf_gemm
+    except ImportError:  # no triton
+        return None
+    k = x.shape[1]
+    if not gguf_gemm.supported(int(qtype)) or k % gguf_gemm.TILE_K:
+        return None
+    return gguf_gemm.matmul(x.contiguous(), raw, int(qtype), k)
+
+
 class PackedGGUFWeight:
     """A 2-D GGUF matrix ``[out_features, in_features]`` held as the file's blocks.
 
     ``raw``: uint8 ``[out_features, row_bytes(qtype, in_features)]``, the file's bytes of each
     row (no repack: bits per weight are the file's); ``qtype``: a ``PACKED_TYPES`` member.
     Callable as ``w(x, bias)`` -> ``x @ W.T (+ bias)`` in x's dtype (``quant.linear``'s
-    contract): on the CPU through ``localgen.kernels.gguf_cpu`` where it serves the type, else
-    (and on CUDA) by ``reference_matmul``. Raises ValueError on a type or shape mismatch.
+    contract): on the CPU through ``localgen.kernels.gguf_cpu`` and on CUDA through
+    ``localgen.kernels.gguf_gemm`` where they serve the type, else by ``reference_matmul``. Raises ValueError on a type or shape mismatch.
     """
 
     def __init__(self, raw: torch.Tensor, qtype: int, shape: Sequence[int]):
@@ -307,7 +327,10 @@ class PackedGGUFWeight:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, self.shape[1])
-        y = _cpu_kernel_matmul(flat, self.raw, self.qtype) if flat.device.type == "cpu" else None
+        if flat.device.type == "cpu":
+            y = _cpu_kernel_matmul(flat, self.raw, self.qtype)
+        else:
+            y = _cuda_kernel_matmul(flat, self.raw, self.qtype)
         if y is None:
             y = reference_matmul(flat, self.raw, self.qtype)
         y = y.to(x.dtype)
