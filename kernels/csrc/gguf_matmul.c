@@ -374,31 +374,48 @@ AI __m256i w32(int t, const uint8_t *b) {
 
 /* The 32-value types: sum over blocks of dw dx (w . q) plus the offset or minimum through the
  * activation sum s = dx sum(q): Q4_0 -8 dw s, Q5_0 -16 dw s, Q4_1/Q5_1 + m s. */
+AI void block32(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int64_t k, int64_t b,
+                const int nx, __m256 *acc, float *acs) {
+    const int sgn = t == T_Q8_0 || t == T_IQ4_NL;
+    const int64_t nb = k / 32;
+    const uint8_t *blk = w + b * block_bytes(t);
+    const float dw = h2f(blk);
+    const float off = t == T_Q4_0 ? -8.0f * dw : t == T_Q5_0 ? -16.0f * dw
+                    : (t == T_Q4_1 || t == T_Q5_1) ? h2f(blk + 2) : 0.0f;
+    const __m256i wv = w32(t, blk);
+    const __m256i wu = sgn ? _mm256_abs_epi8(wv) : wv;
+    for (int j = 0; j < nx; j++) {
+        const uint8_t *xr = x + j * xs;
+        const float *dx = (const float *)(xr + k);
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + 32 * b));
+        if (sgn) xv = _mm256_sign_epi8(xv, wv);
+        const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(wu, xv));
+        acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx[b]), p, acc[j]);
+        if (!sgn) acs[j] += off * dx[nb + b];
+    }
+}
+
+/* One activation row alternates two sets of accumulators between blocks, so a block's FMA does
+ * not wait on the previous one's (several rows interleave their chains anyway). */
 AI void rows32(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int64_t k, float *y,
                int64_t ys, const int nx) {
-    const int bb = block_bytes(t), sgn = t == T_Q8_0 || t == T_IQ4_NL;
     const int64_t nb = k / 32;
-    __m256 acc[4];
-    float acs[4] = {0, 0, 0, 0};
-    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * bb;
-        const float dw = h2f(blk);
-        const float off = t == T_Q4_0 ? -8.0f * dw : t == T_Q5_0 ? -16.0f * dw
-                        : (t == T_Q4_1 || t == T_Q5_1) ? h2f(blk + 2) : 0.0f;
-        const __m256i wv = w32(t, blk);
-        const __m256i wu = sgn ? _mm256_abs_epi8(wv) : wv;
+    __m256 acc[2][4];
+    float acs[2][4];
+    for (int a = 0; a < 2; a++)
         for (int j = 0; j < nx; j++) {
-            const uint8_t *xr = x + j * xs;
-            const float *dx = (const float *)(xr + k);
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + 32 * b));
-            if (sgn) xv = _mm256_sign_epi8(xv, wv);
-            const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(wu, xv));
-            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx[b]), p, acc[j]);
-            if (!sgn) acs[j] += off * dx[nb + b];
+            acc[a][j] = _mm256_setzero_ps();
+            acs[a][j] = 0.0f;
         }
-    }
-    for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(acc[j]) + acs[j];
+    int64_t b = 0;
+    if (nx == 1)
+        for (; b + 1 < nb; b += 2) {
+            block32(t, w, x, xs, k, b, 1, acc[0], acs[0]);
+            block32(t, w, x, xs, k, b + 1, 1, acc[1], acs[1]);
+        }
+    for (; b < nb; b++) block32(t, w, x, xs, k, b, nx, acc[0], acs[0]);
+    for (int j = 0; j < nx; j++)
+        y[j * ys] = hsum_ps(_mm256_add_ps(acc[0][j], acc[1][j])) + (acs[0][j] + acs[1][j]);
 }
 
 /* int16 element i of each 128-bit lane of v, broadcast over the lane (lanes may differ). */
@@ -422,8 +439,8 @@ AI void rows_k32(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int
     const int64_t nb = k / 256;
     const __m256i m4 = _mm256_set1_epi8(15);
     const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES));
-    __m256 acc[4];
-    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    __m256 acc[4], accm[4]; /* accm: the minimums' term, a chain of its own */
+    for (int j = 0; j < nx; j++) acc[j] = accm[j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bb;
         const float d = h2f(blk), dmin = iq ? 0.0f : h2f(blk + 2);
@@ -474,11 +491,11 @@ AI void rows_k32(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int
                 const int16_t *bs = (const int16_t *)(xr + k + 4 * nb) + 16 * b;
                 const __m128i s32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs),
                                                    _mm_loadu_si128((const __m128i *)(bs + 8)));
-                acc[j] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * dx), low4_ps(_mm_madd_epi16(s32, mn16)), acc[j]);
+                accm[j] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * dx), low4_ps(_mm_madd_epi16(s32, mn16)), accm[j]);
             }
         }
     }
-    for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(acc[j]);
+    for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(_mm256_sub_ps(acc[j], accm[j]));
 }
 
 /* Q2_K, Q3_K, Q6_K: one scale per 16 values. The block is two halves h of four 32-value groups
@@ -490,8 +507,8 @@ AI void rows_k16(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int
     const int bb = block_bytes(t);
     const int64_t nb = k / 256;
     const __m256i m2 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
-    __m256 acc[4];
-    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    __m256 acc[4], accm[4]; /* accm: the minimums' term, a chain of its own */
+    for (int j = 0; j < nx; j++) acc[j] = accm[j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bb;
         float d, dmin = 0.0f;
@@ -556,10 +573,10 @@ AI void rows_k16(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int
             if (t != T_Q2_K) is = _mm256_sub_epi32(is, _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), offs));
             acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(is), acc[j]);
             if (t == T_Q2_K)
-                acc[j] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * dx), _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mn16)), acc[j]);
+                accm[j] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * dx), _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mn16)), accm[j]);
         }
     }
-    for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(acc[j]);
+    for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(_mm256_sub_ps(acc[j], accm[j]));
 }
 
 /* A 256-value block laid out for the per-row loop of several activation rows: 8 groups of 32
