@@ -80,12 +80,15 @@ def run(model: str | None, prompts_path: Path, num_requests: int = 1000, max_tok
     prompts = list(islice(cycle(read_prompts(prompts_path, num_requests)), num_requests))
     prompt_ids = [llm.engine.tokenize(Request(messages=[{"role": "user", "content": p}]))
                   for p in prompts]
-    per_token = llm.kv_bytes_per_token
+    per_token, bs = llm.kv_bytes_per_token, llm.block_size
     lengths = [len(p) + max_tokens for p in prompt_ids]
     full = max_num_seqs * max(lengths) * per_token
     # the running batch's need is max_num_seqs sequences of the mean length; never less than the
-    # longest request alone, which would be refused (KVBudgetError) rather than soaked
-    small = max(int(fraction * max_num_seqs * sum(lengths) / len(lengths)), max(lengths)) * per_token
+    # whole blocks the longest request needs alone (with fewer it would stop at the cache's
+    # capacity, and its output would be cut short rather than soaked)
+    small_tokens = max(int(fraction * max_num_seqs * sum(lengths) / len(lengths)),
+                       -(-max(lengths) // bs) * bs)
+    small = small_tokens * per_token
     log(f"{num_requests} requests, max_tokens {max_tokens}: KV cache {full / 2**20:.1f} MiB, "
         f"then {small / 2**20:.1f} MiB")
     free, ref = _drive(_engine(llm, full, max_num_seqs), prompt_ids, max_tokens)
