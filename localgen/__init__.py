@@ -1,3 +1,3 @@
-"""localgen: a local LLM runner (see DESIGN.md for the layers)."""
+"""localgen: a local LLM runner (see docs/ARCHITECTURE.md for the layers)."""
 
 __version__ = "0.1.0"
