@@ -24,12 +24,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-# GGMLQuantizationType values (gguf.constants), the types these kernels read.
-Q4_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 8, 12, 13, 14
-# bytes per block and weights per block, per type (ggml-common.h)
-BLOCK_BYTES = {Q4_0: 18, Q8_0: 34, Q4_K: 144, Q5_K: 176, Q6_K: 210}
-BLOCK_WEIGHTS = {Q4_0: 32, Q8_0: 32, Q4_K: 256, Q5_K: 256, Q6_K: 256}
+# The types these kernels read; ``_group`` dispatches on their GGMLQuantizationType values.
+KERNEL_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
+                GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
+# weights per block and bytes per block, per type (ggml-common.h, as gguf.constants states them)
+BLOCK_WEIGHTS = {int(t): GGML_QUANT_SIZES[t][0] for t in KERNEL_TYPES}
+BLOCK_BYTES = {int(t): GGML_QUANT_SIZES[t][1] for t in KERNEL_TYPES}
 TILE_K = 256  # weights dequantized per loop step: one K-quant super-block, eight 32-blocks
 DECODE_MAX_M = 16
 

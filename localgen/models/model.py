@@ -78,10 +78,11 @@ def packed_shorts(family, store, device: torch.device) -> frozenset[str]:
     if not hasattr(store, "get_packed") or os.environ.get(GGUF_PACKED_ENV, "1") == "0":
         return frozenset()
     if device.type == "cpu":
-        from localgen.quant.gguf_blocks import CPU_KERNEL_ENV, cpu_kernel_serves
+        from localgen.quant.gguf_blocks import CPU_KERNEL_ENV, Q, cpu_kernel_serves
 
-        # LOCALGEN_GGUF_CPU_KERNEL=0 asks for the packed reference path on purpose
-        if os.environ.get(CPU_KERNEL_ENV, "1") != "0" and not cpu_kernel_serves(8):
+        # LOCALGEN_GGUF_CPU_KERNEL=0 asks for the packed reference path on purpose; Q8_0 is
+        # read by every build of the kernel, so it tells whether the library is there at all
+        if os.environ.get(CPU_KERNEL_ENV, "1") != "0" and not cpu_kernel_serves(Q.Q8_0):
             warnings.warn("the GGUF CPU kernel could not be built (see the log): quantized "
                           "matrices load expanded to float", stacklevel=3)
             return frozenset()
