@@ -7,6 +7,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from localgen.runtime.structured import check_response_format
+
 _ids = itertools.count()
 
 
@@ -38,7 +40,9 @@ class SamplingParams:
     temperature 0 means greedy. top_k 0 and top_p 1 and min_p 0 mean off. ``seed`` makes the
     request's samples reproducible whatever else shares its batch. ``stop`` strings end the text
     (the stop string itself is not returned) even when they span token boundaries.
-    Raises ValueError from ``validate`` naming the field that is out of range.
+    ``response_format`` (OpenAI's shape) constrains the output to JSON or a JSON schema.
+    Raises ValueError from ``validate`` naming the field that is out of range (for
+    ``response_format``: the bad part, or the reason the grammar engine cannot compile a schema).
     """
 
     temperature: float = 1.0
@@ -50,6 +54,9 @@ class SamplingParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # OpenAI's response_format: {"type": "text" | "json_object" | "json_schema", ...}; see
+    # localgen.runtime.structured for the shapes and how decoding is constrained.
+    response_format: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,6 +77,8 @@ class SamplingParams:
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} {why}")
+        if self.response_format is not None:
+            check_response_format(self.response_format)
         return self
 
     @property
