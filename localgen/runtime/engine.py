@@ -20,7 +20,7 @@ from localgen.runtime.detokenizer import IncrementalDetokenizer
 from localgen.runtime.executor import ModelRunner
 from localgen.runtime.metrics import Metrics
 from localgen.runtime.request import KVBudgetError, PromptTooLongError, Request, RequestOutput
-from localgen.runtime.sampling import sample
+from localgen.runtime.sampling import sample, sampled_logprobs
 from localgen.runtime.scheduler import ScheduledBatch, Scheduler
 from localgen.runtime.sequence import Sequence
 
@@ -200,8 +200,12 @@ class Engine:
             self.metrics.prompt_tokens += sum(s.num_tokens - s.num_computed for s in seqs)
             self.metrics.cached_prompt_tokens += sum(s.num_computed for s in seqs)
         logits = self.runner.run(seqs, batch.is_prefill)
-        tokens = sample(logits, [s.sampling for s in seqs], [s.token_ids for s in seqs],
-                        [s.generator for s in seqs])
+        params = [s.sampling for s in seqs]
+        tokens = sample(logits, params, [s.token_ids for s in seqs], [s.generator for s in seqs],
+                        [s.output_ids for s in seqs])
+        for seq, lp in zip(seqs, sampled_logprobs(logits, tokens, params)):
+            if lp is not None:
+                seq.logprobs.append(lp)
         now = time.perf_counter()
         if batch.is_prefill:
             self.metrics.prefill_seconds += now - t0
@@ -244,7 +248,8 @@ class Engine:
             detok = self.detoks[seq.request_id]
         return RequestOutput(seq.request_id, delta, detok.emitted, list(seq.output_ids), finished,
                              seq.finish_reason, seq.num_prompt_tokens, seq.num_output_tokens,
-                             seq.num_cached_prompt_tokens)
+                             seq.num_cached_prompt_tokens,
+                             list(seq.logprobs) if seq.sampling.logprobs is not None else None)
 
     def _update_gauges(self) -> None:
         m = self.metrics

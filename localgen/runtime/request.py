@@ -54,6 +54,13 @@ class SamplingParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # OpenAI's penalties (in [-2, 2]): subtracted from the logit of each token already in the
+    # output, frequency_penalty once per occurrence, presence_penalty once per distinct token
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # log-probabilities of each sampled token and of this many most likely alternatives (0..20),
+    # from the model's distribution before any penalty or filter; None: not computed
+    logprobs: int | None = None
     # OpenAI's response_format: {"type": "text" | "json_object" | "json_schema", ...}; see
     # localgen.runtime.structured for the shapes and how decoding is constrained.
     response_format: dict | None = None
@@ -71,6 +78,10 @@ class SamplingParams:
             ("top_k", self.top_k >= 0, "must be >= 0 (0 = off)"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
             ("repetition_penalty", self.repetition_penalty > 0.0, "must be > 0"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20,
+             "must be None or in [0, 20]"),
             ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
         ]
@@ -120,3 +131,17 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int = 0
+    # one TokenLogprob per output token so far (aligned with token_ids) when the request's
+    # sampling asked for logprobs; None otherwise
+    logprobs: list["TokenLogprob"] | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The natural-log probability of one sampled token under the model's distribution (before
+    penalties, temperature and filters), and the ``top`` most likely tokens as
+    ``(token_id, logprob)`` pairs, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()

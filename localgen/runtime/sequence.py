@@ -39,6 +39,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
+    logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when asked
 
     @property
     def num_tokens(self) -> int:
