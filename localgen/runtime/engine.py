@@ -23,6 +23,7 @@ from localgen.runtime.request import KVBudgetError, PromptTooLongError, Request,
 from localgen.runtime.sampling import sample, sampled_logprobs
 from localgen.runtime.scheduler import ScheduledBatch, Scheduler
 from localgen.runtime.sequence import Sequence
+from localgen.runtime.structured import GrammarCache, mask_logits
 
 # How far a tokenizer's normalizer may shrink text, in UTF-8 bytes (see Engine.max_prompt_bytes).
 _NORMALIZER_SLACK = 4
@@ -77,6 +78,8 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    max(config.max_num_batched_tokens, config.block_size))
         self.eos_token_ids = frozenset(eos_token_ids)
+        # response_format grammars, compiled on first use against this tokenizer
+        self.grammars = GrammarCache(tokenizer, mcfg.vocab_size, tuple(sorted(self.eos_token_ids)))
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self.metrics = Metrics(kv_blocks_total=num_blocks)
@@ -148,7 +151,9 @@ class Engine:
         gen = None
         if req.sampling.seed is not None:
             gen = torch.Generator().manual_seed(req.sampling.seed)
+        grammar = self.grammars.sequence_grammar(req.sampling.response_format)
         seq = Sequence(req.request_id, ids, len(ids), req.sampling, req.priority, gen)
+        seq.grammar = grammar
         self.seqs[seq.request_id] = seq
         self.detoks[seq.request_id] = IncrementalDetokenizer(self.tokenizer, req.sampling.stop)
         self.scheduler.add(seq)
@@ -201,7 +206,8 @@ class Engine:
             self.metrics.cached_prompt_tokens += sum(s.num_computed for s in seqs)
         logits = self.runner.run(seqs, batch.is_prefill)
         params = [s.sampling for s in seqs]
-        tokens = sample(logits, params, [s.token_ids for s in seqs], [s.generator for s in seqs],
+        masked = mask_logits(logits, [s.grammar for s in seqs])  # response_format rows
+        tokens = sample(masked, params, [s.token_ids for s in seqs], [s.generator for s in seqs],
                         [s.output_ids for s in seqs])
         for seq, lp in zip(seqs, sampled_logprobs(logits, tokens, params)):
             if lp is not None:
@@ -218,6 +224,8 @@ class Engine:
 
     def _advance(self, seq: Sequence, token: int, now: float) -> RequestOutput:
         seq.token_ids.append(token)
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
         seq.num_computed = seq.num_tokens - 1
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -228,6 +236,8 @@ class Engine:
         delta, hit_stop = detok.update(seq.output_ids)
         if hit_stop:
             return self._finish(seq, "stop", delta)
+        if seq.grammar is not None and seq.grammar.complete:  # nothing but EOS could follow
+            return self._finish(seq, "stop", delta + detok.update(seq.output_ids, final=True)[0])
         if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.token_limit:
             return self._finish(seq, "length", delta + detok.update(seq.output_ids, final=True)[0])
         return self._output(seq, delta)

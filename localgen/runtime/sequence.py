@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -31,6 +32,7 @@ class Sequence:
     priority: Priority
     generator: torch.Generator | None
     status: SequenceStatus = SequenceStatus.WAITING
+    grammar: Any = None  # structured.SequenceGrammar of a request with a response_format
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
