@@ -489,11 +489,11 @@ def open_gguf(path: str | Path):
     for a GGUF version or tensor type id gguf does not know: each one sentence naming the file
     and what is wrong, in place of the reader's own ValueError/IndexError.
     """
-    from gguf import GGUFReader
+    from localgen.models.gguf_reader import FastGGUFReader
 
     path = Path(path)
     try:
-        return GGUFReader(str(path))
+        return FastGGUFReader(str(path))
     except OSError:
         raise
     except Exception as e:  # the reader indexes raw bytes: bad files fail in many ways

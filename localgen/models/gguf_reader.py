@@ -1,0 +1,76 @@
+"""A `gguf.GGUFReader` that reads large metadata arrays in one pass.
+
+`gguf.GGUFReader` builds its fields element by element through memory-map slices: a 49k-entry
+vocabulary and its merges become a few hundred thousand `numpy.memmap` views, which takes many
+seconds on a small CPU — longer than loading the weights. `FastGGUFReader` builds the same
+`ReaderField` objects (same ``parts``, ``data`` indices and ``types``, so ``contents()`` and every
+caller see what the stock reader gives) for arrays of scalars and of strings, walking the string
+lengths with `struct` and slicing a plain ndarray view of the map. Anything else (nested arrays,
+a file in the other byte order) goes through the stock code.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType
+
+_U64 = struct.Struct("<Q")
+
+
+class FastGGUFReader(GGUFReader):
+    """`GGUFReader` with one-pass parsing of scalar and string arrays (same results).
+
+    Raises what `GGUFReader` raises (ValueError, IndexError… on a damaged file; callers use
+    ``localgen.models.gguf_source.open_gguf``, which turns them into one sentence)."""
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list[int], list]:
+        if GGUFValueType(raw_type) != GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        itype, count = GGUFValueType(int(raw_itype[0])), int(alen[0])
+        head: list[Any] = [raw_itype, alen]
+        offs = orig_offs + 12
+        if itype == GGUFValueType.STRING:
+            parts, end = self._string_parts(offs, count)
+        elif itype in self.gguf_scalar_to_np:
+            parts, end = self._scalar_parts(offs, count, self.gguf_scalar_to_np[itype])
+        else:  # arrays of arrays: rare and small
+            return super()._get_field_parts(orig_offs, raw_type)
+        stride = len(parts) // count if count else 1
+        # the stock reader points `data` at each element's last part (a string's bytes)
+        data = [len(head) + i * stride + stride - 1 for i in range(count)]
+        return end - orig_offs, head + parts, data, [GGUFValueType.ARRAY, itype]
+
+    def _plain(self) -> np.ndarray:
+        """The map as a plain ndarray: its slices skip `numpy.memmap`'s per-view bookkeeping."""
+        plain = getattr(self, "_plain_view", None)
+        if plain is None:
+            plain = self._plain_view = self.data.view(np.ndarray)
+        return plain
+
+    def _scalar_parts(self, offs: int, count: int, nptype) -> tuple[list, int]:
+        itemsize = np.dtype(nptype).itemsize
+        end = offs + itemsize * count
+        if end > len(self.data):
+            raise ValueError(f"array of {count} values at offset {offs} runs past the end of the file")
+        values = self._plain()[offs:end].view(nptype)
+        return list(values.reshape(count, 1)), end
+
+    def _string_parts(self, offs: int, count: int) -> tuple[list, int]:
+        plain, size = self._plain(), len(self.data)
+        buf = memoryview(plain)
+        parts: list[np.ndarray] = []
+        for _ in range(count):
+            if offs + 8 > size:
+                raise ValueError(f"string length at offset {offs} runs past the end of the file")
+            (n,) = _U64.unpack_from(buf, offs)
+            if offs + 8 + n > size:
+                raise ValueError(f"string of {n} bytes at offset {offs} runs past the end of the file")
+            parts.append(plain[offs:offs + 8].view(np.uint64))
+            parts.append(plain[offs + 8:offs + 8 + n])
+            offs += 8 + n
+        return parts, offs

@@ -1,0 +1,60 @@
+"""FastGGUFReader gives the fields and tensors `gguf.GGUFReader` gives, and fails on the same
+damaged files (open_gguf turns both into one CorruptModelError)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from localgen.models.config import CorruptModelError
+from localgen.models.gguf_reader import FastGGUFReader
+from localgen.models.gguf_source import open_gguf
+from tiny_models import make_model, write_gguf
+
+_LISTS = {
+    "test.floats": [0.5, -1.25, 3e38],
+    "test.ints": [1, -2, 2**31 - 1],
+    "test.bools": [True, False, True],
+    "test.words": ["héllo", "", "wörld ✓", "a" * 300],
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    model = make_model("smollm")
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    return write_gguf(path, (model.state_dict(), model.config.to_dict()), "Q8_0", metadata=_LISTS)
+
+
+def _same_field(a, b, key):
+    assert a.types == b.types, key
+    assert a.data == b.data, key
+    assert len(a.parts) == len(b.parts), key
+    for x, y in zip(a.parts, b.parts):
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), key
+    assert a.contents() == b.contents(), key
+    if a.types and a.types[0] == gguf.GGUFValueType.ARRAY and a.data:
+        assert a.contents(len(a.data) - 1) == b.contents(len(b.data) - 1), key
+
+
+def test_fields_and_tensors_match_the_stock_reader(tiny_gguf):
+    stock, fast = gguf.GGUFReader(str(tiny_gguf)), FastGGUFReader(str(tiny_gguf))
+    assert list(stock.fields) == list(fast.fields)
+    for key in stock.fields:
+        _same_field(stock.fields[key], fast.fields[key], key)
+    assert fast.fields["test.words"].contents() == _LISTS["test.words"]
+    assert len(fast.fields["tokenizer.ggml.tokens"].contents()) > 300
+    assert [t.name for t in stock.tensors] == [t.name for t in fast.tensors]
+    for s, f in zip(stock.tensors, fast.tensors):
+        assert (s.tensor_type, s.n_bytes, s.data_offset) == (f.tensor_type, f.n_bytes, f.data_offset)
+        assert np.array_equal(s.shape, f.shape) and np.array_equal(s.data, f.data)
+
+
+def test_a_vocabulary_cut_short_is_a_corrupt_file(tiny_gguf, tmp_path):
+    data = tiny_gguf.read_bytes()
+    at = data.index(b"tokenizer.ggml.merges")  # inside the metadata, past the token list
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:at])
+    with pytest.raises(CorruptModelError, match="cut.gguf"):
+        open_gguf(cut)
