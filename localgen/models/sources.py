@@ -267,11 +267,9 @@ def list_local_models(
 
 
 def _gguf_info(path: Path, name: str, kind: SourceKind) -> ModelInfo:
-    from gguf import GGUFReader
+    from localgen.models.gguf_source import gguf_hf_config, open_gguf
 
-    from localgen.models.gguf_source import gguf_hf_config
-
-    arch = gguf_hf_config(GGUFReader(str(path)))["architectures"][0]
+    arch = gguf_hf_config(open_gguf(path))["architectures"][0]
     return ModelInfo(name, kind, path, arch, path.stat().st_size)
 
 
