@@ -97,6 +97,21 @@ class Conversation:
                            "sampling": asdict(self.sampling),
                            "turns": [asdict(t) for t in self.turns]}, indent=2) + "\n"
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "Conversation":
+        """The conversation ``to_json`` wrote (parsed). Raises KeyError/TypeError for a missing
+        or misshapen field, ValueError for sampling settings out of range."""
+        sp = dict(data.get("sampling") or {})
+        if "stop" in sp:
+            sp["stop"] = tuple(sp["stop"] or ())
+        sampling = SamplingParams(**sp).validate() if sp else cls().sampling
+        turns = [Turn(**t) for t in data.get("turns") or []]
+        for t in turns:
+            if t.role not in ("user", "assistant", "system") or not isinstance(t.content, str):
+                raise ValueError(f"a turn has role {t.role!r}; expected user or assistant with text")
+        return cls(system=str(data.get("system") or ""), sampling=sampling, turns=turns,
+                   model=str(data.get("model") or ""))
+
     def save(self, path: str | Path) -> list[Path]:
         """Write ``path`` as Markdown (.md) and JSON (.json) side by side, each atomically;
         returns both paths. Raises OSError naming the file that could not be written."""
