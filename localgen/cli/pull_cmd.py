@@ -1,0 +1,41 @@
+"""`localgen pull REPO[:QUANT|:FILE]`: download a model from the Hugging Face hub into its cache."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+
+def pull(
+    model: str = typer.Argument(
+        ..., metavar="REPO[:QUANT|:FILE]",
+        help="A hub repo, e.g. HuggingFaceTB/SmolLM2-135M-Instruct (safetensors: config, tokenizer "
+             "and weights) or bartowski/SmolLM2-135M-Instruct-GGUF:Q8_0 (the GGUF of that quant, "
+             "default Q4_K_M; :path/in/repo.gguf names a file)."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Branch, tag or commit (default: main)."),
+) -> None:
+    """Download a model into the Hugging Face cache, where `--model REPO[:QUANT]` finds it.
+
+    Files already cached are not fetched again; a dropped connection resumes where it stopped;
+    every file is checked against the hub's SHA-256. HF_TOKEN (or `hf auth login`) reads gated
+    and private repos; HF_ENDPOINT names another hub.
+    """
+    from localgen.hub.pull import PullError, pull as pull_ref  # heavy imports stay out of --help
+    from localgen.hub.refs import parse_ref
+
+    ref = parse_ref(model)
+    if ref is None:
+        raise typer.BadParameter(f"{model!r} is not REPO[:QUANT|:FILE] (like org/name:Q4_K_M)",
+                                 param_hint="REPO")
+    try:
+        got = pull_ref(ref, revision=revision)
+    except PullError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        typer.echo("interrupted: run the same pull again to finish it", err=True)
+        raise typer.Exit(130) from None
+    typer.echo(f"{ref} ({'GGUF' if got.format == 'gguf' else 'safetensors'}, commit "
+               f"{got.commit[:12]}): {got.path}")
+    typer.echo(f"run it: localgen chat --model {ref}")
