@@ -1,3 +1,5 @@
 """localgen: a local LLM runner (see docs/ARCHITECTURE.md for the layers)."""
 
-__version__ = "0.1.0"
+from localgen.version import package_version
+
+__version__ = package_version()

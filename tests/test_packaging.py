@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import email.parser
 import os
 import subprocess
 import sys
+import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -39,12 +42,36 @@ def test_editable_install_imports_under_the_namespace(tmp_path):
     assert got["bare"] == []
 
 
-@pytest.mark.timeout(600)
-def test_wheel_install_imports_under_the_namespace(tmp_path):
-    wheels, site = tmp_path / "wheels", tmp_path / "site"
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    wheels = tmp_path_factory.mktemp("wheels")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels),
                     str(ROOT)], check=True, capture_output=True)
-    (wheel,) = wheels.glob("localgen-*.whl")
+    (built,) = wheels.glob("localgen-*.whl")
+    return built
+
+
+@pytest.mark.timeout(600)
+def test_wheel_carries_every_runtime_file(wheel):
+    # the files read at run time that are not Python modules: an editable install hides a miss
+    expected = {f"localgen/kernels/csrc/{p.name}" for p in (ROOT / "kernels" / "csrc").iterdir()
+                if p.suffix in (".c", ".h")}
+    expected |= {f"localgen/profiles/{p.name}" for p in (ROOT / "profiles").glob("*.json")}
+    expected |= {f"localgen/tui/{p.name}" for p in (ROOT / "tui").glob("*.tcss")}
+    expected |= {f"localgen/examples/{p.name}" for p in (ROOT / "examples").glob("*.jsonl")}
+    assert any(name.endswith(".c") for name in expected)
+    assert "localgen/examples/prompts.jsonl" in expected
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
+        version = email.parser.Parser().parsestr(zf.read(meta).decode())["Version"]
+    assert expected <= names, sorted(expected - names)
+    assert version == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+@pytest.mark.timeout(600)
+def test_wheel_install_imports_under_the_namespace(tmp_path, wheel):
+    site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
                     str(site), str(wheel)], check=True, capture_output=True)
     got = run_check(tmp_path, extra_path=site)
