@@ -15,6 +15,22 @@ app = typer.Typer(
     add_completion=False,
 )
 
+def _print_version(value: bool) -> None:
+    if value:
+        from localgen import __version__
+
+        typer.echo(f"localgen {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(False, "--version", "-V", callback=_print_version, is_eager=True,
+                                 help="Print localgen's version and exit."),
+) -> None:
+    pass
+
+
 # Registration: one line per command module (keep this list sorted by command name).
 from localgen.cli import batch_cmd; app.command("batch")(batch_cmd.batch)  # noqa: E402,E702
 from localgen.cli import generate_cmd; app.command("generate")(generate_cmd.generate)  # noqa: E402,E702
