@@ -662,7 +662,15 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, GGUFStore]:
 
 
 def load_gguf_tokenizer(path: str | Path):
-    """The tokenizer stored in the GGUF, via transformers (slow: ~10 s for a 49k vocab).
+    """The tokenizer stored in the GGUF: converted by transformers on the first load (slow for a
+    49k vocab), then read from localgen's cache (`localgen.models.tokenizer_cache`)."""
+    from localgen.models.tokenizer_cache import cached_gguf_tokenizer
+
+    return cached_gguf_tokenizer(path, lambda: convert_gguf_tokenizer(path))
+
+
+def convert_gguf_tokenizer(path: str | Path):
+    """The tokenizer stored in the GGUF, via transformers' GGUF loader (no cache).
 
     Sets `chat_template` from the GGUF metadata when transformers did not.
     """
@@ -671,9 +679,7 @@ def load_gguf_tokenizer(path: str | Path):
     path = Path(path)
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if not getattr(tok, "chat_template", None):
-        from gguf import GGUFReader
-
-        template = _field(GGUFReader(str(path)), "tokenizer.chat_template")
+        template = _field(open_gguf(path), "tokenizer.chat_template")
         if template:
             tok.chat_template = template
     return tok
