@@ -9,7 +9,7 @@ Errors as the hub sends them: 404 with ``X-Error-Code: RepoNotFound`` / ``Revisi
 ``EntryNotFound``; a private repo answers 401 without a token, a gated one 401 with
 ``X-Error-Code: GatedRepo`` on its files. Faults per file: ``drop_once`` (the first GET closes
 the connection halfway), ``corrupt`` (same size, one byte flipped), ``short`` (GET sends fewer
-bytes than HEAD announced). ``requests`` records (method, path, Range header).
+bytes than HEAD announced), ``fail_resume`` (a GET with ``Range`` gets 503: the client gives up). ``requests`` records (method, path, Range header).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class FakeHub:
     drop_once: set[tuple[str, str]] = field(default_factory=set)
     corrupt: set[tuple[str, str]] = field(default_factory=set)
     short: set[tuple[str, str]] = field(default_factory=set)
+    fail_resume: set[tuple[str, str]] = field(default_factory=set)
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)
     url: str = ""
 
@@ -162,6 +163,8 @@ class _Handler(BaseHTTPRequestHandler):
         etag = hashlib.sha256(data).hexdigest() if is_lfs(file) else git_blob_id(data)
         start = 0
         rng = self.headers.get("Range")
+        if rng and not head and key in self.hub.fail_resume:
+            return self._error(503, "ServiceUnavailable", "try again later")
         if rng and rng.startswith("bytes=") and not head:
             start = int(rng[len("bytes="):].split("-")[0])
         body = data

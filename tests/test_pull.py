@@ -153,18 +153,46 @@ def test_a_dropped_connection_resumes_with_a_range_request(hub, models, monkeypa
     assert _sha(got.path) == _sha(models["Q8_0"])
 
 
+def test_a_killed_pull_resumes_in_the_next_run(hub, models, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 16 << 10)
+    key = (GGUF_REPO, "tiny-Q8_0.gguf")
+    hub.drop_once.add(key)
+    hub.fail_resume.add(key)  # the first run cannot continue after the drop and gives up
+    with pytest.raises(PullError, match="run the pull again to resume it"):
+        _pull(GGUF_REPO + ":Q8_0")
+    partial = repo_folder(GGUF_REPO) / "blobs" / (_sha(models["Q8_0"]) + ".partial")
+    kept = partial.stat().st_size
+    assert 0 < kept < models["Q8_0"].stat().st_size
+    assert find_cached(ModelRef(GGUF_REPO, "Q8_0")) is None  # a partial file is never loaded
+    hub.fail_resume.clear()
+    got = _pull(GGUF_REPO + ":Q8_0")
+    ranges = [r for m, p, r in hub.requests if m == "GET" and p.endswith("tiny-Q8_0.gguf")]
+    assert ranges[-1] == f"bytes={kept}-"  # the second run asked only for what was missing
+    assert _sha(got.path) == _sha(models["Q8_0"]) and not partial.exists()
+
+
 @pytest.mark.parametrize("fault", ["corrupt", "short"])
 def test_a_damaged_download_is_an_error_and_leaves_nothing_to_load(hub, models, fault):
     getattr(hub, fault).add((GGUF_REPO, "tiny-Q8_0.gguf"))
-    msg = "arrived damaged" if fault == "corrupt" else "should be of size"
+    msg = "arrived damaged .* and was deleted" if fault == "corrupt" else "should be of size"
     with pytest.raises(PullError, match=msg):
         _pull(GGUF_REPO + ":Q8_0")
-    repo = repo_folder(GGUF_REPO)
-    assert not list(repo.rglob("tiny-Q8_0.gguf")) and not any((repo / "blobs").iterdir())
+    repo, sha = repo_folder(GGUF_REPO), _sha(models["Q8_0"])
+    assert not list(repo.rglob("tiny-Q8_0.gguf")) and not (repo / "blobs" / sha).exists()
+    assert (repo / "blobs" / f"{sha}.partial").exists() == (fault == "short")  # a prefix: kept
     assert find_cached(ModelRef(GGUF_REPO, "Q8_0")) is None
-    getattr(hub, fault).clear()  # the hub serves it right now: the next pull downloads it again
+    getattr(hub, fault).clear()  # the hub serves it right now: the next pull gets it whole
     got = _pull(GGUF_REPO + ":Q8_0")
     assert _sha(got.path) == _sha(models["Q8_0"]) and hub.gets(GGUF_REPO).count("tiny-Q8_0.gguf") == 2
+
+
+def test_a_damaged_small_file_is_removed_too(hub, models):
+    hub.corrupt.add((HF_REPO, "config.json"))
+    with pytest.raises(PullError, match=r"tiny-org/tiny/config.json arrived damaged .*removed"):
+        _pull(HF_REPO)
+    assert find_cached(ModelRef(HF_REPO)) is None
 
 
 def test_missing_repo_says_not_found(hub):

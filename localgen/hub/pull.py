@@ -1,12 +1,14 @@
 """Download a model reference from the Hugging Face hub into the standard cache.
 
 The repo's file list comes from ``HfApi.model_info(files_metadata=True)`` (sizes and LFS
-SHA-256s); `refs.select_files` picks what the reference names; ``snapshot_download`` fetches just
-those files in parallel, with huggingface_hub's progress bar (bytes, speed), its per-commit
-cache layout and its ``main`` ref, and resumes a connection that drops mid-file with a ``Range``
-request. Each file that arrives is then hashed against the hub's record (SHA-256 for LFS
-files, the git blob id for the others); a mismatch removes it from the cache, so a damaged file
-is never loaded.
+SHA-256s); `refs.select_files` picks what the reference names. Weight files (LFS) arrive through
+`download.fetch_blob`: huggingface_hub's ``http_get`` with its progress bar (bytes, speed) into
+a partial blob that a later run continues, checked against the SHA-256 before it enters the
+cache. ``snapshot_download`` then fetches the small files, links everything into the snapshot
+and writes the ``main`` ref, as for any huggingface_hub download. A connection that drops
+mid-file resumes with a ``Range`` request within the run; a run that is killed resumes in the
+next one. The small files are checked against their git blob ids; a damaged file is removed
+from the cache, so it is never loaded.
 
 Every failure is one `PullError` sentence: the repo does not exist, is gated or private (with
 what to do about the token), lacks the quant (listing the ones it has), the hub cannot be
@@ -15,13 +17,13 @@ reached, or ``HF_HUB_OFFLINE`` forbids the download.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 from pathlib import Path
 from typing import Callable
 
 from localgen.hub.cache import Resolved, hub_cache_dir, repo_folder
+from localgen.hub.download import DamagedFileError, fetch_blob, file_digest
 from localgen.hub.refs import ModelRef, RefError, select_files
 
 _TOKEN_HINT = "set HF_TOKEN to a token that may read it, or run `hf auth login` (huggingface-cli login)"
@@ -78,12 +80,17 @@ def pull(
         raise _explain(e, ref, revision, endpoint) from e
     total = sum(meta[f].size or 0 for f in files)
     log(f"pulling {ref}: {', '.join(files)} ({_human(total)}) from {endpoint}")
+    blobs = repo_folder(ref.repo_id, cache_dir) / "blobs"
+    for f in files:
+        if meta[f].lfs is not None:
+            _fetch(ref, f, meta[f], commit, blobs, endpoint, log)
     snapshot = _download(ref, revision, files, endpoint, cache_dir)
     if snapshot.name != commit:
         raise PullError(f"{ref.repo_id} changed on the hub during the download (commit {commit[:12]} "
                         f"became {snapshot.name[:12]}); run the pull again")
     for f in files:
-        _verify(snapshot, f, meta[f], cache_dir, ref)
+        if meta[f].lfs is None:  # weights were hashed as they entered the cache
+            _verify(snapshot, f, meta[f], ref)
     return Resolved(ref, fmt, snapshot if fmt == "hf" else snapshot / files[0], tuple(files), commit)
 
 
@@ -96,6 +103,18 @@ def _list_repo(ref: ModelRef, revision: str | None, endpoint: str):
         raise PullError(f"{endpoint} answered for {ref.repo_id} without a commit hash: is "
                         "HF_ENDPOINT a Hugging Face hub?")
     return info.sha, {s.rfilename: s for s in info.siblings or ()}
+
+
+def _fetch(ref: ModelRef, path: str, sibling, commit: str, blobs: Path, endpoint: str, log) -> None:
+    try:
+        fetch_blob(ref.repo_id, path, commit=commit, sha256=sibling.lfs.sha256,
+                   size=sibling.lfs.size, blobs=blobs, endpoint=endpoint, log=log)
+    except KeyboardInterrupt:
+        raise
+    except DamagedFileError as e:
+        raise PullError(f"{ref.repo_id}: {e}; run the pull again") from e
+    except Exception as e:
+        raise _explain(e, ref, None, endpoint) from e
 
 
 def _download(ref, revision, files, endpoint, cache_dir) -> Path:
@@ -142,11 +161,14 @@ def _explain(e: Exception, ref: ModelRef, revision: str | None, endpoint: str) -
         return PullError(f"cannot reach the Hugging Face hub at {endpoint} to get {ref} "
                          f"({_first_line(e)}); check the network, or set HF_HUB_OFFLINE=1 "
                          "to use only models already in the cache")
+    if isinstance(e, HfHubHTTPError) and status is not None and status >= 500:
+        return PullError(f"the hub failed ({status}) while sending {ref}; run the pull again to "
+                         "resume it")
     if isinstance(e, HfHubHTTPError):
         return PullError(f"the hub answered {status} for {where}: {_first_line(e)}")
     if isinstance(e, OSError):  # a download cut short: huggingface_hub's size check, a full disk
         return PullError(f"downloading {ref} failed: {_first_line(e)}; run the pull again "
-                         "(files already complete are kept)")
+                         "to resume it")
     return PullError(f"downloading {ref} failed: {type(e).__name__}: {_first_line(e)}")
 
 
@@ -170,37 +192,19 @@ def _first_line(e: BaseException) -> str:
     return text or type(e).__name__
 
 
-def _verify(snapshot: Path, path: str, sibling, cache_dir, ref: ModelRef) -> None:
-    """Hash the downloaded `path` against the hub's record of it; remove it when they differ."""
+def _verify(snapshot: Path, path: str, sibling, ref: ModelRef) -> None:
+    """Hash a small downloaded file against its git blob id; remove it when they differ."""
     local = snapshot / path
-    if sibling.lfs is not None:
-        want, algo = sibling.lfs.sha256, "sha256"
-    elif sibling.blob_id:
-        want, algo = sibling.blob_id, "git-sha1"
-    else:
+    if not sibling.blob_id:
         return  # the hub gave no digest: nothing to check against
-    got = file_digest(local, algo)
-    if got == want:
+    got = file_digest(local, "git-sha1")
+    if got == sibling.blob_id:
         return
     blob = local.resolve()
     for p in {local, blob}:  # the snapshot link and its blob, so no later run reuses the bytes
-        try:
-            p.unlink()
-        except FileNotFoundError:
-            pass
-    raise PullError(f"{ref.repo_id}/{path} arrived damaged ({algo} {got[:16]}… where the hub "
-                    f"records {want[:16]}…); it was removed from the cache, run the pull again")
-
-
-def file_digest(path: Path, algo: str) -> str:
-    """``sha256`` of the file, or ``git-sha1``: git's blob id (sha1 of ``blob <size>\\0`` + bytes)."""
-    h = hashlib.sha256() if algo == "sha256" else hashlib.sha1()
-    if algo == "git-sha1":
-        h.update(f"blob {path.stat().st_size}\0".encode())
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
+        p.unlink(missing_ok=True)
+    raise PullError(f"{ref.repo_id}/{path} arrived damaged (git blob id {got[:16]}… where the hub "
+                    f"records {sibling.blob_id[:16]}…); it was removed from the cache, run the pull again")
 
 
 def _human(n: int) -> str:
