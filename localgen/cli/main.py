@@ -15,6 +15,7 @@ app = typer.Typer(
     add_completion=False,
 )
 
+
 def _print_version(value: bool) -> None:
     if value:
         from localgen import __version__
@@ -39,6 +40,7 @@ from localgen.cli import models_cmd; app.command("models")(models_cmd.models)  #
 from localgen.cli import pull_cmd; app.command("pull")(pull_cmd.pull)  # noqa: E402,E702
 from localgen.cli import profile_cmd  # noqa: E402
 app.command("profile")(profile_cmd.profile)
+from localgen.cli import serve_cmd; app.command("serve")(serve_cmd.serve)  # noqa: E402,E702
 from localgen.cli import tune_cmd  # noqa: E402
 app.command("tune")(tune_cmd.tune)
 from localgen.cli import bench_cmd; app.add_typer(bench_cmd.app, name="bench")  # noqa: E402,E702
