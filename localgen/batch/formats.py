@@ -7,8 +7,8 @@ Native input line::
 
 ``id`` (string or integer, unique in the file), exactly one of ``prompt`` (non-empty string) or
 ``messages`` (chat messages), and optional sampling fields ``temperature, top_p, top_k, min_p,
-repetition_penalty, seed, max_tokens, stop`` (string or list of strings), ``ignore_eos`` and
-``priority`` ("batch" or "interactive"). Other fields are ignored (data sets carry metadata).
+repetition_penalty, seed, max_tokens, stop`` (string or list of strings), ``ignore_eos``,
+``response_format`` (as OpenAI's, below) and ``priority`` ("batch" or "interactive"). Other fields are ignored (data sets carry metadata).
 A native ``prompt`` is sent through the model's chat template as one user turn unless the run is
 ``raw`` (see :meth:`Job.to_request`).
 
@@ -19,7 +19,9 @@ OpenAI Batch API request line (https://platform.openai.com/docs/api-reference/ba
 
 ``url`` is ``/v1/chat/completions`` (``body.messages``) or ``/v1/completions`` (``body.prompt``:
 a string, a list of one string, or a list of token ids; always sent as is). Body fields read:
-``max_tokens, max_completion_tokens, temperature, top_p, seed, stop, n`` (must be 1) and the
+``max_tokens, max_completion_tokens, temperature, top_p, seed, stop, n`` (must be 1),
+``response_format`` (``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
+{"name", "schema"}}``: the answer is constrained to that JSON, see runtime/structured.py) and the
 common extensions ``top_k, min_p, repetition_penalty``; all other body fields (``model``,
 ``stream``, ``logprobs`` ...) are ignored. ``model`` is ignored: the loaded model answers.
 
@@ -64,6 +66,7 @@ _NATIVE_SAMPLING = {
     "max_tokens": "int",
     "stop": "stop",
     "ignore_eos": "bool",
+    "response_format": "object",
 }
 # OpenAI body field -> (SamplingParams field, kind)
 _OPENAI_SAMPLING = {
@@ -77,6 +80,7 @@ _OPENAI_SAMPLING = {
     "top_k": ("top_k", "int"),
     "min_p": ("min_p", "number"),
     "repetition_penalty": ("repetition_penalty", "number"),
+    "response_format": ("response_format", "object"),
 }
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 
@@ -233,6 +237,8 @@ def _type_ok(value: Any, kind: str) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if kind == "bool":
         return isinstance(value, bool)
+    if kind == "object":
+        return isinstance(value, dict)
     if kind == "stop":
         return isinstance(value, str) or (
             isinstance(value, list) and all(isinstance(s, str) for s in value)
@@ -245,6 +251,7 @@ _KIND_WORDS = {
     "int": "an integer",
     "bool": "true or false",
     "stop": "a string or a list of strings",
+    "object": "an object",
 }
 
 
@@ -431,7 +438,7 @@ def _parse_openai(obj: dict[str, Any], line_no: int) -> Job:
         except ValueError as e:  # name the body field, not ours: "max_tokens=0 ..." -> "body.max_completion_tokens=0 ..."
             msg = str(e)
             for sname, bname in names.items():
-                if msg.startswith(sname + "="):
+                if msg.startswith((sname + "=", sname + ".", sname + ":")):
                     msg = f"body.{bname}" + msg[len(sname):]
                     break
             raise ValueError(msg) from None
