@@ -123,13 +123,26 @@ def _download(ref, revision, files, endpoint, cache_dir) -> Path:
     try:
         folder = snapshot_download(
             ref.repo_id, revision=revision, allow_patterns=list(files), endpoint=endpoint,
-            cache_dir=os.fspath(hub_cache_dir(cache_dir)),
+            cache_dir=os.fspath(hub_cache_dir(cache_dir)), tqdm_class=_quiet_tqdm(),
         )
     except KeyboardInterrupt:
         raise
     except Exception as e:
         raise _explain(e, ref, revision, endpoint) from e
     return Path(folder)
+
+
+def _quiet_tqdm():
+    """A progress bar class that stays hidden: the weights showed their own bars (bytes, speed),
+    and what snapshot_download still moves is a few small files and links."""
+    from huggingface_hub.utils import tqdm
+
+    class Quiet(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+    return Quiet
 
 
 def _explain(e: Exception, ref: ModelRef, revision: str | None, endpoint: str) -> PullError:
