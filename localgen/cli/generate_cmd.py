@@ -5,6 +5,7 @@ Heavy imports (torch, the engine) happen inside functions so `localgen --help` s
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from typing import Any, List, Optional
@@ -43,6 +44,8 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for reproducible sampling."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help="Most tokens to generate (default 256)."),
     stop: Optional[List[str]] = typer.Option(None, "--stop", help="Stop string (repeat for several); not printed."),
+    json_schema: Optional[str] = typer.Option(None, "--json-schema", help="A JSON Schema file: the answer is JSON that follows it (constrained decoding).", metavar="FILE"),
+    json_object: bool = typer.Option(False, "--json", help="The answer is a JSON object (any keys)."),
     kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help="KV cache size, e.g. 512MiB, 2GiB."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype, e.g. float32, bfloat16."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: best available)."),
@@ -89,6 +92,8 @@ def generate(
         "max_tokens": max_tokens,
         "stop": tuple(stop) if stop else None,
     }
+    if json_schema is not None or json_object:
+        given["response_format"] = _response_format(json_schema, json_object)
     # the chat app's defaults: temperature 1.0 (the API's, OpenAI's) makes small models ramble
     given = {"temperature": 0.7, "top_p": 0.95} | {k: v for k, v in given.items() if v is not None}
     try:
@@ -117,6 +122,39 @@ def generate(
             typer.echo("interrupted", err=True)
             raise typer.Exit(term.exit_status) from None
         _stream(llm, req, term)
+
+
+def _response_format(schema_path: str | None, json_object: bool) -> dict:
+    """OpenAI's response_format for --json-schema FILE or --json; a file that cannot be read,
+    is not JSON or is not a schema the grammar engine compiles exits with one line naming it."""
+    from pathlib import Path
+
+    from localgen.runtime.structured import check_response_format
+
+    if schema_path is None:
+        return {"type": "json_object"}
+    if json_object:
+        raise typer.BadParameter("give --json-schema FILE or --json, not both", param_hint="--json")
+
+    def fail(why: str) -> typer.Exit:
+        typer.echo(f"error: --json-schema {schema_path}: {why}", err=True)
+        return typer.Exit(2)
+
+    path = Path(schema_path)
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise fail(f"cannot read it ({e.strerror or e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        where = f" (line {e.lineno}, column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
+        raise fail(f"not valid JSON{where}: {getattr(e, 'msg', e)}") from None
+    name = "".join(c if c.isalnum() or c in "_-" else "_" for c in path.stem)[:64] or "schema"
+    rf = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+    try:
+        check_response_format(rf)
+    except ValueError as e:
+        raise fail(f"not a usable JSON Schema: {str(e).split(': ', 1)[-1]}") from None
+    return rf
 
 
 def _stream(llm: Any, req: Any, term: "batch_cmd.SigtermAsInterrupt") -> None:

@@ -173,9 +173,10 @@ def mask_logits(logits: torch.Tensor, grammars: list[SequenceGrammar | None]) ->
     if not rows:
         return logits
     bits = torch.stack([grammars[i].next_token_bitmask() for i in rows]).to(logits.device)
-    forbidden = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-    forbidden[rows] = ~unpack_bitmask(bits, logits.shape[-1])
-    return logits.masked_fill(forbidden, float("-inf"))
+    allowed = unpack_bitmask(bits, logits.shape[-1])
+    out = logits.clone()
+    out[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return out
 
 
 class GrammarCache:
