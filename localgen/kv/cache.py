@@ -5,6 +5,9 @@ Layout per layer, for K and for V: ``[num_blocks, block_size, num_kv_heads, head
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import psutil
 import torch
 
@@ -52,14 +55,27 @@ def plan_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, devic
     return int(n)
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor of ``shape``. On the CPU it lives in an anonymous memory map: the kernel
+    hands out zero pages on first write, so a cache sized for many long sequences takes RAM only
+    for the blocks that are used, and nothing is zero-filled up front. Elsewhere ``torch.zeros``
+    (a device memset is fast; its memory is committed at once)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    buf = mmap.mmap(-1, max(nbytes, 1))  # the tensor keeps the map alive
+    return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).view(shape)
+
+
 class PagedKVCache:
-    """K and V tensors for every layer; ``layer(i)`` is the view the model's layer ``i`` gets."""
+    """K and V tensors for every layer; ``layer(i)`` is the view the model's layer ``i`` gets.
+    On the CPU the blocks take memory as they are first written (``lazy_zeros``)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device):
         # one extra block past the allocator's range: padded rows of a CUDA-graph batch write there
         shape = (cfg.num_layers, 2, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self.data = lazy_zeros(shape, dtype, device)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch_block = num_blocks
         self.views = [LayerKV(self.data[i, 0], self.data[i, 1], self.data[i])
