@@ -13,6 +13,7 @@ from localgen.conversation import Conversation
 from localgen.runtime.request import SamplingParams
 from localgen.service import EngineService
 from localgen.tui.chat import ChatApp
+from localgen.tui.chat_dialogs import ConfirmScreen
 from localgen.tui.chat_screens import BatchScreen, SamplingScreen, SaveScreen, SystemPromptScreen
 from localgen.tui.chat_widgets import ChatMessage, MemoryPanel, ThroughputPanel
 from tests.tiny_models import make_hf_model
@@ -81,9 +82,11 @@ async def test_fake_stop_new_chat_and_busy_guard():
         assert svc.aborted == [stream.request_id]
         assert app.conversation.turns[-1].finish_reason == "abort"
         assert app.conversation.turns[-1].content == "partial answer so"
-        await pilot.press("ctrl+n")
+        await pilot.press("ctrl+n")  # not saved (no store): the app asks first
         await pilot.pause()
-        assert app.conversation.turns == [] and answers(app) == []
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("y")
+        await wait_for(pilot, lambda: app.conversation.turns == [] and answers(app) == [])
 
 
 @pytest.mark.asyncio

@@ -19,15 +19,19 @@ from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
 from textual.message import Message
 from textual.screen import Screen
-from textual.widgets import Footer, Input, Static
+from textual.widgets import Footer, Static
 
 from localgen.conversation import Conversation
+from localgen.tui.chat_dialogs import ConfirmScreen, CopyScreen, HelpScreen, HistoryScreen, binding_rows
 from localgen.tui.chat_screens import (BatchScreen, SamplingScreen, SaveScreen, SystemPromptScreen,
-                              default_transcript_path)
-from localgen.tui.chat_widgets import (AnswerUpdate, ChatMessage, ConversationView, LastAnswer,
-                              MemoryPanel, MetricsUpdated, PromptInput, ThroughputPanel)
+                                       default_transcript_path)
+from localgen.tui.chat_widgets import (AnswerStats, AnswerUpdate, ChatMessage, ConversationView,
+                                       LastAnswer, MemoryPanel, MetricsUpdated, PromptInput,
+                                       ThroughputPanel)
+from localgen.tui.history import ChatStore, new_chat_id
 
-WELCOME = ("Type a message and press Enter. Esc stops an answer; ↑/↓ recall earlier messages.")
+WELCOME = ("Type a message and press Enter (Ctrl+J: new line). Esc stops an answer; ↑/↓ recall "
+           "earlier messages; F1 lists every key.")
 
 
 class BatchProgressed(Message):
@@ -51,13 +55,25 @@ class ChatScreen(Screen):
     ChatScreen #side { width: 32; border-left: vkey $primary; }
     ChatScreen #prompt { dock: bottom; }
     """
+    # priority: the message box (a TextArea) has bindings of its own for some of these keys
     BINDINGS = [
+        Binding("f1", "help", "Help", priority=True),
         Binding("escape", "stop", "Stop"),
-        Binding("ctrl+n", "new_chat", "New"),
-        Binding("f2", "system", "System"),
-        Binding("f3", "sampling", "Sampling"),
-        Binding("f4", "save", "Save"),
-        Binding("f5", "batch", "Batch"),
+        Binding("ctrl+n", "new_chat", "New", priority=True),
+        Binding("f2", "system", "System", priority=True),
+        Binding("f3", "sampling", "Sampling", priority=True),
+        Binding("f4", "save", "Export", priority=True),
+        Binding("f5", "batch", "Batch", priority=True),
+        Binding("f6", "copy", "Copy", priority=True),
+        Binding("f7", "history", "Chats", priority=True),
+        Binding("pageup", "scroll_conversation(-1)", "Scroll the conversation up", show=False,
+                priority=True),
+        Binding("pagedown", "scroll_conversation(1)", "Scroll the conversation down", show=False,
+                priority=True),
+        Binding("ctrl+home", "scroll_conversation(-1000)", "Top of the conversation", show=False,
+                priority=True),
+        Binding("ctrl+end", "scroll_conversation(1000)", "End of the conversation", show=False,
+                priority=True),
     ]
 
     def compose(self) -> ComposeResult:
@@ -67,7 +83,7 @@ class ChatScreen(Screen):
             with VerticalScroll(id="side"):
                 yield MemoryPanel(id="memory")
                 yield ThroughputPanel(id="throughput")
-        yield PromptInput(placeholder="Message (Enter to send)", id="prompt")
+        yield PromptInput(placeholder="Message (Enter sends, Ctrl+J new line, F1 help)", id="prompt")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -77,12 +93,36 @@ class ChatScreen(Screen):
         self.query_one(MemoryPanel).show(snap)
         self.query_one(ThroughputPanel).show(snap)
 
+    def on_screen_resume(self) -> None:
+        # back from any dialog or the batch screen: typing goes to the message box again
+        self.query_one(PromptInput).focus()
+
+    def action_scroll_conversation(self, pages: int) -> None:
+        view = self.query_one(ConversationView)
+        if abs(pages) >= 1000:
+            view.scroll_home(animate=False) if pages < 0 else view.scroll_end(animate=False)
+        else:
+            view.scroll_to(y=view.scroll_y + pages * max(1, view.scrollable_content_region.height - 1),
+                           animate=False)
+
     # -- actions (delegated to the app, which owns the conversation) ----------------------------
     def action_stop(self) -> None:
         self.app.stop_answer()
 
-    async def action_new_chat(self) -> None:
-        await self.app.new_chat()
+    def action_help(self) -> None:
+        self.app.show_help()
+
+    def on_prompt_input_help_requested(self, _msg: PromptInput.HelpRequested) -> None:
+        self.app.show_help()
+
+    def action_new_chat(self) -> None:
+        self.app.request_new_chat()
+
+    def action_copy(self) -> None:
+        self.app.copy_answer()
+
+    def action_history(self) -> None:
+        self.app.show_history()
 
     def action_system(self) -> None:
         self.app.edit_system()
@@ -96,25 +136,32 @@ class ChatScreen(Screen):
     def action_batch(self) -> None:
         self.app.show_batch()
 
-    @on(Input.Submitted, "#prompt")
-    async def send(self, event: Input.Submitted) -> None:
+    @on(PromptInput.Submitted, "#prompt")
+    async def send(self, event: PromptInput.Submitted) -> None:
         await self.app.ask(event.value)
 
 
 class ChatApp(App):
-    """The chat app around a started-or-not EngineService (``service.start()`` on mount)."""
+    """The chat app around a started-or-not EngineService (``service.start()`` on mount).
+
+    ``store``: where conversations are saved after every answer (None: not saved); ``chat_id``:
+    the saved conversation ``conversation`` came from (a new id is made at the first save).
+    """
 
     TITLE = "localgen chat"
-    BINDINGS = [Binding("ctrl+q", "quit", "Quit", priority=True)]
+    BINDINGS = [Binding("ctrl+q", "request_quit", "Quit", priority=True)]
     ENABLE_COMMAND_PALETTE = False
 
     def __init__(self, service: Any, conversation: Conversation | None = None, *,
-                 model_label: str = "", close_service: bool = True):
+                 model_label: str = "", close_service: bool = True, store: ChatStore | None = None,
+                 chat_id: str | None = None):
         super().__init__()
         self.service = service
         self.conversation = conversation or Conversation()
         self.model_label = model_label
         self.close_service = close_service
+        self.store, self.chat_id = store, chat_id
+        self.saved_turns = len(self.conversation.turns) if chat_id else 0
         self.current: Any = None  # the stream of the answer being generated
         self.current_widget: ChatMessage | None = None
         self.last_snapshot: Any = None
@@ -136,6 +183,8 @@ class ChatApp(App):
             self.service.start()
         self.post_message(MetricsUpdated(self.service.metrics()))
         self._wait_ready()
+        if self.conversation.turns:
+            await self.show_conversation()
 
     @work(thread=True, exit_on_error=False)
     def _wait_ready(self) -> None:
@@ -243,6 +292,7 @@ class ChatApp(App):
             self.conversation.record_answer(stream.final, ttft_s=stream.ttft,
                                             seconds=(stream.finished_at or time.perf_counter()) - t0)
             self.answers_streamed += 1
+            self.autosave()
         finally:
             if self.current is stream:
                 self.current, self.current_widget = None, None
@@ -252,12 +302,132 @@ class ChatApp(App):
             self.service.abort(self.current.request_id)
 
     async def new_chat(self) -> None:
+        """Stop any answer and start an empty conversation (the old one stays saved)."""
         self.stop_answer()
         if self.current is not None:
             await self.workers.wait_for_complete([w for w in self.workers if w.group == "answer"])
-        self.conversation.clear()
+        self.conversation = Conversation(system=self.conversation.system,
+                                         sampling=self.conversation.sampling)
+        self.chat_id, self.saved_turns = None, 0
         await self.q("#conversation", ConversationView).clear()
         self.notify("New chat")
+
+    async def show_conversation(self) -> None:
+        """Draw ``self.conversation``'s turns (a reopened chat) in place of what is shown."""
+        view = self.q("#conversation", ConversationView)
+        await view.clear()
+        await view.query("#welcome").remove()
+        for t in self.conversation.turns:
+            if t.role == "system":
+                continue
+            w = await view.add(t.role, t.content)
+            if t.role == "assistant":
+                await w.finish(AnswerStats(t.prompt_tokens, t.cached_prompt_tokens, t.completion_tokens,
+                                           t.ttft_s, t.seconds, t.finish_reason).line())
+        view.scroll_end(animate=False)
+        self.update_status()
+
+    # -- saved conversations -----------------------------------------------------------------
+    @property
+    def unsaved(self) -> bool:
+        """Whether turns would be lost: some are not in the store (or there is no store)."""
+        asked = 1 if self.current is not None else 0  # the question of the answer in flight
+        return len(self.conversation.turns) - asked > self.saved_turns
+
+    def autosave(self) -> None:
+        if self.store is None or not self.conversation.turns:
+            return
+        try:
+            self.chat_id = self.chat_id or new_chat_id()
+            self.store.save(self.chat_id, self.conversation)
+        except OSError as e:
+            self.notify(f"Could not save the chat: {e}", severity="error")
+            return
+        self.saved_turns = len(self.conversation.turns)
+
+    def at_risk(self) -> list[str]:
+        """What leaving this conversation now would throw away, in words (empty: nothing)."""
+        out = []
+        if self.current is not None:
+            out.append("the answer being generated")
+        if self.unsaved:
+            out.append("this conversation (it is not saved)")
+        return out
+
+    def running_jobs(self) -> list[Any]:
+        return [j for j in getattr(self.service, "batch_jobs", []) if j.state in ("queued", "running")]
+
+    def confirm(self, question: str, then, yes: str = "Yes") -> None:
+        """Ask ``question``; run ``then()`` (sync or async) on yes."""
+        async def done(ok: bool | None) -> None:
+            if ok:
+                result = then()
+                if asyncio.iscoroutine(result):
+                    await result
+
+        self.push_screen(ConfirmScreen(question, yes=yes), done)
+
+    def request_new_chat(self) -> None:
+        lost = self.at_risk()
+        if not lost:
+            self.run_worker(self.new_chat(), exclusive=False)
+            return
+        self.confirm(f"Start a new chat? This discards {' and '.join(lost)}.", self.new_chat,
+                     yes="New chat")
+
+    def action_request_quit(self) -> None:
+        lost = self.at_risk()
+        jobs = self.running_jobs()
+        if jobs:
+            lost.append(f"{len(jobs)} batch job{'s' if len(jobs) > 1 else ''} still running "
+                        "(`localgen batch` resumes a cut-short file)")
+        if not lost:
+            self.exit()
+            return
+        if isinstance(self.screen, ConfirmScreen):
+            return
+        self.confirm(f"Quit? This discards {' and '.join(lost)}.", self.exit, yes="Quit")
+
+    # -- dialogs ------------------------------------------------------------------------------
+    def show_help(self) -> None:
+        self.push_screen(HelpScreen(binding_rows(self.screen_stack[0])))
+
+    def copy_answer(self) -> None:
+        last = next((t for t in reversed(self.conversation.turns) if t.role == "assistant"), None)
+        if last is None or not last.content:
+            self.notify("No answer to copy yet.", severity="warning")
+            return
+        self.push_screen(CopyScreen(last.content))
+
+    def show_history(self) -> None:
+        if self.store is None:
+            self.notify("Chats are not being saved in this session.", severity="warning")
+            return
+
+        def chosen(chat_id: str | None) -> None:
+            if chat_id and chat_id != self.chat_id:
+                lost = self.at_risk()
+                if lost:
+                    self.confirm(f"Open that chat? This discards {' and '.join(lost)}.",
+                                 lambda: self.open_chat(chat_id), yes="Open")
+                else:
+                    self.run_worker(self.open_chat(chat_id))
+
+        self.push_screen(HistoryScreen(self.store, self.chat_id), chosen)
+
+    async def open_chat(self, chat_id: str) -> None:
+        """Replace the conversation with the saved ``chat_id`` (its sampling and system prompt)."""
+        try:
+            conv, _entry = self.store.load(chat_id)
+        except (OSError, LookupError, ValueError) as e:
+            self.notify(f"Could not open the chat: {e}", severity="error")
+            return
+        self.stop_answer()
+        if self.current is not None:
+            await self.workers.wait_for_complete([w for w in self.workers if w.group == "answer"])
+        self.conversation, self.chat_id, self.saved_turns = conv, chat_id, len(conv.turns)
+        await self.show_conversation()
+        self.notify(f"Opened {chat_id}")
 
     # -- modals ---------------------------------------------------------------------------------
     def edit_system(self) -> None:
@@ -265,6 +435,8 @@ class ChatApp(App):
             if text is not None:
                 self.conversation.system = text
                 self.notify("System prompt set" if text else "System prompt cleared")
+                if self.chat_id:
+                    self.autosave()
 
         self.push_screen(SystemPromptScreen(self.conversation.system), done)
 
@@ -273,6 +445,8 @@ class ChatApp(App):
             if sp is not None:
                 self.conversation.sampling = sp
                 self.update_status()
+                if self.chat_id:
+                    self.autosave()
 
         self.push_screen(SamplingScreen(self.conversation.sampling), done)
 

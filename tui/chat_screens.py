@@ -58,15 +58,30 @@ class SystemPromptScreen(ModalScreen[str | None]):
         self.dismiss(None)
 
 
+# (field id, label, SamplingParams attribute, parser): the settings `localgen generate` takes
+SAMPLING_FIELDS = (
+    ("temperature", "temperature (0 = greedy)", float),
+    ("top_p", "top-p (1 = off)", float),
+    ("top_k", "top-k (0 = off)", int),
+    ("min_p", "min-p (0 = off)", float),
+    ("repetition_penalty", "repetition penalty (1 = off)", float),
+    ("max_tokens", "max tokens", int),
+    ("seed", "seed (blank = none)", int),
+)
+
+
 class SamplingScreen(ModalScreen[SamplingParams | None]):
-    """Temperature, top-p, max tokens, seed. Returns validated SamplingParams (None: cancelled)."""
+    """Every sampling setting of `localgen generate`: temperature, top-p, top-k, min-p,
+    repetition penalty, max tokens, seed and stop strings (one a line). Returns validated
+    SamplingParams (None: cancelled); a bad value is named under the fields."""
 
     DEFAULT_CSS = _MODAL_CSS.format(name="SamplingScreen") + """
-    SamplingScreen .row { height: 3; }
-    SamplingScreen .row Label { width: 16; padding: 1 0 0 0; }
+    SamplingScreen .row { height: 1; margin: 0 0 1 0; }
+    SamplingScreen .row Label { width: 30; }
     SamplingScreen .row Input { width: 1fr; }
+    SamplingScreen #stop { height: 4; }
     """
-    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+    BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "ok", "OK")]
 
     def __init__(self, sampling: SamplingParams):
         super().__init__()
@@ -75,14 +90,14 @@ class SamplingScreen(ModalScreen[SamplingParams | None]):
     def compose(self) -> ComposeResult:
         s = self.sampling
         with Vertical():
-            yield Label("Sampling settings", classes="title")
-            for label, fid, value in (("temperature", "temperature", s.temperature),
-                                      ("top-p", "top_p", s.top_p),
-                                      ("max tokens", "max_tokens", s.max_tokens),
-                                      ("seed (blank=none)", "seed", "" if s.seed is None else s.seed)):
+            yield Label("Sampling settings (Enter or Ctrl+S applies)", classes="title")
+            for fid, label, _ in SAMPLING_FIELDS:
+                value = getattr(s, fid)
                 with Horizontal(classes="row"):
                     yield Label(label)
-                    yield Input(str(value), id=fid)
+                    yield Input("" if value is None else str(value), id=fid, compact=True)
+            yield Label("stop strings (one a line; not shown in the answer)")
+            yield TextArea("\n".join(s.stop), id="stop", soft_wrap=False, compact=True)
             yield Static("", id="sampling-error", classes="error")
             with Horizontal():
                 yield Button("OK", id="ok", variant="primary")
@@ -90,24 +105,19 @@ class SamplingScreen(ModalScreen[SamplingParams | None]):
 
     def parse(self) -> SamplingParams:
         """The fields as SamplingParams; ValueError naming the bad field."""
-        vals = {i.id: i.value.strip() for i in self.query(Input)}
         out = dict(asdict(self.sampling))
-        try:
-            out["temperature"] = float(vals["temperature"])
-        except ValueError:
-            raise ValueError("temperature must be a number") from None
-        try:
-            out["top_p"] = float(vals["top_p"])
-        except ValueError:
-            raise ValueError("top-p must be a number") from None
-        try:
-            out["max_tokens"] = int(vals["max_tokens"])
-        except ValueError:
-            raise ValueError("max tokens must be a whole number") from None
-        try:
-            out["seed"] = int(vals["seed"]) if vals["seed"] else None
-        except ValueError:
-            raise ValueError("seed must be a whole number or blank") from None
+        for fid, label, kind in SAMPLING_FIELDS:
+            raw = self.query_one(f"#{fid}", Input).value.strip()
+            if fid == "seed" and not raw:
+                out[fid] = None
+                continue
+            try:
+                out[fid] = kind(raw)
+            except ValueError:
+                what = "a whole number" if kind is int else "a number"
+                raise ValueError(f"{label.split(' (')[0]} must be {what}, got {raw!r}") from None
+        stops = self.query_one("#stop", TextArea).text.split("\n")
+        out["stop"] = tuple(x for x in stops if x)
         return SamplingParams(**out).validate()
 
     @on(Input.Submitted)

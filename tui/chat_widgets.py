@@ -3,7 +3,7 @@
 - :class:`ChatMessage` — one turn; an assistant turn streams Markdown from :class:`AnswerUpdate`
   messages (one per engine output) and ends with a stats line.
 - :class:`ConversationView` — the scrolling list of turns.
-- :class:`PromptInput` — the input line, with history (up/down).
+- :class:`PromptInput` — the multi-line message box, with history (up/down).
 - :class:`MemoryPanel`, :class:`ThroughputPanel` — render a ``localgen.service.MetricsSnapshot``
   posted to them as :class:`MetricsUpdated`.
 
@@ -15,11 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
-from textual.widgets import Input, Markdown, Sparkline, Static
+from textual.widgets import Markdown, Sparkline, Static, TextArea
 
 from localgen.runtime.request import RequestOutput
 
@@ -49,6 +50,15 @@ def fmt_rate(x: float) -> str:
 
 def fmt_gbs(x: float | None) -> str:
     return "–" if x is None else f"{x / 1e9:.2f}"
+
+
+def code_blocks(markdown: str) -> list[tuple[str, str]]:
+    """The fenced and indented code blocks of ``markdown`` as ``(language, code)`` in order
+    (language "" when the fence names none), parsed by markdown-it as Textual renders them."""
+    from markdown_it import MarkdownIt
+
+    tokens = MarkdownIt("commonmark").parse(markdown)
+    return [((t.info or "").split(" ")[0], t.content) for t in tokens if t.type in ("fence", "code_block")]
 
 
 @dataclass
@@ -251,31 +261,75 @@ class ConversationView(VerticalScroll):
         return list(self.query(ChatMessage))
 
 
-class PromptInput(Input):
-    """The message line. Up/down walk the history of sent messages."""
+class PromptInput(TextArea):
+    """The message box: several lines, Enter sends, Ctrl+J (or Shift+Enter where the terminal
+    reports it) starts a new line, pasted text is kept whole. Up on the first line and Down on
+    the last walk the history of sent messages; ``?`` in an empty box asks for help."""
 
-    BINDINGS = [Binding("up", "history(-1)", "Prev", show=False),
-                Binding("down", "history(1)", "Next", show=False)]
+    DEFAULT_CSS = """
+    PromptInput { height: auto; min-height: 3; max-height: 10; }
+    """
+    BINDINGS = [Binding("ctrl+j,shift+enter", "newline", "New line"),
+                Binding("up", "history(-1)", "Previous message / line up", show=False),
+                Binding("down", "history(1)", "Next message / line down", show=False)]
+
+    class Submitted(Message):
+        """Enter was pressed; ``value``: the box's text."""
+
+        def __init__(self, prompt: "PromptInput", value: str):
+            super().__init__()
+            self.prompt, self.value = prompt, value
+
+        @property
+        def control(self) -> "PromptInput":
+            return self.prompt
+
+    class HelpRequested(Message):
+        """``?`` was typed into the empty box."""
 
     def __init__(self, **kw):
-        super().__init__(**kw)
-        self.history: list[str] = []
+        super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus", **kw)
+        self.sent: list[str] = []
         self._pos = 0
         self._draft = ""
 
+    @property
+    def value(self) -> str:
+        return self.text
+
+    @value.setter
+    def value(self, text: str) -> None:
+        self.load_text(text)
+        self.move_cursor(self.document.end)
+
+    async def _on_key(self, event: events.Key) -> None:
+        if event.key == "enter":
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.Submitted(self, self.text))
+        elif event.character == "?" and not self.text:
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.HelpRequested())
+
+    def action_newline(self) -> None:
+        self.insert("\n")
+
     def remember(self, text: str) -> None:
-        if text and (not self.history or self.history[-1] != text):
-            self.history.append(text)
-        self._pos, self._draft = len(self.history), ""
+        if text and (not self.sent or self.sent[-1] != text):
+            self.sent.append(text)
+        self._pos, self._draft = len(self.sent), ""
 
     def action_history(self, step: int) -> None:
-        if not self.history:
+        row = self.cursor_location[0]
+        # inside a multi-line message the arrows move the cursor; at its edge they recall
+        if (step < 0 and row > 0) or (step > 0 and row < self.document.line_count - 1) or not self.sent:
+            self.action_cursor_up() if step < 0 else self.action_cursor_down()
             return
-        if self._pos == len(self.history):
-            self._draft = self.value
-        self._pos = max(0, min(len(self.history), self._pos + step))
-        self.value = self._draft if self._pos == len(self.history) else self.history[self._pos]
-        self.cursor_position = len(self.value)
+        if self._pos == len(self.sent):
+            self._draft = self.text
+        self._pos = max(0, min(len(self.sent), self._pos + step))
+        self.value = self._draft if self._pos == len(self.sent) else self.sent[self._pos]
 
 
 # ------------------------------------------------------------------------------------------

@@ -38,12 +38,32 @@ def chat(
     offload_dir: Optional[str] = batch_cmd.OffloadDirOpt,
     gpu_memory: Optional[str] = batch_cmd.GpuMemOpt,
     cpu_memory: Optional[str] = batch_cmd.CpuMemOpt,
+    resume: bool = typer.Option(False, "--resume", "-r", help="Reopen the most recent saved chat (--chat ID picks another)."),
+    chat_id: Optional[str] = typer.Option(None, "--chat", help="Reopen the saved chat ID (`localgen chat --list` shows the ids)."),
+    list_chats: bool = typer.Option(False, "--list", help="List the saved chats (id, last change, messages, title) and exit."),
 ) -> None:
     """Chat with a model in the terminal: streamed Markdown answers, live memory and throughput.
 
-    Keys: Enter send · Esc stop the answer · Ctrl+N new chat · F2 system prompt · F3 sampling ·
-    F4 save transcript (.md + .json) · F5 batch jobs · Ctrl+Q quit.
+    Conversations are saved after every answer in localgen's data folder ($LOCALGEN_CHATS_DIR
+    overrides it); F7 lists them (open, rename, delete) and --resume reopens the latest.
+
+    Keys: F1 help (every key) · Enter send · Ctrl+J new line · Esc stop the answer · Ctrl+N new
+    chat · F2 system prompt · F3 sampling · F4 export (.md + .json) · F5 batch jobs · F6 copy ·
+    F7 saved chats · PageUp/PageDown scroll · Ctrl+Q quit.
     """
+    from localgen.tui.history import ChatNotFoundError, ChatStore
+
+    store = ChatStore()
+    if list_chats:
+        _print_chats(store)
+        return
+    resumed = None
+    if resume or chat_id:
+        try:
+            cid = chat_id or store.latest()
+            resumed = (cid, *store.load(cid))
+        except (ChatNotFoundError, ValueError) as e:
+            raise typer.BadParameter(str(e), param_hint="--chat" if chat_id else "--resume") from None
     kv_bytes = None
     if kv_cache_memory is not None:
         try:
@@ -64,7 +84,9 @@ def chat(
     from localgen.conversation import Conversation
     from localgen.runtime.request import SamplingParams
 
-    conv = Conversation(system=system or "")
+    conv = resumed[1] if resumed else Conversation()
+    if system is not None or not resumed:
+        conv.system = system or ""
     given = {"temperature": temperature, "max_tokens": max_tokens, "seed": seed}
     try:
         conv.sampling = replace(conv.sampling, **{k: v for k, v in given.items() if v is not None}).validate()
@@ -83,7 +105,7 @@ def chat(
     from localgen.tui.chat import ChatApp
 
     label = model or "SmolLM2-135M-Instruct (embedded)"
-    ChatApp(service, conv, model_label=label).run()
+    ChatApp(service, conv, model_label=label, store=store, chat_id=resumed[0] if resumed else None).run()
     if service.state == "failed" and service.error is not None:
         typer.echo(f"error: could not load the model: {service.error}", err=True)
         raise typer.Exit(1)
@@ -111,3 +133,14 @@ def make_service(model: str | None, *, kv_cache_memory: int | None = None, dtype
         return LLM.load(model, kv_cache_memory=kv_cache_memory, dtype=dtype, device=device, **(offload or {}))
 
     return EngineService(load, hardware=hw, predicted_peak=predicted_peak)
+
+
+def _print_chats(store) -> None:
+    """The saved chats on stdout, newest first (where they are on stderr)."""
+    import time
+
+    entries = store.list()
+    typer.echo(f"{len(entries)} saved chat{'s' if len(entries) != 1 else ''} in {store.root}", err=True)
+    for e in entries:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.updated))
+        typer.echo(f"{e.id}  {when}  {e.turns:3d} msgs  {e.title}")
