@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from itertools import product
-from typing import Iterable, Literal
+from typing import Callable, Iterable, Literal
 
 import numpy as np
 
@@ -172,7 +172,8 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
            mem_fraction: float | dict[str, float] | None = None, form: str = "released",
            gbs_choices: Iterable[int] | None = None, nb_choices: Iterable[int] | None = None,
            weight_granularity: WeightGranularity = "tensor", num_alternatives: int = 4,
-           runtime: str = "flexgen", tiers: Tiers = "any") -> SearchResult:
+           runtime: str = "flexgen", tiers: Tiers = "any",
+           progress: Callable[[float, str], None] | None = None) -> SearchResult:
     """Find the policy with the highest predicted throughput (FlexGen §4.3).
 
     Enumeration as FlexGen experimental/cost_model.py ``solve``: GPU batch sizes 1, 2, 3, 4, 8, 16, ...
@@ -195,6 +196,8 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
     the largest batch): the fastest policy of the first level of ``tier_levels`` where one fits. It
     gives up predicted throughput for using less of the host's RAM and SSD, and unlike "any" it can
     predict less for more memory (a model that just fits the GPU leaves the CPU's help unused).
+    ``progress(fraction, what)``: called before each batch shape is solved, ``fraction`` in [0, 1)
+    an estimate of the enumeration done; an exception it raises (a user's cancel) ends the search.
     Raises NoFeasiblePolicyError when nothing fits.
     """
     if tiers not in ("any", "fewest"):
@@ -209,10 +212,13 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
     bounds = (cm.min_gpu_weight_share() if tensor else 0.0, cm.min_offload_weight_share() if tensor else 0.0)
     levels = tier_levels(hw.has_gpu)
     counter = [0]
-    for allowed in (levels if tiers == "fewest" else levels[-1:]):
+    tried = levels if tiers == "fewest" else levels[-1:]
+    for li, allowed in enumerate(tried):
         excluded = tuple(i for t, fr in _TIER_FRACTIONS.items() if t not in allowed for i in fr)
+        report = None if progress is None else (
+            lambda f, what, _li=li: progress((_li + f) / len(tried), what))
         found = _enumerate(cm, compression, gbs_choices, nb_seq, early_stop, latency_bound, bounds,
-                           excluded, counter)
+                           excluded, counter, report)
         if found:
             break
     if not found:
@@ -226,15 +232,23 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
 
 
 def _enumerate(cm: CostModel, compression: Compression, gbs_choices: list[int], nb_seq, early_stop: bool,
-               latency_bound, bounds: tuple[float, float], excluded: tuple[int, ...], counter: list) -> list:
+               latency_bound, bounds: tuple[float, float], excluded: tuple[int, ...], counter: list,
+               progress=None) -> list:
     """Every batch shape's best placements (``search``'s loop), with the fractions in ``excluded``
-    held at 0: ``[(throughput, shape, terms, x, over)]``, [] when nothing fits."""
+    held at 0: ``[(throughput, shape, terms, x, over)]``, [] when nothing fits. ``progress``:
+    ``search``'s, with the fraction of this enumeration."""
     wg_min, off_min = bounds
     found: list[tuple[float, tuple, Terms, np.ndarray, dict | None]] = []
-    for opts in _options(cm.hw, compression):
-        for gbs in gbs_choices:
+    options = _options(cm.hw, compression)
+    for oi, opts in enumerate(options):
+        for gi, gbs in enumerate(gbs_choices):
             feasible_any, prev = False, 0.0
             for nb in nb_seq():
+                if progress is not None:
+                    # how many batch sizes fit is unknown: each one closes half the option's gap
+                    progress((oi + 1 - 0.5 ** gi) / len(options),
+                             f"options {oi + 1}/{len(options)}, GPU batch {gbs} x {nb}, "
+                             f"{counter[0]} LPs solved")
                 terms = _without(cm.terms(gbs, nb, *opts), excluded)
                 sol = _solve_granular(terms, latency_bound, wg_min, counter, off_min)
                 if sol is None:

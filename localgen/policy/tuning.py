@@ -22,7 +22,7 @@ class TuneRequest:
     and SSD unless the model needs them)."""
 
     model: str = DEFAULT_MODEL
-    workload: str = "batch"  # "chat" | "batch"
+    workload: str = "chat"  # "chat" | "batch"
     prompt_len: int = 512
     gen_len: int = 32
     compression: str = "auto"
@@ -45,12 +45,15 @@ def get_profile(name: str | None, offload_dir: str, measure: Callable[[], Hardwa
         return hw
 
 
-def run_search(req: TuneRequest, hw: HardwareProfile) -> SearchResult:
-    """Search the policy for ``req`` on ``hw``: chat -> latency objective (batch 1)."""
+def run_search(req: TuneRequest, hw: HardwareProfile,
+               progress: Callable[[float, str], None] | None = None) -> SearchResult:
+    """Search the policy for ``req`` on ``hw``: chat -> latency objective (batch 1).
+    ``progress``: ``search``'s (an exception it raises ends the search)."""
     _, cfg = resolve_config(req.model)
     objective = "latency" if req.workload == "chat" else "throughput"
     return search(cfg, hw, req.to_workload(), compression=req.compression, objective=objective,
-                  latency_bound=req.latency_bound, runtime="localgen", tiers=req.tiers)
+                  latency_bound=req.latency_bound, runtime="localgen", tiers=req.tiers,
+                  progress=progress)
 
 
 def save_result(req: TuneRequest, hw: HardwareProfile, res: SearchResult):
