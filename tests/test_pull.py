@@ -122,6 +122,8 @@ def test_split_gguf_downloads_every_part_and_loads_as_one_file(hub, models):
     assert src.config == whole.config and src.weights.names() == whole.weights.names()
     for name in whole.weights.names():
         assert (src.weights.get(name) == whole.weights.get(name)).all(), name
+    text = "the quick brown fox"
+    assert src.tokenizer.encode(text) == whole.tokenizer.encode(text)  # read from part 1
 
 
 def test_safetensors_repo_downloads_config_tokenizer_and_weights_only(hub, models):
@@ -223,6 +225,7 @@ def test_offline_mode_and_no_network_each_fail_in_one_line(hub, monkeypatch):
     before = len(hub.requests)
     with pytest.raises(PullError, match="HF_HUB_OFFLINE is set"):
         _pull(GGUF_REPO + ":F16")
+    assert _pull(GGUF_REPO + ":Q8_0").files == ("tiny-Q8_0.gguf",)  # cached: nothing to fetch
     with pytest.raises(ModelNotFoundError, match=r"not in the local hub cache .* HF_HUB_OFFLINE is set"):
         resolve_model(GGUF_REPO + ":F16")
     assert resolve_model(GGUF_REPO + ":Q8_0").name == GGUF_REPO + ":Q8_0"  # cached: fine offline

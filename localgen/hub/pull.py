@@ -63,12 +63,19 @@ def pull(
 ) -> Resolved:
     """Download the files `ref` names at `revision` (default ``main``) into the hub cache.
 
-    Returns where they are (`Resolved`). Files already in the cache are not fetched again. Raises
+    Returns where they are (`Resolved`). Files already in the cache are not fetched again; with
+    ``HF_HUB_OFFLINE`` set, a model in the cache is returned as it is. Raises
     PullError (a FileNotFoundError): offline, hub unreachable, repo missing, gated or private
     (401/403), revision or quant missing, a download cut short or damaged.
     """
     endpoint = hub_endpoint()
     if hub_offline():
+        from localgen.hub.cache import find_cached
+
+        found = find_cached(ref, revision, cache_dir)
+        if found is not None:  # nothing to fetch: offline is no obstacle
+            log(f"{ref} is in the cache (HF_HUB_OFFLINE is set, so the hub was not asked for updates)")
+            return found
         raise PullError(f"cannot download {ref}: HF_HUB_OFFLINE is set; unset it to download, "
                         "or use a model already in the cache (`localgen models`)")
     try:
