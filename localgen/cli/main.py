@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import typer
 
+from localgen.cli.errors import DEBUG_ENV, GuardedGroup, remember_debug
+
+# GuardedGroup turns the errors users cause into one or two lines (localgen/cli/errors.py)
 app = typer.Typer(
     name="localgen",
     help="Run LLMs locally: paged KV cache, continuous batching, offloading policy search.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
+    cls=GuardedGroup,
+    pretty_exceptions_show_locals=False,
 )
 
 
@@ -28,6 +33,8 @@ def _print_version(value: bool) -> None:
 def _options(
     version: bool = typer.Option(False, "--version", "-V", callback=_print_version, is_eager=True,
                                  help="Print localgen's version and exit."),
+    debug: bool = typer.Option(False, "--debug", callback=remember_debug, is_eager=True,
+                               help=f"Show the full traceback of an error (also {DEBUG_ENV}=1)."),
 ) -> None:
     pass
 
