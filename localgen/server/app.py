@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from sse_starlette.sse import EventSourceResponse
 
+from localgen import __version__
 from localgen.runtime.request import RequestOutput
 from localgen.server.errors import APIError, from_validation_error, install_error_handlers
 from localgen.server.generation import ClientGone, Generator, Prepared, ServerConfig
@@ -43,7 +44,8 @@ def create_app(service: EngineService, config: ServerConfig) -> FastAPI:
     @app.get("/health")
     async def health():
         ok = service.state == "ready"
-        return JSONResponse({"status": "ok" if ok else service.state}, status_code=200 if ok else 503)
+        return JSONResponse({"status": "ok" if ok else service.state, "version": __version__},
+                            status_code=200 if ok else 503)
 
     @api.get("/metrics")
     async def metrics():
@@ -77,7 +79,9 @@ def create_app(service: EngineService, config: ServerConfig) -> FastAPI:
 
 
 def _model_card(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "localgen"}
+    # localgen_version: an extension field (OpenAI's model object has no version of the server)
+    return {"id": name, "object": "model", "created": 0, "owned_by": "localgen",
+            "localgen_version": __version__}
 
 
 def _auth(config: ServerConfig):
