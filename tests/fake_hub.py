@@ -2,14 +2,19 @@
 
 - ``GET /api/models/{repo}[/revision/{rev}]``: ``sha`` and ``siblings`` (size, blobId, lfs);
 - ``GET /api/models/{repo}/tree/{rev}[/{path}]``: the file list ``snapshot_download`` reads;
-- ``HEAD``/``GET /{repo}/resolve/{rev}/{file}``: ``X-Repo-Commit``, ``ETag`` (git blob id, or the
-  SHA-256 for LFS files: .gguf, .safetensors), ``Content-Length``; ``Range: bytes=N-`` gets 206.
+- ``HEAD``/``GET /{repo}/resolve/{rev}/{file}``: ``X-Repo-Commit``, ``ETag`` (the git blob id),
+  ``Content-Length``. An LFS file (.gguf, .safetensors) answers as the hub does: 302 to a CDN
+  URL on another host name (``localhost``) with ``X-Linked-Etag`` (its SHA-256) and
+  ``X-Linked-Size``; the CDN serves the bytes, ``Range: bytes=N-`` gets 206, and like a signed
+  S3 URL it refuses a request that carries an ``Authorization`` header (400).
 
 Errors as the hub sends them: 404 with ``X-Error-Code: RepoNotFound`` / ``RevisionNotFound`` /
 ``EntryNotFound``; a private repo answers 401 without a token, a gated one 401 with
 ``X-Error-Code: GatedRepo`` on its files. Faults per file: ``drop_once`` (the first GET closes
 the connection halfway), ``corrupt`` (same size, one byte flipped), ``short`` (GET sends fewer
-bytes than HEAD announced), ``fail_resume`` (a GET with ``Range`` gets 503: the client gives up). ``requests`` records (method, path, Range header).
+bytes than HEAD announced), ``fail_resume`` (a GET with ``Range`` gets 503: the client gives up).
+``requests`` records (method, path, Range header), ``downloads`` (repo, file, Range header) for
+each GET that sent a file's bytes.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class FakeHub:
     short: set[tuple[str, str]] = field(default_factory=set)
     fail_resume: set[tuple[str, str]] = field(default_factory=set)
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)
+    downloads: list[tuple[str, str, str | None]] = field(default_factory=list)
     url: str = ""
 
     def add(self, repo_id: str, files: dict[str, bytes | Path], **kw) -> Repo:
@@ -57,9 +63,19 @@ class FakeHub:
         return self.repos[repo_id]
 
     def gets(self, repo_id: str) -> list[str]:
-        """Files of `repo_id` that were downloaded (GET on resolve), in order."""
-        prefix = f"/{repo_id}/resolve/"
-        return [p.split("/", 5)[-1] for m, p, _ in self.requests if m == "GET" and p.startswith(prefix)]
+        """Files of `repo_id` whose bytes were sent (GET), in order."""
+        return [f for r, f, _ in self.downloads if r == repo_id]
+
+    def ranges(self, repo_id: str, file: str) -> list[str | None]:
+        """The Range header of each GET that sent bytes of `file` (None: from the start)."""
+        return [rng for r, f, rng in self.downloads if (r, f) == (repo_id, file)]
+
+    def _by_sha(self, sha: str) -> tuple[str, str] | None:
+        for repo_id, repo in self.repos.items():
+            for f, d in repo.files.items():
+                if is_lfs(f) and hashlib.sha256(d).hexdigest() == sha:
+                    return repo_id, f
+        return None
 
     def start(self) -> "FakeHub":
         hub = self
@@ -102,6 +118,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._api(parts[2] + "/" + parts[3], parts[4:])
         if len(parts) >= 5 and parts[2] == "resolve":
             return self._resolve(parts[0] + "/" + parts[1], parts[3], "/".join(parts[4:]), head)
+        if len(parts) == 2 and parts[0] == "cdn":
+            return self._cdn(parts[1], head)
         self._error(404, "EntryNotFound", "no such endpoint")
 
     def _repo(self, repo_id: str, files_request: bool) -> Repo | None:
@@ -159,29 +177,56 @@ class _Handler(BaseHTTPRequestHandler):
         data = repo.files.get(file)
         if data is None:
             return self._error(404, "EntryNotFound", f"{file} does not exist", repo.commit)
+        if is_lfs(file):  # the hub sends LFS files from its CDN
+            sha = hashlib.sha256(data).hexdigest()
+            port = self.server.server_address[1]
+            self.send_response(302)
+            self.send_header("Location", f"http://localhost:{port}/cdn/{sha}")
+            self.send_header("X-Repo-Commit", repo.commit)
+            self.send_header("X-Linked-Etag", f'"{sha}"')
+            self.send_header("X-Linked-Size", str(len(data)))
+            self.send_header("ETag", f'"{git_blob_id(data)}"')  # the pointer file's id
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        self._send(repo_id, file, data, head, {"X-Repo-Commit": repo.commit, "ETag": f'"{git_blob_id(data)}"'})
+
+    def _cdn(self, sha: str, head: bool) -> None:
+        found = self.hub._by_sha(sha)
+        if found is None:
+            return self._error(404, "NoSuchKey", "no such object")
+        if self.headers.get("Authorization"):  # a signed URL must not get the hub token
+            return self._error(400, "InvalidArgument", "Only one auth mechanism allowed")
+        repo_id, file = found
+        self._send(repo_id, file, self.hub.repos[repo_id].files[file], head, {"ETag": f'"{sha}"'})
+
+    def _send(self, repo_id: str, file: str, data: bytes, head: bool, headers: dict) -> None:
+        """The file's bytes (from a Range start), with the faults asked for this file."""
         key = (repo_id, file)
-        etag = hashlib.sha256(data).hexdigest() if is_lfs(file) else git_blob_id(data)
-        start = 0
         rng = self.headers.get("Range")
         if rng and not head and key in self.hub.fail_resume:
             return self._error(503, "ServiceUnavailable", "try again later")
-        if rng and rng.startswith("bytes=") and not head:
-            start = int(rng[len("bytes="):].split("-")[0])
+        start = int(rng[len("bytes="):].split("-")[0]) if rng and not head else 0
         body = data
         if not head and key in self.hub.corrupt:
-            body = data[:len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1:]
+            mid = len(data) // 2
+            body = data[:mid] + bytes([data[mid] ^ 0xFF]) + data[mid + 1:]
         if not head and key in self.hub.short:
             body = data[:-7]
         body = body[start:]
         self.send_response(206 if start else 200)
-        self.send_header("X-Repo-Commit", repo.commit)
-        self.send_header("ETag", f'"{etag}"')
+        for k, v in headers.items():
+            self.send_header(k, v)
         self.send_header("Accept-Ranges", "bytes")
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(len(data) if head else len(body)))
         if start:
             self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
-        if not head and key in self.hub.drop_once:
+        if head:
+            self.end_headers()
+            return
+        self.hub.downloads.append((repo_id, file, rng))
+        if key in self.hub.drop_once:
             self.hub.drop_once.discard(key)
             self.send_header("Connection", "close")
             self.end_headers()
@@ -190,8 +235,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         self.end_headers()
-        if not head:
-            self.wfile.write(body)
+        self.wfile.write(body)
 
     # ---- answers --------------------------------------------------------------------------
 

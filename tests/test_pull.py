@@ -95,6 +95,7 @@ def test_pull_gguf_by_quant_tag_into_the_hf_cache(hub, models, tmp_path):
     got = _pull(GGUF_REPO + ":q8_0")  # the tag is case-insensitive
     assert got.format == "gguf" and got.files == ("tiny-Q8_0.gguf",)
     assert hub.gets(GGUF_REPO) == ["tiny-Q8_0.gguf"]  # no other quant, no README
+    assert [m for m, p, _ in hub.requests if p.startswith("/cdn/")] == ["GET"]  # the hub's redirect
     repo = tmp_path / "hub" / "models--tiny-org--tiny-GGUF"
     assert got.path == repo / "snapshots" / ("c" * 40) / "tiny-Q8_0.gguf"
     assert got.path.is_symlink() and got.path.resolve().parent == repo / "blobs"
@@ -147,7 +148,7 @@ def test_a_dropped_connection_resumes_with_a_range_request(hub, models, monkeypa
     monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 16 << 10)
     hub.drop_once.add((GGUF_REPO, "tiny-Q8_0.gguf"))
     got = _pull(GGUF_REPO + ":Q8_0")
-    ranges = [r for m, p, r in hub.requests if m == "GET" and p.endswith("tiny-Q8_0.gguf")]
+    ranges = hub.ranges(GGUF_REPO, "tiny-Q8_0.gguf")
     size = models["Q8_0"].stat().st_size
     assert ranges[0] is None and len(ranges) == 2
     start = int(ranges[1].removeprefix("bytes=").split("-")[0])
@@ -170,7 +171,7 @@ def test_a_killed_pull_resumes_in_the_next_run(hub, models, monkeypatch):
     assert find_cached(ModelRef(GGUF_REPO, "Q8_0")) is None  # a partial file is never loaded
     hub.fail_resume.clear()
     got = _pull(GGUF_REPO + ":Q8_0")
-    ranges = [r for m, p, r in hub.requests if m == "GET" and p.endswith("tiny-Q8_0.gguf")]
+    ranges = hub.ranges(GGUF_REPO, "tiny-Q8_0.gguf")
     assert ranges[-1] == f"bytes={kept}-"  # the second run asked only for what was missing
     assert _sha(got.path) == _sha(models["Q8_0"]) and not partial.exists()
 
