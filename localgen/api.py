@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -57,10 +57,12 @@ class LLM:
              max_num_batched_tokens: int = 8192, block_size: int = 16,
              enable_prefix_caching: bool = True, max_model_len: int | None = None,
              policy=None, offload_dir: str | None = None, gpu_memory: int | None = None,
-             cpu_memory: int | None = None, gguf_native: bool = True) -> "LLM":
+             cpu_memory: int | None = None, gguf_native: bool = True,
+             progress: Callable[[str], None] | None = None) -> "LLM":
         """Load ``model`` (None: the embedded default; a GGUF path; a Hugging Face directory; a
         hub id from the local cache). Raises FileNotFoundError / UnsupportedModelError with the
-        reason, ValueError for bad settings.
+        reason, ValueError for bad settings. ``progress(line)``, when given, receives short
+        status lines while it loads (the stage; weight bytes read of the total).
 
         ``dtype`` None: bf16 on CUDA; on the CPU float32, except for a Q4_1 GGUF (the embedded
         default) on a CPU with native bf16, which runs bf16 activations and its 4-bit matrices
@@ -73,10 +75,13 @@ class LLM:
         allocations to emulate a smaller GPU; ``cpu_memory`` (bytes) is checked against the host
         bytes the placement needs (ValueError when exceeded). ``gguf_native``: with 4-bit weights,
         keep a GGUF's Q4_1 tensors bit-exact in their 32-groups instead of re-quantizing."""
+        from localgen.models.load_progress import LoadProgress
         from localgen.models.sources import resolve_model
 
         if max_num_seqs is None:
             max_num_seqs = policy.bls if policy is not None else 64
+        status = LoadProgress(progress)
+        status.stage(f"opening {model or 'the embedded model'}")
         src = resolve_model(model, revision=revision)
         dev = torch.device(device) if device else default_device()
         if dtype is None and dev.type == "cpu" and policy is None:
@@ -89,10 +94,16 @@ class LLM:
                            max_num_batched_tokens=max_num_batched_tokens,
                            enable_prefix_caching=enable_prefix_caching,
                            kv_cache_memory=kv_cache_memory, max_model_len=max_model_len)
-        return cls.from_parts(src.config, src.weights, src.tokenizer, cfg, device=device,
-                              dtype=dtype, name=src.name, source=src, policy=policy,
-                              offload_dir=offload_dir, gpu_memory=gpu_memory,
-                              cpu_memory=cpu_memory, gguf_native=gguf_native)
+        status.stage("reading the tokenizer")
+        tokenizer = src.tokenizer
+        weights = status.watch(src.weights)
+        status.stage("loading weights")
+        llm = cls.from_parts(src.config, weights, tokenizer, cfg, device=device,
+                             dtype=dtype, name=src.name, source=src, policy=policy,
+                             offload_dir=offload_dir, gpu_memory=gpu_memory,
+                             cpu_memory=cpu_memory, gguf_native=gguf_native)
+        status.done(f"{src.name} loaded")
+        return llm
 
     @classmethod
     def from_parts(cls, config, weights, tokenizer, engine_config: EngineConfig | None = None, *,

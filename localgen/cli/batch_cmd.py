@@ -66,11 +66,15 @@ def load_llm(
 ) -> Any:
     """Load the engine (tests replace this function with a fake). ``offload``: policy,
     offload_dir, gpu_memory, cpu_memory for the offloading runtime (only passed when set)."""
+    from localgen.cli.status import announce, stderr_status
+
+    announce()
     from localgen.api import LLM
 
     if offload.get("policy") is not None:
         max_num_seqs = max(max_num_seqs, offload["policy"].bls)
-    return LLM.load(model, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, dtype=dtype, device=device, **offload)
+    return LLM.load(model, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, dtype=dtype, device=device,
+                    progress=stderr_status(), **offload)
 
 
 def offload_options(model: str | None, percent, gpu_batch_size, num_gpu_batches, compress_weight,

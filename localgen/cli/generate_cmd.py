@@ -25,10 +25,14 @@ def load_llm(
     **offload: Any,
 ) -> Any:
     """Load the engine (tests replace this function with a fake); ``offload`` as in batch_cmd."""
+    from localgen.cli.status import announce, stderr_status
+
+    announce()
     from localgen.api import LLM
 
     n = offload["policy"].bls if offload.get("policy") is not None else 1
-    return LLM.load(model, kv_cache_memory=kv_cache_memory, max_num_seqs=n, dtype=dtype, device=device, **offload)
+    return LLM.load(model, kv_cache_memory=kv_cache_memory, max_num_seqs=n, dtype=dtype, device=device,
+                    progress=stderr_status(), **offload)
 
 
 def generate(
