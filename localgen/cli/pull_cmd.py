@@ -17,8 +17,9 @@ def pull(
 ) -> None:
     """Download a model into the Hugging Face cache, where `--model REPO[:QUANT]` finds it.
 
-    Files already cached are not fetched again; a dropped connection resumes where it stopped;
-    every file is checked against the hub's SHA-256. HF_TOKEN (or `hf auth login`) reads gated
+    Files already cached are not fetched again; a download cut short (a dropped connection,
+    Ctrl-C) resumes where it stopped when run again; every file is checked against the hub's
+    SHA-256 (or git blob id) before it is used. HF_TOKEN (or `hf auth login`) reads gated
     and private repos; HF_ENDPOINT names another hub.
     """
     from localgen.hub.pull import PullError, pull as pull_ref  # heavy imports stay out of --help

@@ -17,6 +17,7 @@ reached, or ``HF_HUB_OFFLINE`` forbids the download.
 
 from __future__ import annotations
 
+import glob
 import os
 import sys
 from pathlib import Path
@@ -129,7 +130,7 @@ def _download(ref, revision, files, endpoint, cache_dir) -> Path:
 
     try:
         folder = snapshot_download(
-            ref.repo_id, revision=revision, allow_patterns=list(files), endpoint=endpoint,
+            ref.repo_id, revision=revision, allow_patterns=[glob.escape(f) for f in files], endpoint=endpoint,
             cache_dir=os.fspath(hub_cache_dir(cache_dir)), tqdm_class=_quiet_tqdm(),
         )
     except KeyboardInterrupt:
