@@ -138,6 +138,9 @@ class GuardedGroup(TyperGroup):
 
 
 def _print(lines: list[str]) -> None:
+    from localgen.cli.status import clear
+
+    clear()  # a load status line still on the terminal
     for line in lines:
         typer.echo(line, err=True)
     sys.stderr.flush()

@@ -13,10 +13,6 @@ from typing import Any, Callable
 Report = Callable[[str], None]
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
 class LoadProgress:
     """Reports ``stage`` lines at once and weight bytes at most every ``interval`` seconds.
 
@@ -65,8 +61,9 @@ class LoadProgress:
         now = time.perf_counter()
         if now - self._last >= self.interval:
             self._last = now
-            total = f" / {_mib(self.total_bytes)}" if self.total_bytes else ""
-            self.report(f"loading weights: {_mib(min(self.bytes_read, self.total_bytes or self.bytes_read))}{total}")
+            done = min(self.bytes_read, self.total_bytes or self.bytes_read) / 2**20
+            of = f" / {self.total_bytes / 2**20:.1f}" if self.total_bytes else ""
+            self.report(f"loading weights: {done:.1f}{of} MiB")
 
     def done(self, text: str = "ready") -> None:
         self.stage(f"{text} ({time.perf_counter() - self._t0:.1f} s)")
