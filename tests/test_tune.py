@@ -19,7 +19,7 @@ def config_dir(tmp_path, monkeypatch):
 
 def test_tune_yes_saves_the_default():
     r = CliRunner().invoke(app, ["tune", "--yes", "--profile", "flexgen_t4", "--model", "opt-30b",
-                                 "--compression", "off"])
+                                 "--compression", "off", "--workload", "batch"])
     assert r.exit_code == 0, r.output
     assert "tokens/s" in r.output and "alternative" in r.output
     p = load_saved_policy("opt-30b")
@@ -36,7 +36,8 @@ def test_tune_yes_fewest_tiers_keeps_opt30b_off_the_disk():
     """``--tiers fewest`` (the paper's tuning rule): for localgen's runtime on the T4 the default
     ("any") puts ~10% of OPT-30B's weights on the SSD to run a larger block; "fewest" keeps them in
     RAM, and the saved metadata says which rule chose the policy."""
-    args = ["tune", "--yes", "--profile", "flexgen_t4", "--model", "opt-30b", "--compression", "off"]
+    args = ["tune", "--yes", "--profile", "flexgen_t4", "--model", "opt-30b", "--compression", "off",
+            "--workload", "batch"]
     assert CliRunner().invoke(app, args).exit_code == 0
     assert load_saved_policy("opt-30b").wd > 0.05
     r = CliRunner().invoke(app, args + ["--tiers", "fewest"])
@@ -68,12 +69,15 @@ def test_wizard_pilot_flow():
     from localgen.policy.tuning import TuneRequest
 
     async def drive():
-        app_ = TuneApp(TuneRequest(model="opt-30b", compression="off"), profile_name="flexgen_t4")
+        app_ = TuneApp(TuneRequest(model="opt-30b", compression="off", workload="batch"),
+                       profile_name="flexgen_t4")
         async with app_.run_test(size=(120, 50)) as pilot:
             await pilot.click("#use")
             await pilot.pause()
             app_.screen.query_one("#tiers").value = "fewest"
             await pilot.click("#search")
+            while app_.searches_done == 0:  # the search runs on a worker thread
+                await pilot.pause(0.1)
             await pilot.pause()
             assert app_.result is not None
             await pilot.click("#save")

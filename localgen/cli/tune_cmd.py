@@ -9,7 +9,7 @@ import typer
 
 def tune(
     model: str = typer.Option("smollm2-135m", help="Preset name, hub id, local dir or GGUF path."),
-    workload: str = typer.Option("batch", help="chat (batch 1, lowest latency) or batch (throughput)."),
+    workload: str = typer.Option("chat", help="chat (batch 1, lowest latency) or batch (throughput)."),
     prompt_len: int = typer.Option(512, help="Prompt tokens."),
     gen_len: int = typer.Option(32, help="Generated tokens."),
     compression: str = typer.Option("auto", help="4-bit weights/KV: off, on or auto."),
@@ -20,9 +20,18 @@ def tune(
                                            "default: the saved one, else measure now."),
     offload_dir: Path = typer.Option(None, help="Folder for the disk probes if measuring."),
     yes: bool = typer.Option(False, "--yes", "-y", help="No wizard: take the options and save."),
+    reset: bool = typer.Option(False, "--reset", help="Remove the policy saved for --model (chat, batch and generate go back to their defaults) and exit."),
 ) -> None:
-    """Find the fastest placement policy for a model on this machine and save it as its default."""
+    """Find the fastest placement policy for a model on this machine and save it as its default.
+
+    Ends with one sentence on why the policy wins, where it was saved, and how to undo it
+    (`localgen tune --reset --model M`).
+    """
     from localgen.policy.tuning import TuneRequest
+
+    if reset:
+        _reset(model)
+        return
 
     for name, value, allowed in (("--workload", workload, ("chat", "batch")),
                                  ("--compression", compression, ("off", "on", "auto")),
@@ -38,7 +47,14 @@ def tune(
         from localgen.tui.tune import TuneApp
     except ImportError:  # source checkout without the package installed
         from tui.tune import TuneApp
-    TuneApp(req, profile_name=profile, offload_dir=offload_dir).run()
+    wizard = TuneApp(req, profile_name=profile, offload_dir=offload_dir)
+    wizard.run()
+    if wizard.saved_path is not None:  # the wizard's last words stay in the terminal
+        from localgen.policy.explain import undo_hint
+
+        typer.echo(wizard.why or "")
+        typer.echo(f"saved to {wizard.saved_path}")
+        typer.echo(undo_hint(wizard.req.model))
 
 
 def _check_output_dirs(model: str, profile: str | None, offload_dir: Path | None) -> None:
@@ -59,6 +75,7 @@ def _run_plain(req, profile_name, offload_dir) -> None:
     from rich.console import Console
 
     from localgen.cli.profile_cmd import default_offload_dir, print_profile
+    from localgen.policy.explain import cost_model_for, undo_hint, why_sentence
     from localgen.policy.search import NoFeasiblePolicyError
     from localgen.policy.tuning import get_profile, result_lines, run_search, save_result
     from localgen.profiler.probes import run_profile
@@ -74,4 +91,24 @@ def _run_plain(req, profile_name, offload_dir) -> None:
         raise typer.Exit(1)
     for line in result_lines(res):
         console.print(line, highlight=False)
-    console.print(f"saved to {save_result(req, hw, res)}")
+    console.print(why_sentence(cost_model_for(req.model, hw, req.prompt_len, req.gen_len), res),
+                  highlight=False)
+    path = save_result(req, hw, res)
+    console.print(f"saved to {path}", highlight=False)
+    console.print(undo_hint(req.model), highlight=False)
+
+
+def _reset(model: str) -> None:
+    from localgen.policy.store import policy_path
+
+    p = policy_path(model)
+    try:
+        p.unlink()
+    except FileNotFoundError:
+        typer.echo(f"no saved policy for {model} (looked for {p})", err=True)
+        return
+    except OSError as e:
+        typer.echo(f"error: cannot remove {p}: {e.strerror or e}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"removed {p}; chat, batch and generate use their default placement for {model} again",
+               err=True)

@@ -106,3 +106,10 @@ def cost_model_for(model: str, hw: HardwareProfile, prompt_len: int, gen_len: in
 
     _, cfg = resolve_config(model)
     return CostModel(cfg, hw, Workload(prompt_len, gen_len), runtime="localgen")
+
+
+def undo_hint(model: str) -> str:
+    """The command that takes back the policy saved for ``model``."""
+    import shlex
+
+    return f"To undo: localgen tune --reset --model {shlex.quote(model)}"
