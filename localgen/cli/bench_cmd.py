@@ -188,3 +188,34 @@ def decode(
                              log=lambda m: typer.echo(m))
     if out:
         atomic_write_json(out, res)
+
+
+@app.command("startup")
+def startup(
+    model: Optional[str] = typer.Option(None, "--model", help="Model (default: embedded). llama-simple runs only on a GGUF file."),
+    prompt: str = typer.Option("hi", "--prompt", help="The prompt both sides answer with one token."),
+    repeat: int = typer.Option(3, "--repeat", min=1, help="Warm runs of each side (medians are reported)."),
+    llama_cpp_bin: Optional[str] = typer.Option(None, "--llama-cpp-bin", help="llama.cpp's llama-simple, or its folder (default: $LLAMA_CPP_BIN, then PATH)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the result as JSON here."),
+) -> None:
+    """Time from the command to the first token of `localgen generate --max-tokens 1`, and its peak RSS, beside llama.cpp's llama-simple on the same GGUF.
+
+    Examples:
+
+        localgen bench startup --llama-cpp-bin ~/llama.cpp/build/bin
+
+        LLAMA_CPP_BIN=~/llama.cpp/build/bin localgen bench startup --repeat 5 --out startup.json
+    """
+    from localgen.bench import startup_bench
+    from localgen.models.sources import embedded_gguf_path
+
+    if model is None:
+        gguf = embedded_gguf_path()
+    else:
+        gguf = Path(model).expanduser() if model.endswith(".gguf") and Path(model).expanduser().is_file() else None
+    res = startup_bench.run(model, gguf, prompt, repeat, llama_cpp_bin,
+                            log=lambda m: typer.echo(m, err=True))
+    for line in startup_bench.report(res):
+        typer.echo(line)
+    if out:
+        atomic_write_json(out, res.to_json())

@@ -1,0 +1,52 @@
+"""`localgen bench startup`'s parts: timing a process to its first output and exit with its peak
+RSS, finding llama-simple, the report's ratios and targets."""
+
+from __future__ import annotations
+
+import sys
+
+from localgen.bench import startup_bench as sb
+
+
+def test_time_process_sees_first_output_exit_and_memory():
+    code = "import sys, time; b = bytearray(64 << 20); sys.stdout.write('x'); sys.stdout.flush(); time.sleep(0.2); sys.exit(3)"
+    run = sb.time_process([sys.executable, "-c", code])
+    assert run.status == 3
+    assert run.first_output_s is not None and run.first_output_s < run.exit_s
+    assert run.peak_rss > 64 << 20  # the child's own peak, not this process's
+
+
+def test_a_silent_process_has_no_first_output():
+    run = sb.time_process([sys.executable, "-c", "pass"])
+    assert run.first_output_s is None and run.status == 0
+
+
+def test_llama_simple_from_the_flag_the_environment_or_nowhere(tmp_path, monkeypatch):
+    exe = tmp_path / "llama-simple"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    monkeypatch.delenv("LLAMA_CPP_BIN", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert sb.find_llama_simple(tmp_path) == exe
+    assert sb.find_llama_simple(exe) == exe
+    assert sb.find_llama_simple(None) is None
+    monkeypatch.setenv("LLAMA_CPP_BIN", str(tmp_path))
+    assert sb.find_llama_simple(None) == exe
+
+
+def test_report_gives_ratios_and_targets():
+    res = sb.StartupResult(model="embedded", prompt="hi")
+    res.localgen = [sb.ProcessRun(2.0, 2.5, 500 * 10**6, 0), sb.ProcessRun(4.0, 4.5, 700 * 10**6, 0),
+                    sb.ProcessRun(2.5, 3.0, 550 * 10**6, 0)]
+    res.llama_simple = [sb.ProcessRun(None, 0.5, 100 * 10**6, 0)] * 3
+    lines = sb.report(res)
+    assert "exit 6.0x" in lines[-2] and "peak RSS 5.5x" in lines[-2]  # medians 3.0 s, 550 MB
+    assert lines[-1] == "targets: first token <= 3 s: met; peak RSS <= 600 MB: met"
+    res.localgen[2] = sb.ProcessRun(3.5, 4.0, 650 * 10**6, 0)
+    assert sb.report(res)[-1] == "targets: first token <= 3 s: missed; peak RSS <= 600 MB: missed"
+
+
+def test_localgen_command_runs_generate_for_one_token():
+    cmd = sb.localgen_cmd("m.gguf", "hi")
+    assert cmd[0] == sys.executable and cmd[3:] == ["generate", "hi", "--max-tokens", "1",
+                                                    "--temperature", "0", "--model", "m.gguf"]
