@@ -189,3 +189,213 @@ def test_max_tokens_capped_by_the_context_says_why(server, client):
     assert r.model_extra["warnings"] == [
         f"max_tokens 100 capped to {room}: the prompt's {n_prompt} tokens leave {room} of the "
         f"{CONTEXT}-token context"]
+
+
+# -- concurrency, disconnects, the bounded queue --------------------------------------------------
+def test_32_concurrent_streams_finish_with_correct_usage(server):
+    tok = server.service.llm.tokenizer
+    questions = [f"Name a color number {i}." for i in range(32)]
+
+    def prompt_tokens(q: str) -> int:
+        text = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                       add_generation_prompt=True)
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    async def one(client, q: str):
+        stream = await client.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": q}], temperature=0,
+            max_tokens=6, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})
+        text, usage, reasons = "", None, []
+        async for c in stream:
+            if c.choices:
+                text += c.choices[0].delta.content or ""
+                reasons += [c.choices[0].finish_reason] if c.choices[0].finish_reason else []
+            if c.usage is not None:
+                usage = c.usage
+        return text, usage, reasons
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server.url, api_key="x", timeout=240,
+                                      max_retries=0) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, q) for q in questions)), 300)
+
+    results = asyncio.run(main())
+    assert len(results) == 32
+    for q, (text, usage, reasons) in zip(questions, results):
+        assert reasons == ["length"] and text
+        assert usage.completion_tokens == 6 and usage.prompt_tokens == prompt_tokens(q)
+        assert usage.total_tokens == usage.prompt_tokens + 6
+    assert server.app.state.generator.in_flight == 0
+
+
+def _stream_lines(server, body, lines: int):
+    """Open a streamed request, read ``lines`` SSE data lines, then drop the connection."""
+    got = []
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", server.url + "/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    got.append(line)
+                    if len(got) == lines:
+                        break
+    return got
+
+
+def test_dropped_client_frees_its_kv_blocks(server):
+    body = dict(model=server.model, messages=CHAT, max_tokens=400, stream=True, temperature=0,
+                ignore_eos=True)
+    seen = {}
+
+    def watch():  # read /metrics while the stream is open
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not seen.get("used"):
+            seen["used"] = metric(server, "localgen_kv_blocks_used")
+            time.sleep(0.05)
+
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", server.url + "/chat/completions", json=body) as r:
+            lines = 0
+            for line in r.iter_lines():
+                lines += line.startswith("data:")
+                if lines == 4:
+                    watch()
+                    break
+    assert seen["used"] > 0
+    deadline = time.monotonic() + 10
+    while metric(server, "localgen_kv_blocks_used") > 0 or metric(server, "localgen_requests_running") > 0:
+        assert time.monotonic() < deadline, "the dropped request still holds KV blocks"
+        time.sleep(0.05)
+    assert server.app.state.generator.in_flight == 0
+    assert metric(server, 'localgen_http_requests_total{endpoint="chat",outcome="client_gone"}') >= 1
+
+
+def test_full_queue_answers_429_with_retry_after(server, client):
+    gen = server.app.state.generator
+    gen.config.max_pending = 1
+    try:
+        body = dict(model=server.model, messages=CHAT, max_tokens=200, stream=True, ignore_eos=True)
+        with httpx.Client(timeout=60) as http:
+            with http.stream("POST", server.url + "/chat/completions", json=body) as r:
+                lines = r.iter_lines()  # kept: a closed iterator would drop the connection
+                next(line for line in lines if line.startswith("data:"))
+                with pytest.raises(openai.RateLimitError) as e:
+                    client.chat.completions.create(model=server.model, messages=CHAT, max_tokens=2)
+                assert e.value.response.headers["retry-after"] == "1"
+                assert e.value.body["code"] == "rate_limit_exceeded"
+    finally:
+        gen.config.max_pending = 256
+    deadline = time.monotonic() + 10
+    while gen.in_flight:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    r = client.chat.completions.create(model=server.model, messages=CHAT, max_tokens=2)
+    assert r.usage.completion_tokens >= 1
+
+
+# -- bad requests ---------------------------------------------------------------------------------
+M = "SmolLM2-135M-Instruct"
+MSG = [{"role": "user", "content": "hi"}]
+BAD = [  # (path, body (dict or raw bytes), status, param, code)
+    ("/chat/completions", b'{"model": "x", "messages": [', 400, None, "invalid_json"),
+    ("/chat/completions", b'[1, 2]', 400, None, "invalid_type"),
+    ("/chat/completions", {"model": M}, 400, "messages", "missing_required_parameter"),
+    ("/chat/completions", {"model": M, "messages": "hi"}, 400, "messages", "invalid_type"),
+    ("/chat/completions", {"model": M, "messages": []}, 400, "messages", "invalid_value"),
+    ("/chat/completions", {"model": M, "messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "messages.0.role", "invalid_type"),
+    ("/chat/completions", {"model": M, "messages": MSG, "temperature": "hot"}, 400, "temperature",
+     "invalid_type"),
+    ("/chat/completions", {"model": M, "messages": MSG, "temperature": 2.5}, 400, "temperature",
+     "invalid_value"),
+    ("/chat/completions", {"model": M, "messages": MSG, "top_p": 0}, 400, "top_p", "invalid_value"),
+    ("/chat/completions", {"model": M, "messages": MSG, "n": 0}, 400, "n", "invalid_value"),
+    ("/chat/completions", {"model": M, "messages": MSG, "max_tokens": 0}, 400, "max_tokens",
+     "invalid_value"),
+    ("/chat/completions", {"model": M, "messages": MSG, "max_tokens": 1.5}, 400, "max_tokens",
+     "invalid_type"),
+    ("/chat/completions", {"model": M, "messages": MSG, "presence_penalty": 3}, 400,
+     "presence_penalty", "invalid_value"),
+    ("/chat/completions", {"model": M, "messages": MSG, "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs", "invalid_value"),
+    ("/chat/completions", {"model": M, "messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, 400,
+     "stop", "invalid_value"),
+    ("/chat/completions", {"model": M, "messages": MSG, "stream": "yes"}, 400, "stream",
+     "invalid_type"),
+    ("/chat/completions", {"model": M, "messages": MSG, "response_format": {"type": "xml"}}, 400,
+     "response_format", "invalid_value"),
+    ("/chat/completions", {"model": M, "messages": MSG, "tool_choice": "required"}, 400, "tool_choice",
+     "invalid_value"),
+    ("/chat/completions", {"model": "gpt-4o", "messages": MSG}, 404, "model", "model_not_found"),
+    ("/chat/completions", {"model": M, "messages": [{"role": "user", "content": "hi " * 600}]}, 400,
+     "messages", "context_length_exceeded"),
+    ("/completions", {"model": M, "prompt": []}, 400, "prompt", "invalid_value"),
+    ("/completions", {"model": M, "prompt": [1, 10**9]}, 400, "prompt", "invalid_value"),
+    ("/completions", {"model": M, "prompt": "hi", "logprobs": 6}, 400, "logprobs", "invalid_value"),
+    ("/completions", {"model": M, "prompt": "hi", "echo": True}, 400, "echo", "unsupported_parameter"),
+    ("/completions", {"model": M, "prompt": "x" * (5 << 20)}, 413, None, "request_too_large"),
+    ("/nothing", {"model": M}, 404, None, "unknown_url"),
+]
+
+
+def test_malformed_requests_get_openai_errors_and_disturb_no_one(server, client):
+    assert server.model == M
+    done = {}
+
+    def good():  # a request in the batch while the bad ones arrive
+        done["r"] = client.chat.completions.create(model=M, messages=CHAT, temperature=0,
+                                                   max_tokens=24, extra_body={"ignore_eos": True})
+
+    t = threading.Thread(target=good)
+    t.start()
+    failures = []
+    with httpx.Client(timeout=60) as http:
+        for path, body, status, param, code in BAD:
+            kw = {"content": body, "headers": {"content-type": "application/json"}} \
+                if isinstance(body, bytes) else {"json": body}
+            r = http.post(server.url + path, **kw)
+            err = r.json().get("error") if r.headers.get("content-type", "").startswith("application/json") else None
+            ok = (r.status_code == status and isinstance(err, dict)
+                  and set(err) == {"message", "type", "param", "code"}
+                  and isinstance(err["message"], str) and err["message"]
+                  and isinstance(err["type"], str) and err["param"] == param
+                  and (code is None or err["code"] == code))
+            if not ok:
+                failures.append((path, str(body)[:80], r.status_code, r.text[:300]))
+    t.join(120)
+    assert not failures, failures
+    assert done["r"].usage.completion_tokens == 24 and done["r"].choices[0].finish_reason == "length"
+
+
+def test_api_key_is_required_when_configured(service):
+    s = Served(create_app(service, ServerConfig(model_names=("m",), api_key="s3cret")))
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.url, api_key="wrong", max_retries=0).models.list()
+        r = httpx.get(s.url + "/models")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(s.base + "/metrics").status_code == 401
+        assert httpx.get(s.base + "/health").status_code == 200  # probes need no key
+        good = openai.OpenAI(base_url=s.url, api_key="s3cret", max_retries=0)
+        assert [m.id for m in good.models.list().data] == ["m"]
+    finally:
+        s.stop()
+
+
+def test_non_loopback_bind_is_refused_without_a_key(monkeypatch):
+    from typer.testing import CliRunner
+
+    from localgen.cli.main import app
+    from localgen.cli.serve_cmd import check_bind
+
+    monkeypatch.delenv("LOCALGEN_API_KEY", raising=False)
+    r = CliRunner().invoke(app, ["serve", "--host", "0.0.0.0"])
+    assert r.exit_code == 2 and "--api-key" in r.output and "--no-auth" in r.output
+    for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
+        check_bind(host, None, False)
+    for host in ("0.0.0.0", "192.168.1.7", "::", "example.org"):
+        with pytest.raises(ValueError, match="--api-key"):
+            check_bind(host, None, False)
+        check_bind(host, "k", False)
+        check_bind(host, None, True)

@@ -265,9 +265,9 @@ def _tool_mode(body: ChatCompletionRequest) -> tuple[str, list | None, dict | No
     shown), "auto" (the model may call; its text is parsed), "forced" ("required" or a named
     function: decoding is constrained to one call's JSON)."""
     tools, choice = body.tools or None, body.tool_choice
-    if choice is not None and not isinstance(choice, str) and not tools:
-        raise APIError(400, "'tool_choice' names a function but 'tools' is empty",
-                       param="tool_choice", code="invalid_value")
+    if choice not in (None, "none") and not tools:
+        raise APIError(400, "'tool_choice' needs 'tools' to choose from", param="tool_choice",
+                       code="invalid_value")
     if not tools or choice == "none":
         return "none", None, None
     if choice is None or choice == "auto":
