@@ -297,3 +297,19 @@ def test_a_cached_quant_serves_a_tagless_reference(hub):
     _pull(GGUF_REPO + ":F16")
     got = find_cached(ModelRef(GGUF_REPO))
     assert got is not None and got.files == ("tiny-F16.gguf",)
+
+
+def test_pulled_models_are_listed_by_the_name_model_takes(hub, models):
+    from localgen.models.sources import list_local_models
+
+    _pull(GGUF_REPO + ":Q8_0")
+    _pull(SPLIT_REPO + ":Q8_0")
+    _pull(HF_REPO)
+    rows = {i.name: i for i in list_local_models() if i.name.startswith("tiny-org/")}
+    assert set(rows) == {GGUF_REPO + ":Q8_0", SPLIT_REPO + ":Q8_0", HF_REPO}
+    assert rows[SPLIT_REPO + ":Q8_0"].size_bytes == sum(p.stat().st_size for p in models["parts"])
+    assert rows[GGUF_REPO + ":Q8_0"].architecture == "LlamaForCausalLM"
+    before = len(hub.requests)
+    for name in rows:  # each name loads from the cache as it is
+        assert resolve_model(name, offline=True).config.num_layers == 2
+    assert len(hub.requests) == before

@@ -264,10 +264,14 @@ def list_local_models(
 
 
 def _gguf_info(path: Path, name: str, kind: SourceKind) -> ModelInfo:
+    """A GGUF file's row; a split GGUF (any part) counts all its parts."""
     from localgen.models.gguf_source import gguf_hf_config, open_gguf
+    from localgen.models.gguf_split import SplitGGUFReader, split_parts
 
-    arch = gguf_hf_config(open_gguf(path))["architectures"][0]
-    return ModelInfo(name, kind, path, arch, path.stat().st_size)
+    parts = split_parts(path)
+    reader = SplitGGUFReader(path) if parts else open_gguf(path)
+    arch = gguf_hf_config(reader)["architectures"][0]
+    return ModelInfo(name, kind, path, arch, sum(p.stat().st_size for p in parts or [path]))
 
 
 def _dir_info(path: Path, name: str, kind: SourceKind) -> ModelInfo:
@@ -294,8 +298,10 @@ def _path_info(path: Path) -> ModelInfo:
 def _hub_cache_infos(cache_dir: str | os.PathLike | None) -> list[ModelInfo]:
     from huggingface_hub import scan_cache_dir
 
+    from localgen.hub.cache import hub_cache_dir  # HF_HUB_CACHE read now, as resolution does
+
     try:
-        cache = scan_cache_dir(cache_dir)
+        cache = scan_cache_dir(hub_cache_dir(cache_dir))
     except Exception:  # no cache yet, or unreadable: nothing to list
         return []
     infos = []
@@ -307,12 +313,34 @@ def _hub_cache_infos(cache_dir: str | os.PathLike | None) -> list[ModelInfo]:
         try:
             if (snap / "config.json").is_file():
                 infos.append(_dir_info(snap, repo.repo_id, "hub"))
-            else:  # GGUF-only repos: one row per GGUF file
-                for g in sorted(snap.glob("*.gguf")):
-                    infos.append(_gguf_info(g, f"{repo.repo_id}/{g.name}", "gguf"))
+            else:
+                infos += _hub_gguf_infos(repo.repo_id, snap)
         except Exception:  # unsupported architecture or incomplete snapshot: skip quietly
             continue
     return infos
+
+
+def _hub_gguf_infos(repo_id: str, snap: Path) -> list[ModelInfo]:
+    """One row per cached GGUF model of a repo (a split set once), named as `--model` takes
+    it: ``repo:QUANT``, or ``repo:path.gguf`` where the quant does not name one file."""
+    from localgen.hub.refs import SPLIT_RE, ModelRef, RefError, gguf_models, quant_of, select_gguf
+
+    files = sorted(p.relative_to(snap).as_posix() for p in snap.rglob("*.gguf"))
+    rows = []
+    for f in gguf_models(files):
+        m = SPLIT_RE.match(f)
+        if m and int(m.group("part")) != 1:
+            continue
+        tag = quant_of(f)
+        try:  # the quant names this file alone, else the path does
+            tag = tag if tag and select_gguf(ModelRef(repo_id, tag), files)[0] == f else f
+        except RefError:
+            tag = f
+        try:
+            rows.append(_gguf_info(snap / f, f"{repo_id}:{tag}", "gguf"))
+        except (UnsupportedModelError, ValueError, OSError):
+            continue  # a split set missing a part, an architecture localgen cannot run
+    return rows
 
 
 def _preferred_revision(repo):
