@@ -198,6 +198,16 @@ def test_a_damaged_small_file_is_removed_too(hub, models):
     assert find_cached(ModelRef(HF_REPO)) is None
 
 
+def test_a_download_the_disk_cannot_hold_is_refused_before_it_starts(hub, monkeypatch):
+    import shutil
+
+    usage = shutil.disk_usage("/")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=1000))
+    with pytest.raises(PullError, match=r"tiny-Q8_0.gguf needs \d+ more bytes in .*, where 1000 are free"):
+        _pull(GGUF_REPO + ":Q8_0")
+    assert hub.gets(GGUF_REPO) == []
+
+
 def test_missing_repo_says_not_found(hub):
     with pytest.raises(PullError, match=r"^tiny-org/absent was not found on http://127\.0\.0\.1:\d+$"):
         _pull("tiny-org/absent:Q8_0")
@@ -280,6 +290,10 @@ def test_pull_command(hub):
     r = CliRunner().invoke(app, ["pull", GGUF_REPO + ":F16"])
     assert r.exit_code == 0, r.output
     assert "tiny-F16.gguf" in r.stdout and f"localgen chat --model {GGUF_REPO}:F16" in r.stdout
+    hub.add("tiny-org/gpt2ish", {"config.json": b'{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}',
+                                 "model.safetensors": b"\0" * 16})
+    r = CliRunner().invoke(app, ["pull", "tiny-org/gpt2ish"])
+    assert r.exit_code == 0 and "note: localgen cannot run it: " in r.stderr and "GPT2" in r.stderr
     r = CliRunner().invoke(app, ["pull", GGUF_REPO + ":IQ1_S"])
     assert r.exit_code == 1 and "error: tiny-org/tiny-GGUF has no IQ1_S GGUF; its quants:" in r.stderr
 

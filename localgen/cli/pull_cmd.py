@@ -39,4 +39,20 @@ def pull(
         raise typer.Exit(130) from None
     typer.echo(f"{ref} ({'GGUF' if got.format == 'gguf' else 'safetensors'}, commit "
                f"{got.commit[:12]}): {got.path}")
-    typer.echo(f"run it: localgen chat --model {ref}")
+    problem = _why_not_runnable(str(ref), revision)
+    if problem:
+        typer.echo(f"note: localgen cannot run it: {problem}", err=True)
+    else:
+        typer.echo(f"run it: localgen chat --model {ref}")
+
+
+def _why_not_runnable(model: str, revision: str | None) -> str | None:
+    """Why localgen would refuse the pulled model (its config read from the cache), or None."""
+    from localgen.models.config import CorruptModelError, UnsupportedModelError
+    from localgen.models.sources import resolve_model
+
+    try:
+        resolve_model(model, revision=revision, offline=True)
+    except (UnsupportedModelError, CorruptModelError, FileNotFoundError) as e:
+        return str(e)
+    return None

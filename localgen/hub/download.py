@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 from typing import Callable
 from urllib.parse import urlsplit
@@ -22,6 +23,10 @@ PARTIAL_SUFFIX = ".partial"
 
 class DamagedFileError(OSError):
     """The bytes that arrived do not hash to what the hub records; they were deleted."""
+
+
+class DiskFullError(OSError):
+    """The cache's disk cannot hold the rest of the file; nothing was downloaded."""
 
 
 def file_digest(path: Path, algo: str) -> str:
@@ -49,8 +54,9 @@ def fetch_blob(
     """Download `filename` of `repo_id` at `commit` into ``blobs/<etag>`` unless it is there.
 
     A ``.partial`` file left by an earlier run is continued from its length. Returns the blob's
-    path. Raises huggingface_hub's HTTP errors, OSError when the transfer stops short (the
-    partial file stays for the next run), DamagedFileError when the complete file's SHA-256 is
+    path. Raises huggingface_hub's HTTP errors, DiskFullError before a download the disk cannot
+    hold, OSError when the transfer stops short (the partial file stays for the next run),
+    DamagedFileError when the complete file's SHA-256 is
     not `sha256` (the partial file is deleted).
     """
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
@@ -69,6 +75,10 @@ def fetch_blob(
         if have > size:  # not a prefix of this file: start over
             partial.unlink()
             have = 0
+        free = shutil.disk_usage(blobs).free
+        if free < size - have:
+            raise DiskFullError(f"{filename} needs {size - have} more bytes in {blobs}, where "
+                                f"{free} are free; free some space (or point HF_HUB_CACHE elsewhere)")
         if have:
             log(f"resuming {filename} at {have} of {size} bytes")
         headers = build_hf_headers()

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from localgen.hub.cache import Resolved, hub_cache_dir, repo_folder
-from localgen.hub.download import DamagedFileError, fetch_blob, file_digest
+from localgen.hub.download import DamagedFileError, DiskFullError, fetch_blob, file_digest
 from localgen.hub.refs import ModelRef, RefError, select_files
 
 _TOKEN_HINT = "set HF_TOKEN to a token that may read it, or run `hf auth login` (huggingface-cli login)"
@@ -121,6 +121,8 @@ def _fetch(ref: ModelRef, path: str, sibling, commit: str, blobs: Path, endpoint
         raise
     except DamagedFileError as e:
         raise PullError(f"{ref.repo_id}: {e}; run the pull again") from e
+    except DiskFullError as e:
+        raise PullError(f"cannot download {ref}: {e}") from e
     except Exception as e:
         raise _explain(e, ref, None, endpoint) from e
 
