@@ -354,7 +354,7 @@ def test_cli_exit_status_and_summary(tmp_path, fake_engine):
     out = tmp_path / "out.jsonl"
     res = runner.invoke(app, ["batch", str(path), "-o", str(out), "--kv-cache-memory", "1.5GB", "--temperature", "0", "--seed", "3", "--max-tokens", "2", "--model", "tiny"])
     assert res.exit_code == 1, res.output
-    assert "done 2, skipped 0" in res.stdout and "failed 1, of 3 lines" in res.stdout
+    assert "done 2, skipped 0" in res.stderr and "failed 1, of 3 lines" in res.stderr
     assert "line 2" in res.stderr and "top_k" in res.stderr
     assert opts["kv_cache_memory"] == 1_500_000_000 and opts["model"] == "tiny"
     reqs = list(made[0].requests.values())
@@ -364,7 +364,7 @@ def test_cli_exit_status_and_summary(tmp_path, fake_engine):
     write(path, [native(1), {"id": "q2", "prompt": "x y", "top_k": 1}, native(3)])
     res = runner.invoke(app, ["batch", str(path), "-o", str(out), "--raw"])
     assert res.exit_code == 0, res.output
-    assert "done 1, skipped 2" in res.stdout and "failed 0" in res.stdout
+    assert "done 1, skipped 2" in res.stderr and "failed 0" in res.stderr
     assert [r.prompt for r in made[1].requests.values()] == ["x y"]
 
 
@@ -379,7 +379,7 @@ def test_cli_limit_and_interrupt(tmp_path, fake_engine):
     opts["fake"] = {}
     res = runner.invoke(app, ["batch", str(path), "-o", str(out), "--limit", "8"])
     assert res.exit_code == 0, res.output
-    assert "done 5, skipped 3" in res.stdout
+    assert "done 5, skipped 3" in res.stderr
     _assert_complete(out, {f"q{i}" for i in range(8)})
 
 

@@ -76,7 +76,7 @@ def test_two_runs_racing_on_one_output(tmp_path):
     assert loser.returncode == 1, l_err
     assert f"pid {winner.pid}" in l_err and str(out) in l_err and "wait for it" in l_err, l_err
     assert "loading model" not in l_err and "Traceback" not in l_err  # failed before the model loaded
-    assert "done 40" in w_out
+    assert "done 40" in w_err
     assert_each_once(out, ids)
     assert not Path(f"{out}.lock").exists()  # the winner removed its lock file
 
@@ -108,15 +108,15 @@ def test_sigterm_stops_batch_like_ctrl_c(tmp_path):
     kid.send_signal(signal.SIGTERM)
     stdout, stderr = kid.communicate(timeout=WAIT_S)
     assert kid.returncode == 143, stderr  # 128 + SIGTERM; Ctrl-C gives 130
-    assert "done " in stdout and "of 60 lines" in stdout, stdout
+    assert "done " in stderr and "of 60 lines" in stderr, stderr
     assert "interrupted" in stderr and "rerun the same command" in stderr and "Traceback" not in stderr
-    done = int(stdout.split("done ", 1)[1].split(",", 1)[0])
+    done = int(stderr.split("done ", 1)[1].split(",", 1)[0])
     assert done == len(complete_lines(out)) >= 3  # every result it counted is saved
     assert not Path(f"{out}.lock").exists()
     kid = spawn("cli", tmp_path / "in.jsonl", out)
     stdout, stderr = kid.communicate(timeout=WAIT_S)
     assert kid.returncode == 0, stderr
-    assert f"skipped {done} (already done)" in stdout
+    assert f"skipped {done} (already done)" in stderr
     assert_each_once(out, ids)
 
 

@@ -229,10 +229,12 @@ def _run_with_progress(llm: Any, input: Path, output: Path, options: dict[str, A
 
 
 def _print_summary(summary: Any, output: Path, err: Any) -> None:
+    # a summary, like every command's: stderr (the results themselves are in OUT)
     typer.echo(
         f"done {summary.done}, skipped {summary.skipped_resume} (already done), "
         f"failed {summary.failed}, of {summary.total} lines; "
-        f"{summary.tokens} tokens in {summary.seconds:.1f} s ({summary.tokens_per_s:.1f} tokens/s)"
+        f"{summary.tokens} tokens in {summary.seconds:.1f} s ({summary.tokens_per_s:.1f} tokens/s)",
+        err=True,
     )
     if summary.failed:
         for e in summary.errors[:10]:

@@ -65,7 +65,7 @@ def profile(
         path = hw.save(target)
     except OSError as e:
         save_elsewhere(hw, target, e)
-    console.print(f"saved to {path}")
+    typer.echo(f"saved to {path}", err=True)  # the table above is the data; this, a summary
 
 
 def save_elsewhere(hw, target: Path, err: OSError) -> NoReturn:
