@@ -399,3 +399,87 @@ def test_non_loopback_bind_is_refused_without_a_key(monkeypatch):
             check_bind(host, None, False)
         check_bind(host, "k", False)
         check_bind(host, None, True)
+
+
+# -- structured output and tools ------------------------------------------------------------------
+SCHEMAS = {
+    "nested": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "location": {"type": "object", "properties": {"lat": {"type": "number"},
+                                                      "lon": {"type": "number"}},
+                     "required": ["lat", "lon"], "additionalProperties": False}},
+        "required": ["city", "location"], "additionalProperties": False},
+    "enum": {"type": "object", "properties": {
+        "answer": {"type": "string", "enum": ["yes", "no", "maybe"]},
+        "confidence": {"type": "integer", "minimum": 0, "maximum": 10}},
+        "required": ["answer", "confidence"], "additionalProperties": False},
+    "array": {"type": "object", "properties": {
+        "colors": {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]},
+                   "minItems": 2, "maxItems": 3}},
+        "required": ["colors"], "additionalProperties": False},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_answers_validate(server, client, name, stream):
+    import jsonschema
+
+    schema = SCHEMAS[name]
+    kw = dict(model=server.model, temperature=0, max_tokens=80,
+              messages=[{"role": "user", "content": "Answer in JSON."}],
+              response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema}})
+    if stream:
+        text = "".join(c.choices[0].delta.content or ""
+                       for c in client.chat.completions.create(stream=True, **kw) if c.choices)
+    else:
+        r = client.chat.completions.create(**kw)
+        assert r.choices[0].finish_reason == "stop"
+        text = r.choices[0].message.content
+    jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_answer_is_json(server, client):
+    r = client.chat.completions.create(model=server.model, temperature=0, max_tokens=60,
+                                       messages=[{"role": "user", "content": "Describe a cat in JSON."}],
+                                       response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 30}, "unit": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_call(server, client, stream):
+    import jsonschema
+
+    kw = dict(model=server.model, temperature=0, max_tokens=60, tools=[WEATHER_TOOL],
+              messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    if stream:
+        chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+        calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+        reason = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+        assert reason == ["tool_calls"] and len(calls) == 1 and calls[0].index == 0
+        fn = calls[0].function
+    else:
+        r = client.chat.completions.create(**kw)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None
+        assert len(ch.message.tool_calls) == 1 and ch.message.tool_calls[0].type == "function"
+        assert ch.message.tool_calls[0].id.startswith("call_")
+        fn = ch.message.tool_calls[0].function
+    assert fn.name == "get_weather"
+    jsonschema.validate(json.loads(fn.arguments), WEATHER_TOOL["function"]["parameters"])
+    # the answer goes back as a tool message: the conversation renders and continues
+    follow = client.chat.completions.create(model=server.model, temperature=0, max_tokens=4, messages=[
+        *kw["messages"],
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": fn.name, "arguments": fn.arguments}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}], tools=[WEATHER_TOOL])
+    assert follow.usage.completion_tokens >= 1
