@@ -327,3 +327,22 @@ def test_pulled_models_are_listed_by_the_name_model_takes(hub, models):
     for name in rows:  # each name loads from the cache as it is
         assert resolve_model(name, offline=True).config.num_layers == 2
     assert len(hub.requests) == before
+
+
+def test_chat_downloads_before_the_full_screen_app_starts(hub, monkeypatch):
+    from typer.testing import CliRunner
+
+    from localgen.cli import chat_cmd
+    from localgen.cli.main import app
+
+    seen = []
+
+    def make_service(model, **kw):  # the app must find the model in the cache already
+        seen.append(find_cached(parse_ref(model)))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(chat_cmd, "make_service", make_service)
+    r = CliRunner().invoke(app, ["chat", "--model", GGUF_REPO + ":Q8_0"])
+    assert "downloading it" in r.stderr and seen and seen[0].files == ("tiny-Q8_0.gguf",)
+    r = CliRunner().invoke(app, ["chat", "--model", GGUF_REPO + ":Q3_K"])
+    assert r.exit_code == 1 and "error: tiny-org/tiny-GGUF has no Q3_K GGUF" in r.stderr

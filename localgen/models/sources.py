@@ -103,6 +103,27 @@ def resolve_model(
     )
 
 
+def fetch_model(spec: str | os.PathLike | None, *, revision: str | None = None) -> None:
+    """Download `spec` now if it is a hub reference missing from the cache, as `resolve_model`
+    would, without loading it: for callers that must show the download before they take the
+    terminal (the full-screen chat app). Nothing happens for a local path or a cached model.
+
+    Raises ModelNotFoundError as `resolve_model` does.
+    """
+    from localgen.hub import pull
+    from localgen.hub.refs import parse_ref
+
+    if spec is None or Path(os.fspath(spec)).expanduser().exists():
+        return
+    ref = parse_ref(os.fspath(spec))
+    if ref is None:
+        return
+    try:
+        pull.ensure(ref, revision=revision)
+    except pull.PullError as e:
+        raise ModelNotFoundError(str(e)) from e
+
+
 def _load_dir(path: Path) -> ModelSource:
     if (path / "config.json").exists():
         return load_hf_dir(path)
