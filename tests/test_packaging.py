@@ -42,6 +42,19 @@ def test_editable_install_imports_under_the_namespace(tmp_path):
     assert got["bare"] == []
 
 
+def test_every_package_is_listed_in_pyproject():
+    # an editable install imports any folder under localgen/; a wheel carries only those listed
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    for name, folder in setuptools["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            if "__pycache__" in init.parts:
+                continue
+            rel = init.parent.relative_to(ROOT / folder).parts
+            assert ".".join((name, *rel)) in listed, f"{init.parent} is not in [tool.setuptools] packages"
+    assert set(setuptools["package-dir"]) <= listed
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     wheels = tmp_path_factory.mktemp("wheels")
