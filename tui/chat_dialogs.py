@@ -206,8 +206,8 @@ class HistoryScreen(ModalScreen[str | None]):
                                  id=e.id))
         if not self.entries:
             ol.add_option(Option("No saved chats yet.", id="", disabled=True))
-        elif keep is not None:
-            ol.highlighted = min(keep, len(self.entries) - 1)
+        else:
+            ol.highlighted = min(keep or 0, len(self.entries) - 1)
 
     def _selected(self):
         i = self.query_one(OptionList).highlighted

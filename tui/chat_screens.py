@@ -72,7 +72,8 @@ SAMPLING_FIELDS = (
 
 class SamplingScreen(ModalScreen[SamplingParams | None]):
     """Every sampling setting of `localgen generate`: temperature, top-p, top-k, min-p,
-    repetition penalty, max tokens, seed and stop strings (one a line). Returns validated
+    repetition penalty, max tokens, seed, JSON answers (--json, --json-schema FILE) and stop
+    strings (one a line). Returns validated
     SamplingParams (None: cancelled); a bad value is named under the fields."""
 
     DEFAULT_CSS = _MODAL_CSS.format(name="SamplingScreen") + """
@@ -96,6 +97,10 @@ class SamplingScreen(ModalScreen[SamplingParams | None]):
                 with Horizontal(classes="row"):
                     yield Label(label)
                     yield Input("" if value is None else str(value), id=fid, compact=True)
+            with Horizontal(classes="row"):
+                yield Label("JSON answers")
+                yield Input(self._format_text(), id="response_format", compact=True,
+                            placeholder="blank: text · json: any object · a JSON Schema file")
             yield Label("stop strings (one a line; not shown in the answer)")
             yield TextArea("\n".join(s.stop), id="stop", soft_wrap=False, compact=True)
             yield Static("", id="sampling-error", classes="error")
@@ -118,7 +123,40 @@ class SamplingScreen(ModalScreen[SamplingParams | None]):
                 raise ValueError(f"{label.split(' (')[0]} must be {what}, got {raw!r}") from None
         stops = self.query_one("#stop", TextArea).text.split("\n")
         out["stop"] = tuple(x for x in stops if x)
+        out["response_format"] = self._parse_format(self.query_one("#response_format", Input).value.strip())
         return SamplingParams(**out).validate()
+
+    def _format_text(self) -> str:
+        rf = self.sampling.response_format
+        if rf is None or rf.get("type") == "text":
+            return ""
+        if rf.get("type") == "json_object":
+            return "json"
+        return f"(schema {rf.get('json_schema', {}).get('name', '?')}: kept)"
+
+    def _parse_format(self, raw: str) -> dict | None:
+        """The JSON answers field as OpenAI's response_format (`generate --json` / `--json-schema
+        FILE`); ValueError naming a file that cannot be read or is not a usable schema."""
+        import json
+
+        from localgen.runtime.structured import check_response_format
+
+        if raw == self._format_text():
+            return self.sampling.response_format
+        if not raw:
+            return None
+        if raw.lower() == "json":
+            return {"type": "json_object"}
+        path = Path(raw).expanduser()
+        try:
+            schema = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"JSON answers: cannot read a JSON Schema from {path}: "
+                             f"{getattr(e, 'strerror', None) or e}") from None
+        name = "".join(c if c.isalnum() or c in "_-" else "_" for c in path.stem)[:64] or "schema"
+        rf = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+        check_response_format(rf)
+        return rf
 
     @on(Input.Submitted)
     @on(Button.Pressed, "#ok")

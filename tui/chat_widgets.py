@@ -243,15 +243,14 @@ class ConversationView(VerticalScroll):
         if self.welcome:
             yield Static(self.welcome, id="welcome")
 
+    def on_mount(self) -> None:
+        self.anchor()  # stay at the newest text as it streams, until the user scrolls up
+
     async def add(self, role: str, text: str = "") -> ChatMessage:
         msg = ChatMessage(role, text)
         await self.mount(msg)
-        self.scroll_end(animate=False)
+        self.anchor()
         return msg
-
-    def on_last_answer(self, _msg: LastAnswer) -> None:
-        if self.max_scroll_y - self.scroll_y <= 3:
-            self.scroll_end(animate=False)
 
     async def clear(self) -> None:
         await self.query(ChatMessage).remove()
