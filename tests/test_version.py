@@ -40,7 +40,7 @@ def test_package_attribute_matches():
 
 def test_installed_metadata_matches_the_checkout():
     # a stale editable install (pyproject bumped, not reinstalled) fails here
-    assert metadata.version("localgen") == DECLARED
+    assert metadata.version("localgen") == DECLARED, "reinstall: pip install -e '.[test]'"
 
 
 def test_source_tree_pyproject_wins(tmp_path):
