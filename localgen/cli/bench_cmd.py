@@ -28,7 +28,12 @@ def batch(
                                    "'default' (bf16 + int4 kernel for a Q4_1 GGUF)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the result as JSON here."),
 ) -> None:
-    """Throughput of batch generation vs transformers `generate` on the same prompts (CPU)."""
+    """Throughput of batch generation vs transformers `generate` on the same prompts (CPU).
+
+    Examples:
+
+        localgen bench batch --prompts examples/prompts.jsonl --limit 100 --max-tokens 128
+    """
     from localgen.bench import batch_bench
 
     res = batch_bench.run(model, prompts, limit, max_tokens, peer=peer,
@@ -62,7 +67,12 @@ def soak(
     out: Optional[Path] = typer.Option(None, "--out", help="Write the result as JSON here."),
 ) -> None:
     """Preemption under memory pressure: the same greedy requests with an ample KV cache and with
-    a fraction of it; every output must match. Exit status 1 when any differs."""
+    a fraction of it; every output must match. Exit status 1 when any differs.
+
+    Examples:
+
+        localgen bench soak --prompts examples/prompts.jsonl --requests 1000 --fraction 0.1
+    """
     from localgen.bench import soak as soak_bench
 
     res = soak_bench.run(model, prompts, requests, max_tokens, max_num_seqs, fraction,
@@ -93,7 +103,12 @@ def kernels(
 ) -> None:
     """Decode attention on CUDA: Triton kernels (sync, async, int4) vs SDPA (enable_gqa) on a
     contiguous cache vs the paged reference, with the HBM copy bandwidth, in one run. The same
-    benchmark runs without typer as ``python -m localgen.bench.kernels_bench --out X.json``."""
+    benchmark runs without typer as ``python -m localgen.bench.kernels_bench --out X.json``.
+
+    Examples:
+
+        localgen bench kernels --out kernels.json
+    """
     from localgen.bench import kernels_bench
 
     argv = ["--out", str(out), "--batches", batches, "--contexts", contexts,
@@ -121,7 +136,12 @@ def offload(
                                         help="Replay all-GPU 4-bit prefill blocks as CUDA graphs."),
     out: Optional[Path] = typer.Option(None, "--out"),
 ) -> None:
-    """Measured vs predicted prefill/decode (ctog/gtoc/dtoc/ctod/compute) under policies, beside accelerate."""
+    """Measured vs predicted prefill/decode (ctog/gtoc/dtoc/ctod/compute) under policies, beside accelerate.
+
+    Examples:
+
+        localgen bench offload --out offload.json
+    """
     from localgen.bench import offload_bench
 
     args = sum((["--policy", p] for p in policy), []) + [
@@ -148,7 +168,12 @@ def accuracy(
     out: Optional[Path] = typer.Option(None, "--out"),
 ) -> None:
     """WikiText-2 perplexity and LAMBADA accuracy: uncompressed vs 4-bit weights and/or 4-bit KV
-    (targets: +3% perplexity, 1 point of LAMBADA)."""
+    (targets: +3% perplexity, 1 point of LAMBADA).
+
+    Examples:
+
+        localgen bench accuracy --out accuracy.json
+    """
     from localgen.bench import accuracy as acc
 
     args = ["--max-tokens", str(max_tokens), "--window", str(window), "--max-examples", str(max_examples),
@@ -176,7 +201,12 @@ def decode(
 ) -> None:
     """Decode throughput and latency vs transformers `generate` (and llama.cpp on the same GGUF on
     the CPU) and the HBM roofline. The same benchmark runs without typer as
-    ``python -m localgen.bench.decode_bench``."""
+    ``python -m localgen.bench.decode_bench``.
+
+    Examples:
+
+        localgen bench decode --model embedded --device cpu --batches 1,16 --prompt-len 511 --gen-len 64 --repeat 3
+    """
     import torch
 
     from localgen.bench import decode_bench
@@ -216,6 +246,47 @@ def startup(
     res = startup_bench.run(model, gguf, prompt, repeat, llama_cpp_bin,
                             log=lambda m: typer.echo(m, err=True))
     for line in startup_bench.report(res):
+        typer.echo(line)
+    if out:
+        atomic_write_json(out, res.to_json())
+
+
+@app.command("serve")
+def serve(
+    model: Optional[str] = typer.Option(None, "--model", help="Model (default: embedded). llama-server runs only on a GGUF file."),
+    concurrency: str = typer.Option("1,4,16,64", "--concurrency", help="Concurrency levels, comma-separated."),
+    prompt_words: int = typer.Option(128, "--prompt-words", min=1, help="Words in each prompt (the report gives its tokens)."),
+    max_tokens: int = typer.Option(64, "--max-tokens", min=2, help="Output tokens of each request (ignore_eos)."),
+    requests: Optional[int] = typer.Option(None, "--requests", min=1, help="Requests per level (default: 2 x C, at least 8)."),
+    llama_server: Optional[str] = typer.Option(None, "--llama-server", help="llama.cpp's llama-server, or its folder (default: $LLAMA_CPP_BIN, then PATH)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the result as JSON here."),
+) -> None:
+    """`localgen serve` under C concurrent streaming clients (TTFT and inter-token latency p50/p99, output tokens/s) beside llama.cpp's llama-server (--parallel C) on the same GGUF.
+
+    Examples:
+
+        localgen bench serve --llama-server /tmp/llama/llama.cpp/build/bin/llama-server
+
+        LLAMA_CPP_BIN=~/llama.cpp/build/bin localgen bench serve --concurrency 1,16 --out serve.json
+    """
+    from localgen.bench import serve_bench
+    from localgen.models.sources import embedded_gguf_path
+
+    try:
+        levels = tuple(int(c) for c in concurrency.split(","))
+        if not levels or min(levels) < 1:
+            raise ValueError
+    except ValueError:
+        typer.echo(f"error: --concurrency {concurrency!r}: give positive integers, e.g. 1,4,16,64", err=True)
+        raise typer.Exit(2)
+    if model is None:
+        gguf = embedded_gguf_path()
+    else:
+        gguf = Path(model).expanduser() if model.endswith(".gguf") and Path(model).expanduser().is_file() else None
+    res = serve_bench.run(model, gguf, levels=levels, prompt_words=prompt_words,
+                          max_tokens=max_tokens, requests_per_level=requests,
+                          llama_server=llama_server, log=lambda m: typer.echo(m, err=True))
+    for line in serve_bench.report(res):
         typer.echo(line)
     if out:
         atomic_write_json(out, res.to_json())
