@@ -159,6 +159,12 @@ def batch(
     """Generate answers for every line of IN.jsonl, appending one result per line to OUT.jsonl.
 
     Bad lines get an error record with their line number and the rest still run; the exit status is 1 when any line failed. Rerunning the same command resumes: lines whose id already has a result in OUT are skipped. One run writes an OUT at a time: a second one exits with status 1 before loading the model. SIGTERM stops it like Ctrl-C (exit status 143; 130 for Ctrl-C).
+
+    Examples:
+
+        localgen batch examples/prompts.jsonl -o out.jsonl
+
+        localgen batch requests.jsonl -o results.jsonl --model HuggingFaceTB/SmolLM2-360M-Instruct --kv-cache-memory 2GiB
     """
     from rich.console import Console
 

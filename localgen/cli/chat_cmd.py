@@ -50,6 +50,14 @@ def chat(
     Keys: F1 help (every key) · Enter send · Ctrl+J new line · Esc stop the answer · Ctrl+N new
     chat · F2 system prompt · F3 sampling · F4 export (.md + .json) · F5 batch jobs · F6 copy ·
     F7 saved chats · PageUp/PageDown scroll · Ctrl+Q quit.
+
+    Examples:
+
+        localgen chat
+
+        localgen chat --model ~/models/qwen2.5-0.5b-instruct-q4_k_m.gguf --system "Answer in French."
+
+        localgen chat --resume
     """
     from localgen.tui.history import ChatNotFoundError, ChatStore
 

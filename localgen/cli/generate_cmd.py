@@ -66,6 +66,14 @@ def generate(
     """Generate an answer to PROMPT (or stdin), streaming it to stdout.
 
     The prompt goes through the model's chat template as a user turn (after --system, if given) unless --raw. A one-line summary (tokens, tokens/s, time to first token) goes to stderr.
+
+    Examples:
+
+        localgen generate "Name three uses of a paperclip." --temperature 0 --max-tokens 64
+
+        cat notes.txt | localgen generate --system "Summarize in one line." --model ~/models/qwen2.5-0.5b-instruct-q4_k_m.gguf
+
+        localgen generate "Two colors as JSON." --json-schema colors.schema.json
     """
     from localgen.runtime.request import Priority, Request, SamplingParams
 

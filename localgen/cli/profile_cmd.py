@@ -39,7 +39,14 @@ def profile(
     output: Path = typer.Option(None, help="Write the JSON here instead of the user config dir."),
     cpu_only: bool = typer.Option(False, "--cpu-only", help="Ignore any GPU."),
 ) -> None:
-    """Measure bandwidths (CPU<->GPU, disk), FLOP/s and capacities; save as the default profile."""
+    """Measure bandwidths (CPU<->GPU, disk), FLOP/s and capacities; save as the default profile.
+
+    Examples:
+
+        localgen profile
+
+        localgen profile --quick --cpu-only --output cpu.json
+    """
     from rich.console import Console
     from rich.progress import Progress
 

@@ -21,6 +21,12 @@ def pull(
     Ctrl-C) resumes where it stopped when run again; every file is checked against the hub's
     SHA-256 (or git blob id) before it is used. HF_TOKEN (or `hf auth login`) reads gated
     and private repos; HF_ENDPOINT names another hub.
+
+    Examples:
+
+        localgen pull HuggingFaceTB/SmolLM2-360M-Instruct
+
+        localgen pull org/name-GGUF:Q4_K_M
     """
     from localgen.hub.pull import PullError, pull as pull_ref  # heavy imports stay out of --help
     from localgen.hub.refs import parse_ref

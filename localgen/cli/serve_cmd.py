@@ -53,7 +53,14 @@ def serve(
     log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level."),
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), /health and
-    /metrics, all requests sharing one engine through the continuous batch."""
+    /metrics, all requests sharing one engine through the continuous batch.
+
+    Examples:
+
+        localgen serve
+
+        localgen serve --model ~/models/qwen2.5-0.5b-instruct-q4_k_m.gguf --port 8000 --api-key "$KEY"
+    """
     try:
         check_bind(host, api_key, no_auth)
         body_limit = parse_size(max_body)

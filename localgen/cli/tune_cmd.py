@@ -26,6 +26,12 @@ def tune(
 
     Ends with one sentence on why the policy wins, where it was saved, and how to undo it
     (`localgen tune --reset --model M`).
+
+    Examples:
+
+        localgen tune --model ~/models/llama-3.1-8b-instruct-q4_k_m.gguf --workload chat --yes
+
+        localgen tune --reset --model ~/models/llama-3.1-8b-instruct-q4_k_m.gguf
     """
     from localgen.policy.tuning import TuneRequest
 

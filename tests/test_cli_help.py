@@ -1,0 +1,39 @@
+"""Every command's --help has an Examples section, and --help imports neither torch nor
+transformers (a fresh interpreter checks)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from localgen.cli.main import app
+
+
+def _commands():
+    group = typer.main.get_command(app)
+    for name, cmd in group.commands.items():
+        subs = getattr(cmd, "commands", None)
+        if subs:
+            yield from ([name, sub] for sub in subs)
+        else:
+            yield [name]
+
+
+@pytest.mark.parametrize("argv", list(_commands()), ids=" ".join)
+def test_every_command_shows_examples(argv):
+    res = CliRunner().invoke(app, [*argv, "--help"], env={"COLUMNS": "120"})
+    assert res.exit_code == 0, res.output
+    assert "Examples:" in res.stdout and f"localgen {' '.join(argv)}" in res.stdout
+
+
+def test_help_imports_no_torch():
+    code = ("import sys; from localgen.cli.main import app\n"
+            "try:\n    app(['--help'], prog_name='localgen')\nexcept SystemExit:\n    pass\n"
+            "heavy = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]\n"
+            "sys.stderr.write(repr(heavy))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.stderr.strip().endswith("[]"), res.stderr
