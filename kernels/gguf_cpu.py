@@ -31,6 +31,10 @@ SUPPORTED = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q
 # Activation block (values per scale) by weight type: ggml's Q8_K for the 256-value types.
 _ACT_BLOCK = {t: 256 if GGML_QUANT_SIZES[t][0] == 256 else 32 for t in SUPPORTED}
 
+# What the kernel does with the activations: round them to 8 bits per block ("q8", llama.cpp's
+# way: integer dot products) or keep them float32 ("f32": the float product of the file's values).
+ACTIVATIONS = ("q8", "f32")
+
 # Bytes of quantized activation rows one thread keeps in L2 while it sweeps a chunk of weights
 # (a tile of m), and bytes of weight rows per chunk of work: small enough that a 2-thread decode
 # step gets many chunks to balance, large enough that a chunk's rows stream sequentially.
@@ -42,6 +46,7 @@ MIN_PARALLEL_WORK = 64 * 1024
 _i64, _int, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
     "lg_gguf_matmul": [_p, _i64, _i64, _p, _i64, _i64, _int, _p, _int, _i64, _i64, _int],
+    "lg_gguf_matmul_f32": [_p, _i64, _i64, _p, _i64, _i64, _int, _p, _int, _i64, _i64, _int],
     "lg_gguf_dequant": [_p, _i64, _i64, _int, _i64, _p, _int],
     "lg_gguf_supported": [_int],
     "lg_gguf_simd": [],
@@ -102,18 +107,21 @@ def _layout(qtype: int, k: int) -> tuple[int, int]:
     return row_bytes(qtype, k), int(_lib().lg_gguf_xrow_bytes(qtype, k))
 
 
-def _plan(m: int, n: int, k: int, qtype: int, wrow: int) -> tuple[int, int, int]:
+def _plan(m: int, n: int, k: int, qtype: int, wrow: int, xrow: int) -> tuple[int, int, int]:
     """(threads, m_tile, n_chunk) for one call: tiles of m in multiples of 4 (the kernel's
-    rows per weight unpack), chunks of n sized by W_CHUNK_BYTES, at least 4 per thread."""
+    rows per weight unpack) of ``xrow``-byte activation rows, chunks of n sized by
+    W_CHUNK_BYTES, at least 4 per thread."""
     threads = torch.get_num_threads() if n * wrow * m >= MIN_PARALLEL_WORK else 1
-    m_tile = max(4, X_TILE_BYTES // _layout(qtype, k)[1] // 4 * 4)
+    m_tile = max(4, X_TILE_BYTES // xrow // 4 * 4)
     n_chunk = max(1, min(W_CHUNK_BYTES // wrow, -(-n // (4 * threads))))
     return threads, m_tile, n_chunk
 
 
-def _matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
-            scalar: bool = False) -> torch.Tensor | None:
+def _matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int, scalar: bool = False,
+            activations: str = "q8") -> torch.Tensor | None:
     """``matmul`` with the choice of the scalar C path (``scalar=True``, for tests)."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     qtype = int(qtype)
     if qtype not in SUPPORTED:
         return None
@@ -132,9 +140,11 @@ def _matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     y = x.new_empty((m, n))
     if m == 0 or n == 0:
         return y.zero_()
-    threads, m_tile, n_chunk = _plan(m, n, k, qtype, wrow)
-    rc = lib.lg_gguf_matmul(x.data_ptr(), m, k, raw.data_ptr(), n, raw.stride(0), qtype,
-                            y.data_ptr(), threads, m_tile, n_chunk, int(scalar))
+    f32 = activations == "f32"
+    threads, m_tile, n_chunk = _plan(m, n, k, qtype, wrow, 4 * k if f32 else _layout(qtype, k)[1])
+    entry = lib.lg_gguf_matmul_f32 if f32 else lib.lg_gguf_matmul
+    rc = entry(x.data_ptr(), m, k, raw.data_ptr(), n, raw.stride(0), qtype, y.data_ptr(),
+               threads, m_tile, n_chunk, int(scalar))
     if rc == -3:
         raise MemoryError(f"gguf_cpu: no memory for the quantized activations of x "
                           f"{tuple(x.shape)}")
@@ -144,20 +154,24 @@ def _matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     return y
 
 
-def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor | None:
+def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
+           activations: str = "q8") -> torch.Tensor | None:
     """``y = x @ W.T`` with W stored as GGUF blocks.
 
     x: ``[m, k]`` float32 (bf16/fp16 are converted); raw: ``[n, row_bytes]`` uint8, row r
     holding W's row r as k / block_size blocks of ``qtype`` (a ``gguf.GGMLQuantizationType``
     value), bytes contiguous within a row; k: the values per row. Returns ``[m, n]`` float32,
-    or None when the type is not in ``SUPPORTED`` or the C library cannot be built. The
-    activations are quantized to 8 bits per block on the way (see the module docstring): the
-    result differs from the float product by at most ``sum |w| * amax_block / 254`` per element.
+    or None when the type is not in ``SUPPORTED`` or the C library cannot be built.
+    ``activations="q8"``: the activations are quantized to 8 bits per block on the way (see the
+    module docstring): the result differs from the float product by at most
+    ``sum |w| * amax_block / 254`` per element. ``"f32"``: x stays float32 and each block's codes
+    are converted to float in registers, so the result equals x times the dequantized matrix up
+    to float32 rounding (more instructions a weight; the same weight bytes read).
 
     Raises ValueError when k is not a multiple of the type's block or the shapes disagree
     (naming them), MemoryError when the activation buffer cannot be allocated.
     """
-    return _matmul(x, raw, qtype, k)
+    return _matmul(x, raw, qtype, k, activations=activations)
 
 
 def dequantize(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor | None:

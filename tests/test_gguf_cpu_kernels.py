@@ -82,6 +82,32 @@ def test_matmul_matches_reference(qtype, m, seed):
     check(qtype, m, 512, seed)
 
 
+def check_f32(qtype: Q, m: int, k: int, seed: int, scalar: bool = False) -> None:
+    """Float32 activations: the dequantized product up to float32 rounding only."""
+    rng = np.random.default_rng(seed)
+    raw = random_blocks(qtype, N, k, rng)
+    x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
+    y = gguf_cpu._matmul(x, raw, qtype, k, scalar=scalar, activations="f32")
+    w = weights(raw, qtype)
+    err = (y.double() - gguf_cpu.reference(x, raw, qtype, k)).abs()
+    rounding = FLOAT32_TOL * (x.double().abs() @ w.abs().T)
+    assert (err <= rounding).all(), f"seed {seed}: max excess {(err - rounding).max():.3g}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_float_activations_give_the_dequantized_product(qtype, m, seed):
+    check_f32(qtype, m, 512, seed)
+    check_f32(qtype, 2, 512, seed, scalar=True)
+
+
+def test_activation_modes_are_checked():
+    raw = torch.zeros((1, 34), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="activations"):
+        gguf_cpu.matmul(torch.zeros(1, 32), raw, Q.Q8_0, 32, activations="int4")
+
+
 @needs_kernel
 @pytest.mark.parametrize("qtype", [t for t in TYPES if GGML_QUANT_SIZES[t][0] == 32],
                          ids=lambda t: t.name)
@@ -113,7 +139,7 @@ def test_tiles_chunks_and_threads_give_the_same_bits(qtype, seed, monkeypatch):
     want = gguf_cpu.matmul(x, raw, qtype, 768)
     monkeypatch.setattr(gguf_cpu, "X_TILE_BYTES", 1)
     monkeypatch.setattr(gguf_cpu, "W_CHUNK_BYTES", 1)
-    assert gguf_cpu._plan(37, 53, 768, qtype, raw.shape[1])[1:] == (4, 1)
+    assert gguf_cpu._plan(37, 53, 768, qtype, raw.shape[1], 1024)[1:] == (4, 1)
     assert torch.equal(gguf_cpu.matmul(x, raw, qtype, 768), want)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert torch.equal(gguf_cpu.matmul(x, raw, qtype, 768), want)

@@ -707,6 +707,111 @@ AI void rows_kmulti(const int t, const uint8_t *w, const uint8_t *x, size_t xs, 
     for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(acc[j]);
 }
 
+/* ---- float activations: codes to float in registers, no rounding of x ------------------------
+ * The same block unpacking as above; each 16 values' dot of codes and x is taken in float32 and
+ * scaled by that half's float scale, so the result differs from the dequantized float matrix's
+ * product only by float32 rounding. */
+
+/* Eight signed int8 codes (the low 8 bytes of v) as floats. */
+AI __m256 codes8_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+
+/* 32 signed codes against x[0..31]: the dot of each 16-value half, as 8 partial sums each; xs
+ * gets x's sums per half the same way (for minimums). */
+AI void dot32_ps(__m256i c, const float *x, __m256 *h0, __m256 *h1, __m256 *s0, __m256 *s1) {
+    const __m128i lo = _mm256_castsi256_si128(c), hi = _mm256_extracti128_si256(c, 1);
+    const __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8);
+    const __m256 x2 = _mm256_loadu_ps(x + 16), x3 = _mm256_loadu_ps(x + 24);
+    *h0 = _mm256_fmadd_ps(codes8_ps(lo), x0, _mm256_mul_ps(codes8_ps(_mm_srli_si128(lo, 8)), x1));
+    *h1 = _mm256_fmadd_ps(codes8_ps(hi), x2, _mm256_mul_ps(codes8_ps(_mm_srli_si128(hi, 8)), x3));
+    *s0 = _mm256_add_ps(x0, x1);
+    *s1 = _mm256_add_ps(x2, x3);
+}
+
+/* A block of any type as 256 / 32 groups of 32 signed codes with a float scale and minimum per
+ * 16 values: value = sc[h] * code - mn[h] (h = 16-value half, 2 per group). */
+typedef struct {
+    __m256i c[8];
+    float sc[16], mn[16];
+    int groups, minimum;
+} fblock;
+
+AI void unpack_f(const int t, const uint8_t *blk, fblock *fb) {
+    if (block_values(t) == 32) {
+        const float d = h2f(blk);
+        __m256i c = w32(t, blk);
+        if (t == T_Q4_0) c = _mm256_sub_epi8(c, _mm256_set1_epi8(8));
+        if (t == T_Q5_0) c = _mm256_sub_epi8(c, _mm256_set1_epi8(16));
+        fb->c[0] = c;
+        fb->groups = 1;
+        fb->minimum = t == T_Q4_1 || t == T_Q5_1;
+        fb->sc[0] = fb->sc[1] = d;
+        fb->mn[0] = fb->mn[1] = fb->minimum ? -h2f(blk + 2) : 0.0f;
+        return;
+    }
+    kblock kb;
+    fb->groups = 8;
+    if (t == T_Q2_K || t == T_Q3_K || t == T_Q6_K) {
+        unpack_k16(t, blk, &kb);
+        int8_t s[16];
+        if (t == T_Q6_K) memcpy(s, blk + 192, 16);
+        else if (t == T_Q3_K) k3_scales(blk + 96, s);
+        else for (int i = 0; i < 16; i++) s[i] = (int8_t)(blk[i] & 15);
+        const __m256i off = _mm256_set1_epi8(t == T_Q6_K ? 32 : t == T_Q3_K ? 4 : 0);
+        for (int i = 0; i < 8; i++) fb->c[i] = _mm256_sub_epi8(kb.u[i], off);
+        fb->minimum = t == T_Q2_K;
+        for (int i = 0; i < 16; i++) {
+            fb->sc[i] = kb.d * (float)s[i];
+            fb->mn[i] = fb->minimum ? kb.dmin * (float)(blk[i] >> 4) : 0.0f;
+        }
+        return;
+    }
+    unpack_k32(t, blk, &kb);
+    uint8_t sc[8], mn[8];
+    const int iq = t == T_IQ4_XS;
+    if (iq) xs_scales(blk + 2, (int8_t *)sc); else k4_scales(blk + 4, sc, mn);
+    fb->minimum = !iq;
+    for (int i = 0; i < 8; i++) {
+        fb->c[i] = iq ? kb.w[i] : kb.u[i];
+        fb->sc[2 * i] = fb->sc[2 * i + 1] = kb.d * (float)(iq ? (int8_t)sc[i] : sc[i]);
+        fb->mn[2 * i] = fb->mn[2 * i + 1] = iq ? 0.0f : kb.dmin * (float)mn[i];
+    }
+}
+
+/* One weight row against nx <= 4 float activation rows (stride k). */
+AI void rowsf_avx2(const int t, const uint8_t *w, const float *x, int64_t k, float *y, int64_t ys,
+                   const int nx) {
+    const int B = block_values(t), bb = block_bytes(t);
+    const int64_t nb = k / B;
+    __m256 acc[4];
+    fblock fb;
+    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        unpack_f(t, w + b * bb, &fb);
+        for (int j = 0; j < nx; j++) {
+            const float *xr = x + j * k + b * B;
+            for (int i = 0; i < fb.groups; i++) {
+                __m256 h0, h1, s0, s1;
+                dot32_ps(fb.c[i], xr + 32 * i, &h0, &h1, &s0, &s1);
+                acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(fb.sc[2 * i]), h0, acc[j]);
+                acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(fb.sc[2 * i + 1]), h1, acc[j]);
+                if (fb.minimum) {
+                    acc[j] = _mm256_fnmadd_ps(_mm256_set1_ps(fb.mn[2 * i]), s0, acc[j]);
+                    acc[j] = _mm256_fnmadd_ps(_mm256_set1_ps(fb.mn[2 * i + 1]), s1, acc[j]);
+                }
+            }
+        }
+    }
+    for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(acc[j]);
+}
+
+#define ROWSF_N(N) \
+    static void rowsf_avx2_##N(int t, const uint8_t *w, const float *x, int64_t k, float *y, \
+                               int64_t ys) { rowsf_avx2(t, w, x, k, y, ys, N); }
+ROWSF_N(1)
+ROWSF_N(2)
+ROWSF_N(3)
+ROWSF_N(4)
+
 /* One activation row: the direct kernels; several: rows_kmulti. */
 #define KROWS(T, ONE) \
     do { if (nx == 1) ONE(T, w, x, xs, k, y, ys, 1); else rows_kmulti(T, w, x, xs, k, y, ys, nx); } while (0)
@@ -754,6 +859,34 @@ static void rows(int t, const uint8_t *w, const uint8_t *x, size_t xs, int64_t k
 #endif
     (void)scalar;
     rows_scalar(t, w, x, xs, k, y, ys, nx);
+}
+
+/* One weight row against nx <= 4 float activation rows: the dequantized block times x. */
+static void rowsf(int t, const uint8_t *w, const float *x, int64_t k, float *y, int64_t ys, int nx,
+                  int scalar) {
+#ifdef LG_AVX2
+    if (!scalar) {
+        switch (nx) {
+        case 1: rowsf_avx2_1(t, w, x, k, y, ys); return;
+        case 2: rowsf_avx2_2(t, w, x, k, y, ys); return;
+        case 3: rowsf_avx2_3(t, w, x, k, y, ys); return;
+        default: rowsf_avx2_4(t, w, x, k, y, ys); return;
+        }
+    }
+#endif
+    (void)scalar;
+    const int B = block_values(t), bb = block_bytes(t);
+    float wf[256];
+    double acc[4] = {0, 0, 0, 0};
+    for (int64_t b = 0; b < k / B; b++) {
+        deq_block(t, w + b * bb, wf);
+        for (int j = 0; j < nx; j++) {
+            float s = 0.0f;
+            for (int i = 0; i < B; i++) s += wf[i] * x[j * k + b * B + i];
+            acc[j] += (double)s;
+        }
+    }
+    for (int j = 0; j < nx; j++) y[j * ys] = (float)acc[j];
 }
 
 /* ---- Entry points -------------------------------------------------------------------------- */
@@ -824,6 +957,34 @@ int lg_gguf_matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, int64
         }
     }
     free(xq);
+    return 0;
+}
+
+/* lg_gguf_matmul with x kept in float32: each block's codes are converted to float in registers
+ * (no 8-bit rounding of x), so y equals x . dequantized(W)^T up to float32 rounding. Same
+ * arguments and return codes (no buffer: -3 never happens). */
+int lg_gguf_matmul_f32(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n,
+                       int64_t w_stride, int qtype, float *y, int threads, int64_t m_tile,
+                       int64_t n_chunk, int scalar) {
+    const int B = block_values(qtype);
+    if (!B) return -1;
+    if (k <= 0 || k % B || w_stride < k / B * block_bytes(qtype)) return -2;
+    if (m <= 0 || n <= 0) return 0;
+    if (m_tile < 1) m_tile = m;
+    if (n_chunk < 1) n_chunk = n;
+    const int64_t chunks = (n + n_chunk - 1) / n_chunk;
+    if (threads < 1) threads = 1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t r0 = c * n_chunk, r1 = r0 + n_chunk < n ? r0 + n_chunk : n;
+        for (int64_t i0 = 0; i0 < m; i0 += m_tile) {
+            const int64_t i1 = i0 + m_tile < m ? i0 + m_tile : m;
+            for (int64_t r = r0; r < r1; r++)
+                for (int64_t i = i0; i < i1; i += 4)
+                    rowsf(qtype, w + r * w_stride, x + i * k, k, y + i * n + r, n,
+                          (int)(i1 - i < 4 ? i1 - i : 4), scalar);
+        }
+    }
     return 0;
 }
 

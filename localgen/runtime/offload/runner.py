@@ -20,7 +20,7 @@ import torch
 from localgen.hostmem import keep_freed_host_memory
 from localgen.kv.cache import free_memory_bytes
 from localgen.models.config import ModelConfig
-from localgen.models.model import family_of, fuse_weights, read_weights
+from localgen.models.model import family_of, fuse_weights, packed_shorts, read_weights, warn_expanded
 from localgen.models.rope import inv_frequencies, step_rope
 from localgen.policy.policy import Policy, assign_tiers
 from localgen.runtime.cuda_graphs import GraphedModelRunner
@@ -53,7 +53,15 @@ class OffloadedLM:
         self.inv_freq = inv_frequencies(cfg).to(self.device) if cfg.family == "llama" else None
         self.timers = Timers(self.device)
         gopt = getattr(self.family, "GLOBAL_OPTIONAL", set())
-        self.global_w = read_weights(store, self.family.global_weight_names(cfg), gopt, dtype, self.device)
+        gnames = self.family.global_weight_names(cfg)
+        # without FlexGen's compression a GGUF's matrices stay in the file's blocks on every tier
+        # (and move as such), so placements and copies count the file's bytes
+        packed = frozenset() if policy.compress_weight else packed_shorts(self.family, store, self.device)
+        if packed:
+            every = [*gnames.values(), *(n for i in range(cfg.num_layers)
+                                         for n in self.family.layer_weight_names(cfg, i).values())]
+            warn_expanded(store, [n for n in every if n in store], dtype)
+        self.global_w = read_weights(store, gnames, gopt, dtype, self.device, packed=packed)
         tiers = assign_tiers([1] * cfg.num_layers, (policy.wg, policy.wc, policy.wd))
         native = gguf_native and policy.compress_weight and hasattr(store, "reader")
 
@@ -61,7 +69,8 @@ class OffloadedLM:
             names = self.family.layer_weight_names(cfg, i)
             if not policy.compress_weight:
                 return fuse_weights(self.family, cfg, read_weights(store, names, self.family.OPTIONAL,
-                                                                   dtype, torch.device("cpu")))
+                                                                   dtype, torch.device("cpu"),
+                                                                   packed=packed))
             w = read_weights(store, names, self.family.OPTIONAL, None, torch.device("cpu"))  # as stored
             pre = {}
             if native:
@@ -78,13 +87,16 @@ class OffloadedLM:
         """Whether the layers run as fused Triton kernels (Llama family on CUDA with triton)."""
         return getattr(self.family, "fused_enabled", lambda _h: False)(h)
 
+    def _global_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.nbytes
+                   for t in self.global_w.values())
+
     def weight_bytes(self) -> int:
-        g = sum(t.numel() * t.element_size() for t in self.global_w.values())
-        return g + sum(l.nbytes for l in self.layers.layouts)
+        return self._global_bytes() + sum(l.nbytes for l in self.layers.layouts)
 
     def weight_bytes_by_tier(self) -> dict[str, int]:
         out = {t: self.layers.bytes_on(t) for t in ("gpu", "cpu", "disk")}
-        out["gpu"] += sum(t.numel() * t.element_size() for t in self.global_w.values())
+        out["gpu"] += self._global_bytes()
         return out
 
     @torch.inference_mode()

@@ -24,11 +24,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from localgen.quant.gguf_blocks import PackedGGUFWeight
 from localgen.quant.int4 import GROUP_SIZE, Int4Tensor, as_linear, dequantize, keeps_packed, quantize
 from localgen.runtime.offload.memory import Layout, host_empty
 from localgen.runtime.offload.timers import Timers
 
 QSUFFIX = ("#packed", "#scale", "#min")
+GGUF_SUFFIX = "#gguf"  # a GGUF matrix's raw block rows (``PackedGGUFWeight.raw``)
 
 
 def is_matrix(short: str, t: torch.Tensor) -> bool:
@@ -36,13 +38,17 @@ def is_matrix(short: str, t: torch.Tensor) -> bool:
     return t.dim() == 2
 
 
-def pack_layer(w: dict[str, torch.Tensor | Int4Tensor], dtype: torch.dtype
+def pack_layer(w: dict[str, torch.Tensor | Int4Tensor | PackedGGUFWeight], dtype: torch.dtype
                ) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
-    """Flatten a layer's weights into plain tensors (Int4Tensor -> packed/scale/min) plus the
-    quantization metadata needed to rebuild them: ``key -> (group_size, dim, shape)``."""
+    """Flatten a layer's weights into plain tensors (Int4Tensor -> packed/scale/min; a GGUF
+    matrix -> its raw block rows, the file's bytes) plus the quantization metadata needed to
+    rebuild them: ``key -> (group_size, dim, shape)`` or ``key -> ("gguf", qtype, shape)``."""
     flat, qmeta = {}, {}
     for k, t in w.items():
-        if isinstance(t, Int4Tensor):
+        if isinstance(t, PackedGGUFWeight):
+            flat[k + GGUF_SUFFIX] = t.raw
+            qmeta[k] = ("gguf", int(t.qtype), t.shape)
+        elif isinstance(t, Int4Tensor):
             flat[k + QSUFFIX[0]], flat[k + QSUFFIX[1]], flat[k + QSUFFIX[2]] = t.packed, t.scale, t.min
             qmeta[k] = (t.group_size, t.dim, t.shape)
         else:
@@ -54,10 +60,16 @@ def unpack_layer(views: dict[str, torch.Tensor], qmeta: dict[str, tuple], dtype:
                  ) -> dict[str, torch.Tensor]:
     """Views of a layer's buffer -> the weights dict the layer function reads: on CUDA (with
     triton) each 4-bit matrix becomes a callable dispatching by M to the int4 flat GEMM or
-    dequantize + cuBLAS (``int4.as_linear``, FlashDecoding++ §5); elsewhere it is dequantized."""
+    dequantize + cuBLAS (``int4.as_linear``, FlashDecoding++ §5); elsewhere it is dequantized.
+    A GGUF matrix becomes a ``PackedGGUFWeight`` over its rows in the buffer (no copy): it
+    multiplies from its blocks on either device."""
     out = {k: v for k, v in views.items() if "#" not in k}
-    packed = bool(qmeta) and keeps_packed(views[next(iter(qmeta)) + QSUFFIX[0]].device.type)
-    for k, (g, dim, shape) in qmeta.items():
+    gguf = {k: m for k, m in qmeta.items() if m[0] == "gguf"}
+    for k, (_, qtype, shape) in gguf.items():
+        out[k] = PackedGGUFWeight(views[k + GGUF_SUFFIX], qtype, shape)
+    int4 = {k: m for k, m in qmeta.items() if k not in gguf}
+    packed = bool(int4) and keeps_packed(views[next(iter(int4)) + QSUFFIX[0]].device.type)
+    for k, (g, dim, shape) in int4.items():
         q = Int4Tensor(views[k + QSUFFIX[0]], views[k + QSUFFIX[1]], views[k + QSUFFIX[2]], g, dim, shape)
         out[k] = as_linear(q, dtype) if packed and len(shape) == 2 else dequantize(q, dtype)
     return out
