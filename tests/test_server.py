@@ -483,3 +483,27 @@ def test_forced_tool_call(server, client, stream):
             {"id": "call_1", "type": "function", "function": {"name": fn.name, "arguments": fn.arguments}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}], tools=[WEATHER_TOOL])
     assert follow.usage.completion_tokens >= 1
+
+
+def test_n_streamed_choices_equal_the_whole_ones(server, client):
+    kw = dict(model=server.model, messages=CHAT, temperature=0.8, max_tokens=6, n=2, seed=5,
+              extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    texts = {0: "", 1: ""}
+    for c in client.chat.completions.create(stream=True, **kw):
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert [texts[0], texts[1]] == [c.message.content for c in whole.choices]
+
+
+def test_dropped_whole_request_is_aborted_and_latencies_are_recorded(server):
+    before = metric(server, "localgen_time_to_first_token_seconds_count")
+    body = dict(model=server.model, messages=CHAT, max_tokens=400, temperature=0, ignore_eos=True)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/chat/completions", json=body, timeout=3)
+    deadline = time.monotonic() + 10
+    while metric(server, "localgen_kv_blocks_used") > 0 or server.app.state.generator.in_flight:
+        assert time.monotonic() < deadline, "the abandoned request still runs"
+        time.sleep(0.05)
+    assert metric(server, "localgen_time_to_first_token_seconds_count") == before + 1
+    assert metric(server, "localgen_inter_token_latency_seconds_count") > 0
