@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -94,10 +95,13 @@ class LLM:
                            max_num_batched_tokens=max_num_batched_tokens,
                            enable_prefix_caching=enable_prefix_caching,
                            kv_cache_memory=kv_cache_memory, max_model_len=max_model_len)
-        status.stage("reading the tokenizer")
-        tokenizer = src.tokenizer
+        # the tokenizer (its import of transformers, mostly) is read on a thread while the
+        # weights load: the two overlap on a machine with a second core
+        pool = ThreadPoolExecutor(1, thread_name_prefix="localgen-tokenizer")
+        tokenizer = pool.submit(lambda: src.tokenizer)
+        pool.shutdown(wait=False)
         weights = status.watch(src.weights)
-        status.stage("loading weights")
+        status.stage("loading weights and the tokenizer")
         llm = cls.from_parts(src.config, weights, tokenizer, cfg, device=device,
                              dtype=dtype, name=src.name, source=src, policy=policy,
                              offload_dir=offload_dir, gpu_memory=gpu_memory,
@@ -110,7 +114,8 @@ class LLM:
                    device: str | None = None, dtype=None, name: str = "model", source=None,
                    policy=None, offload_dir: str | None = None, gpu_memory: int | None = None,
                    cpu_memory: int | None = None, gguf_native: bool = True) -> "LLM":
-        """Build from a ModelConfig, a weight store and a tokenizer (tests, custom sources);
+        """Build from a ModelConfig, a weight store and a tokenizer (tests, custom sources; a
+        ``concurrent.futures.Future`` of one is awaited after the weights load);
         ``policy`` etc. as in ``load``."""
         dev = torch.device(device) if device else default_device()
         factory = None
@@ -122,6 +127,8 @@ class LLM:
             model, factory = build_offload(config, weights, _dtype(dtype, dev), dev, policy,
                                            offload_dir=offload_dir, gpu_memory=gpu_memory,
                                            gguf_native=gguf_native)
+        if isinstance(tokenizer, Future):
+            tokenizer = tokenizer.result()
         eos = set(config.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
