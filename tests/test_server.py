@@ -454,13 +454,21 @@ WEATHER_TOOL = {"type": "function", "function": {
         "required": ["city", "unit"], "additionalProperties": False}}}
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_forced_tool_call(server, client, stream):
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}},
+                                       "required": ["tz"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream,choice", [
+    (False, {"type": "function", "function": {"name": "get_weather"}}),
+    (True, {"type": "function", "function": {"name": "get_weather"}}),
+    (False, "required")])
+def test_forced_tool_call(server, client, stream, choice):
     import jsonschema
 
-    kw = dict(model=server.model, temperature=0, max_tokens=60, tools=[WEATHER_TOOL],
+    kw = dict(model=server.model, temperature=0, max_tokens=60, tools=[WEATHER_TOOL, TIME_TOOL],
               messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+              tool_choice=choice)
     if stream:
         chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
         calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
@@ -474,8 +482,9 @@ def test_forced_tool_call(server, client, stream):
         assert len(ch.message.tool_calls) == 1 and ch.message.tool_calls[0].type == "function"
         assert ch.message.tool_calls[0].id.startswith("call_")
         fn = ch.message.tool_calls[0].function
-    assert fn.name == "get_weather"
-    jsonschema.validate(json.loads(fn.arguments), WEATHER_TOOL["function"]["parameters"])
+    tool = {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}[fn.name]
+    assert fn.name == "get_weather" or choice == "required"
+    jsonschema.validate(json.loads(fn.arguments), tool["function"]["parameters"])
     # the answer goes back as a tool message: the conversation renders and continues
     follow = client.chat.completions.create(model=server.model, temperature=0, max_tokens=4, messages=[
         *kw["messages"],
@@ -507,3 +516,12 @@ def test_dropped_whole_request_is_aborted_and_latencies_are_recorded(server):
         time.sleep(0.05)
     assert metric(server, "localgen_time_to_first_token_seconds_count") == before + 1
     assert metric(server, "localgen_inter_token_latency_seconds_count") > 0
+
+
+def test_auto_tool_choice_streams_plain_answers_unchanged(server, client):
+    kw = dict(model=server.model, temperature=0, max_tokens=12, tools=[WEATHER_TOOL],
+              messages=[{"role": "user", "content": "Say hello to Anna."}])
+    whole = client.chat.completions.create(**kw).choices[0]
+    text = "".join(c.choices[0].delta.content or ""
+                   for c in client.chat.completions.create(stream=True, **kw) if c.choices)
+    assert whole.message.tool_calls is None and whole.message.content == text
