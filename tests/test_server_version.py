@@ -26,13 +26,15 @@ def test_health_reports_the_version_ready_and_loading():
     ready = client("ready").get("/health")
     assert (ready.status_code, ready.json()) == (200, {"status": "ok", "version": DECLARED})
     loading = client("loading").get("/health")
-    assert (loading.status_code, loading.json()) == (503, {"status": "loading", "version": DECLARED})
+    assert (loading.status_code, loading.json()) == (503, {"status": "loading",
+                                                           "version": DECLARED})
 
 
 def test_models_report_the_version_behind_the_key():
     c = client("ready", api_key="k")
     assert c.get("/v1/models").status_code == 401
     cards = c.get("/v1/models", headers={"Authorization": "Bearer k"}).json()["data"]
-    assert [(m["id"], m["localgen_version"]) for m in cards] == [("m", DECLARED), ("alias", DECLARED)]
+    assert [(m["id"], m["localgen_version"]) for m in cards] == [("m", DECLARED),
+                                                                 ("alias", DECLARED)]
     one = c.get("/v1/models/alias", headers={"Authorization": "Bearer k"}).json()
     assert (one["id"], one["localgen_version"]) == ("alias", DECLARED)

@@ -1,4 +1,5 @@
-"""One version, written in pyproject.toml, reported by `localgen --version` and `localgen.__version__`."""
+"""One version, written in pyproject.toml, reported by `localgen --version` and
+`localgen.__version__`."""
 
 from __future__ import annotations
 
