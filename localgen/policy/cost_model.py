@@ -77,6 +77,17 @@ class Workload:
             raise ValueError(f"prompt_len and gen_len must be >= 1, got {self.prompt_len}, {self.gen_len}")
 
 
+@dataclass(frozen=True)
+class StoredWeights:
+    """A checkpoint's weights as its file stores them and the runtime keeps them (a GGUF's
+    quantized blocks, ``models.gguf_source.stored_weights``): ``layer_bytes``, the mean bytes of
+    one decoder layer's tensors; ``global_bytes``, the embeddings, final norm and output matrix.
+    Without it the model counts ``dtype_bytes`` per parameter."""
+
+    layer_bytes: float
+    global_bytes: float
+
+
 def _affine(const: float = 0.0, **coefs: float) -> np.ndarray:
     """Vector [c_wg, ..., c_hd, const] of an expression affine in the 9 fractions."""
     v = np.zeros(NVARS + 1)
@@ -168,7 +179,7 @@ class CostModel:
 
     def __init__(self, cfg: ModelConfig, hw: HardwareProfile, wl: Workload,
                  mem_fraction: float | dict[str, float] | None = None, form: Form = "released",
-                 runtime: str = "flexgen"):
+                 runtime: str = "flexgen", stored: StoredWeights | None = None):
         if runtime not in ("flexgen", "localgen"):
             raise ValueError(f"runtime must be 'flexgen' or 'localgen', got {runtime!r}")
         self.runtime = runtime
@@ -183,6 +194,7 @@ class CostModel:
         else:
             mem_fraction = {**DEFAULT_MEM_FRACTIONS, **mem_fraction}
         self.cfg, self.hw, self.wl, self.mem_fraction, self.form = cfg, hw, wl, mem_fraction, form
+        self.stored = stored
 
     # -- shapes ---------------------------------------------------------------------------------
     def layer_weight_elems(self) -> int:
@@ -266,7 +278,30 @@ class CostModel:
 
     def total_weight_bytes(self, compress_weight: bool = False) -> float:
         """All parameters (embeddings, norms, biases included) in stored bytes."""
+        if self.stored is not None and not compress_weight:
+            return self.cfg.num_layers * self.stored.layer_bytes + self.stored.global_bytes
         return self.cfg.num_parameters() * self.wl.dtype_bytes * self._cw(compress_weight)
+
+    def layer_weight_bytes(self, compress_weight: bool = False) -> float:
+        """One decoder layer's weights as stored and moved: the file's bytes (``stored``), FlexGen's
+        4-bit groups with ``compress_weight`` (the runtime quantizes any checkpoint), else
+        ``dtype_bytes`` per element."""
+        if self.stored is not None and not compress_weight:
+            return self.stored.layer_bytes
+        return self.layer_weight_elems() * self.wl.dtype_bytes * self._cw(compress_weight)
+
+    def global_weight_bytes(self, compress_weight: bool = False) -> float:
+        """Embeddings, final norm and output matrix as the runtime keeps them on the compute
+        device: the file's bytes when it keeps the stored blocks, else ``dtype_bytes`` each."""
+        if self.stored is not None and not compress_weight:
+            return self.stored.global_bytes
+        return self.cfg.global_parameters() * self.wl.dtype_bytes
+
+    def _layer_all_bytes(self, compress_weight: bool) -> float:
+        """One layer's stored bytes, norms and biases included (what its tier holds)."""
+        if self.stored is not None and not compress_weight:
+            return self.stored.layer_bytes
+        return self.cfg.layer_parameters() * self.wl.dtype_bytes * self._cw(compress_weight)
 
     def _cw(self, on: bool) -> float:
         return compressed_ratio(dtype_bytes=self.wl.dtype_bytes) if on else 1.0
@@ -328,7 +363,9 @@ class CostModel:
         cw, ck = (r if compress_weight else 1.0), (r if compress_cache else 1.0)
         W = self.layer_weight_elems()
         wi16 = W * B  # one layer, fp16
-        wi = wi16 * cw  # one layer, as stored and moved
+        wi = self.layer_weight_bytes(compress_weight)  # one layer, as stored and moved
+        # GEMMs that multiply from the stored blocks read those bytes, not an fp16 copy
+        wmm = wi if self.stored is not None and not compress_weight else wi16
         ctx = s + n / 2  # FlexGen's average decode context
         hid_p, hid_g = s * h1 * B * bls, h1 * B * bls
         kv_p = 2 * kv * B * ck * s * bls  # cache written by prefill
@@ -361,8 +398,8 @@ class CostModel:
             mm_g = reads * gt.layer_seconds(self.linear_shapes(), bls // reads)
         else:  # FlexGen: dequantize, then the GEMM
             deq_w = self._elementwise_time(wi16 * (1 + r), gpu) if compress_weight else 0.0
-            mm_p = self._matmul_time(2 * W * s * bls, num_gpu_batches * wi16, hw.mm_flops) + deq_w
-            mm_g = self._matmul_time(2 * W * bls, reads * wi16, hw.mm_flops_gen) + deq_w
+            mm_p = self._matmul_time(2 * W * s * bls, num_gpu_batches * wmm, hw.mm_flops) + deq_w
+            mm_g = self._matmul_time(2 * W * bls, reads * wmm, hw.mm_flops_gen) + deq_w
         comp_p = (mm_p + 4 * s * s * q * bls / hw.bmm_flops
                   + (self._elementwise_time(kv_p / ck * (1 + r), gpu) if compress_cache else 0.0))
         # localgen's elementwise kernels on the GPU: memory-bound passes over the activations
@@ -438,8 +475,8 @@ class CostModel:
         n_mlp = 2 if c.family == "opt" else 3
         # localgen keeps the embeddings, final norm and lm_head on the GPU, whole and
         # uncompressed (runtime/offload/runner.py OffloadedLM): the fractions place the layers
-        fixed_gpu = c.global_parameters() * B if self.runtime == "localgen" and gpu else 0.0
-        wtot = (c.num_layers * c.layer_parameters() * B * self._cw(compress_weight) if fixed_gpu
+        fixed_gpu = self.global_weight_bytes(compress_weight) if self.runtime == "localgen" and gpu else 0.0
+        wtot = (c.num_layers * self._layer_all_bytes(compress_weight) if fixed_gpu
                 else self.total_weight_bytes(compress_weight))
         cache_full = 2 * kv * B * ck * (s + n) * bls * c.num_layers  # all layers, final length
         kv_gbs = 2 * kv * B * ck * (s + n) * gbs  # one layer, one GPU batch, final length

@@ -7,7 +7,11 @@ its shapes are the OPT paper's (Zhang et al. 2022, Table 1), as FlexGen's ``opt_
 
 from __future__ import annotations
 
+import math
+import os
+
 from localgen.models.config import ModelConfig
+from localgen.policy.cost_model import StoredWeights
 
 
 def _opt(hidden: int, ffn: int, layers: int, heads: int) -> dict:
@@ -81,3 +85,32 @@ def resolve_config(spec: str) -> tuple[str, ModelConfig]:
         except ImportError:
             raise preset_err from None
         return spec, resolve_model(spec).config
+
+
+def stored_weights(spec: str | None, dtype_bytes: int = 2) -> StoredWeights | None:
+    """The bytes ``spec``'s weights take as the runtime keeps them, when that is not
+    ``dtype_bytes`` per parameter: a GGUF's matrices stay in the file's blocks (tensors of types
+    the packed weight does not hold, and norms, in the compute dtype). None for a preset, a
+    float checkpoint, or with ``LOCALGEN_GGUF_PACKED=0``. Raises as ``resolve_model``."""
+    if spec is not None:
+        try:
+            preset_config(spec)
+            return None
+        except KeyError:
+            pass
+    from localgen.models.model import GGUF_PACKED_ENV
+    from localgen.models.sources import resolve_model
+
+    src = resolve_model(spec)
+    store = src.weights
+    if not hasattr(store, "get_packed") or os.environ.get(GGUF_PACKED_ENV, "1") == "0":
+        return None
+    layers = other = 0
+    for name in store.names():
+        shape = store.shape(name)
+        n = store.nbytes(name) if store.packs(name) else math.prod(shape) * dtype_bytes
+        if name.startswith("model.layers."):
+            layers += n
+        else:
+            other += n
+    return StoredWeights(layers / src.config.num_layers, other)

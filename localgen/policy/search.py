@@ -20,8 +20,8 @@ from typing import Callable, Iterable, Literal
 import numpy as np
 
 from localgen.models.config import ModelConfig
-from localgen.policy.cost_model import (CC, CD, CG, HC, HD, HG, NVARS, WC, WD, WG, CostModel, Prediction, Terms,
-                                        Workload, evaluate_terms)
+from localgen.policy.cost_model import (CC, CD, CG, HC, HD, HG, NVARS, WC, WD, WG, CostModel, Prediction,
+                                        StoredWeights, Terms, Workload, evaluate_terms)
 from localgen.policy.policy import Policy
 from localgen.profiler.hardware import HardwareProfile
 
@@ -173,7 +173,8 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
            gbs_choices: Iterable[int] | None = None, nb_choices: Iterable[int] | None = None,
            weight_granularity: WeightGranularity = "tensor", num_alternatives: int = 4,
            runtime: str = "flexgen", tiers: Tiers = "any",
-           progress: Callable[[float, str], None] | None = None) -> SearchResult:
+           progress: Callable[[float, str], None] | None = None,
+           stored: StoredWeights | None = None) -> SearchResult:
     """Find the policy with the highest predicted throughput (FlexGen §4.3).
 
     Enumeration as FlexGen experimental/cost_model.py ``solve``: GPU batch sizes 1, 2, 3, 4, 8, 16, ...
@@ -196,13 +197,15 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
     the largest batch): the fastest policy of the first level of ``tier_levels`` where one fits. It
     gives up predicted throughput for using less of the host's RAM and SSD, and unlike "any" it can
     predict less for more memory (a model that just fits the GPU leaves the CPU's help unused).
+    ``stored``: the weights' bytes as the file keeps them (a GGUF's blocks, ``CostModel``),
+    which every placement then counts instead of ``dtype_bytes`` per parameter.
     ``progress(fraction, what)``: called before each batch shape is solved, ``fraction`` in [0, 1)
     an estimate of the enumeration done; an exception it raises (a user's cancel) ends the search.
     Raises NoFeasiblePolicyError when nothing fits.
     """
     if tiers not in ("any", "fewest"):
         raise ValueError(f"tiers must be 'any' or 'fewest', got {tiers!r}")
-    cm = CostModel(cfg, hw, wl, form=form, mem_fraction=mem_fraction, runtime=runtime)
+    cm = CostModel(cfg, hw, wl, form=form, mem_fraction=mem_fraction, runtime=runtime, stored=stored)
     early_stop = nb_choices is None
     if objective == "latency":
         gbs_choices, nb_choices, early_stop = (1,), (1,), False

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from localgen.policy.cost_model import Workload
-from localgen.policy.presets import resolve_config
+from localgen.policy.presets import resolve_config, stored_weights
 from localgen.policy.search import SearchResult, search
 from localgen.policy.store import save_policy
 from localgen.profiler.hardware import GiB, HardwareProfile, ProfileNotFoundError, load_profile
@@ -53,7 +53,7 @@ def run_search(req: TuneRequest, hw: HardwareProfile,
     objective = "latency" if req.workload == "chat" else "throughput"
     return search(cfg, hw, req.to_workload(), compression=req.compression, objective=objective,
                   latency_bound=req.latency_bound, runtime="localgen", tiers=req.tiers,
-                  progress=progress)
+                  progress=progress, stored=stored_weights(req.model))
 
 
 def save_result(req: TuneRequest, hw: HardwareProfile, res: SearchResult):

@@ -81,22 +81,24 @@ def _machine_profile(gpu_memory: int | None, cpu_memory: int | None, offload_dir
 
 
 def predicted_peaks(cfg, policy: Policy, prompt_len: int, gen_len: int, *, gpu_memory=None,
-                    cpu_memory=None, offload_dir=None, hw=None, dtype_bytes: int = 2):
+                    cpu_memory=None, offload_dir=None, hw=None, dtype_bytes: int = 2, stored=None):
     """Cost-model Prediction for ``policy`` as localgen's runtime runs it (peak_mem/capacity per
-    tier, times, throughput)."""
+    tier, times, throughput); ``stored``: the file's weight bytes (``CostModel``)."""
     from localgen.policy.cost_model import CostModel, Workload
 
     hw = hw or _machine_profile(gpu_memory, cpu_memory, offload_dir)
-    return CostModel(cfg, hw, Workload(prompt_len, gen_len, dtype_bytes), runtime="localgen").predict(policy)
+    return CostModel(cfg, hw, Workload(prompt_len, gen_len, dtype_bytes), runtime="localgen",
+                     stored=stored).predict(policy)
 
 
 def predicted_for(model: str | None, policy: Policy, prompt_len: int, gen_len: int, *,
                   gpu_memory=None, cpu_memory=None, offload_dir=None):
     """``predicted_peaks`` for ``model`` (a path, hub id or GGUF; None: the embedded default)."""
     from localgen.models.sources import resolve_model
+    from localgen.policy.presets import stored_weights
 
     return predicted_peaks(resolve_model(model).config, policy, prompt_len, gen_len, gpu_memory=gpu_memory,
-                           cpu_memory=cpu_memory, offload_dir=offload_dir)
+                           cpu_memory=cpu_memory, offload_dir=offload_dir, stored=stored_weights(model))
 
 
 def peak_lines(policy: Policy, pred, prompt_len: int, gen_len: int) -> list[str]:
