@@ -37,3 +37,22 @@ def test_help_imports_no_torch():
             "sys.stderr.write(repr(heavy))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.stderr.strip().endswith("[]"), res.stderr
+
+
+def _options():
+    group = typer.main.get_command(app)
+    for argv in _commands():
+        cmd = group
+        for name in argv:
+            cmd = cmd.commands[name]
+        for p in cmd.params:
+            yield " ".join(argv), p
+
+
+def test_defaults_are_shown_one_way():
+    """A default is stated in the option's [default: …] slot (show_default), never in its prose."""
+    import re
+
+    prose = re.compile(r"\(default\b|\bdefault:|; default\b", re.IGNORECASE)
+    bad = [f"{cmd} {p.opts[0]}: {p.help}" for cmd, p in _options() if p.help and prose.search(p.help)]
+    assert bad == []

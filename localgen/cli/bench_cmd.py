@@ -19,7 +19,7 @@ def batch(
                                  help="JSONL with a 'prompt' per line (e.g. instructions.jsonl)."),
     limit: int = typer.Option(100, "--limit", min=1, help="Number of prompts."),
     max_tokens: int = typer.Option(128, "--max-tokens", min=1),
-    model: Optional[str] = typer.Option(None, "--model", help="Model (default: embedded)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model.", show_default="embedded"),
     peer: bool = typer.Option(True, "--peer/--no-peer", help="Also run transformers generate."),
     peer_batch_size: int = typer.Option(16, "--peer-batch-size", min=1),
     max_num_seqs: int = typer.Option(64, "--max-num-seqs", min=1),
@@ -63,7 +63,7 @@ def soak(
     fraction: float = typer.Option(0.1, "--fraction", min=0.001, max=1.0,
                                    help="KV budget as a share of what the running batch needs."),
     max_num_seqs: int = typer.Option(64, "--max-num-seqs", min=1),
-    model: Optional[str] = typer.Option(None, "--model", help="Model (default: embedded)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model.", show_default="embedded"),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the result as JSON here."),
 ) -> None:
     """Preemption under memory pressure: the same greedy requests with an ample KV cache and with
@@ -131,7 +131,7 @@ def offload(
     device: str = typer.Option("cuda", "--device"),
     repeats: int = typer.Option(1, "--repeats", min=1, help="Generations per policy; the median is reported."),
     isolate: Optional[bool] = typer.Option(None, "--isolate/--no-isolate",
-                                           help="Each policy and peer batch in its own process (default: on CUDA)."),
+                                           help="Each policy and peer batch in its own process.", show_default="on CUDA"),
     prefill_graphs: bool = typer.Option(True, "--prefill-graphs/--no-prefill-graphs",
                                         help="Replay all-GPU 4-bit prefill blocks as CUDA graphs."),
     out: Optional[Path] = typer.Option(None, "--out"),
@@ -156,7 +156,7 @@ def offload(
 
 @app.command("accuracy")
 def accuracy(
-    model: Optional[str] = typer.Option(None, "--model", help="Model (default: embedded)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model.", show_default="embedded"),
     max_tokens: int = typer.Option(8192, "--max-tokens", min=2, help="WikiText-2 tokens scored."),
     window: int = typer.Option(512, "--window", min=2),
     max_examples: int = typer.Option(500, "--max-examples", min=1, help="LAMBADA examples."),
@@ -222,10 +222,10 @@ def decode(
 
 @app.command("startup")
 def startup(
-    model: Optional[str] = typer.Option(None, "--model", help="Model (default: embedded). llama-simple runs only on a GGUF file."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model; llama-simple runs only on a GGUF file.", show_default="embedded"),
     prompt: str = typer.Option("hi", "--prompt", help="The prompt both sides answer with one token."),
     repeat: int = typer.Option(3, "--repeat", min=1, help="Warm runs of each side (medians are reported)."),
-    llama_cpp_bin: Optional[str] = typer.Option(None, "--llama-cpp-bin", help="llama.cpp's llama-simple, or its folder (default: $LLAMA_CPP_BIN, then PATH)."),
+    llama_cpp_bin: Optional[str] = typer.Option(None, "--llama-cpp-bin", help="llama.cpp's llama-simple, or its folder.", show_default="$LLAMA_CPP_BIN, then PATH"),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the result as JSON here."),
 ) -> None:
     """Time from the command to the first token of `localgen generate --max-tokens 1`, and its peak RSS, beside llama.cpp's llama-simple on the same GGUF.
@@ -253,12 +253,12 @@ def startup(
 
 @app.command("serve")
 def serve(
-    model: Optional[str] = typer.Option(None, "--model", help="Model (default: embedded). llama-server runs only on a GGUF file."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model; llama-server runs only on a GGUF file.", show_default="embedded"),
     concurrency: str = typer.Option("1,4,16,64", "--concurrency", help="Concurrency levels, comma-separated."),
     prompt_words: int = typer.Option(128, "--prompt-words", min=1, help="Words in each prompt (the report gives its tokens)."),
     max_tokens: int = typer.Option(64, "--max-tokens", min=2, help="Output tokens of each request (ignore_eos)."),
-    requests: Optional[int] = typer.Option(None, "--requests", min=1, help="Requests per level (default: 2 x C, at least 8)."),
-    llama_server: Optional[str] = typer.Option(None, "--llama-server", help="llama.cpp's llama-server, or its folder (default: $LLAMA_CPP_BIN, then PATH)."),
+    requests: Optional[int] = typer.Option(None, "--requests", min=1, help="Requests per level.", show_default="2 x C, at least 8"),
+    llama_server: Optional[str] = typer.Option(None, "--llama-server", help="llama.cpp's llama-server, or its folder.", show_default="$LLAMA_CPP_BIN, then PATH"),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the result as JSON here."),
 ) -> None:
     """`localgen serve` under C concurrent streaming clients (TTFT and inter-token latency p50/p99, output tokens/s) beside llama.cpp's llama-server (--parallel C) on the same GGUF.

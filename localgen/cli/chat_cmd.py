@@ -20,15 +20,15 @@ CHAT_PROMPT_TOKENS = 512  # the conversation length the printed memory predictio
 
 
 def chat(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model: local HF dir, hub id or GGUF path (default: the embedded SmolLM2-135M-Instruct)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model: local HF dir, hub id or GGUF path.", show_default="the embedded SmolLM2-135M-Instruct"),
     system: Optional[str] = typer.Option(None, "--system", "-s", help="System prompt for the conversation (F2 edits it in the app)."),
     kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help="KV cache size, e.g. 512MiB, 2GiB."),
-    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="Sampling temperature (default 0.7; 0 = greedy; F3 edits)."),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help="Most tokens per answer (default 512)."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="Sampling temperature (0 = greedy; F3 edits).", show_default="0.7"),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help="Most tokens per answer.", show_default="512"),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for reproducible sampling."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype, e.g. float32, bfloat16."),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: best available)."),
-    profile: Optional[str] = typer.Option(None, "--profile", help="Hardware profile whose memory bandwidth the throughput panel shows as the limit (default: the saved one, if any)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ...", show_default="best available"),
+    profile: Optional[str] = typer.Option(None, "--profile", help="Hardware profile whose memory bandwidth the throughput panel shows as the limit.", show_default="the saved one, if any"),
     percent: Optional[tuple[float, float, float, float, float, float]] = batch_cmd.PercentOpt,
     gpu_batch_size: Optional[int] = batch_cmd.GbsOpt,
     num_gpu_batches: Optional[int] = batch_cmd.NgbOpt,

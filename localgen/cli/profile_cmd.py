@@ -34,7 +34,7 @@ def require_writable_dir(path: Path, fix: str) -> None:
 
 
 def profile(
-    offload_dir: Path = typer.Option(None, help="Folder for the disk probes (default: config dir/offload)."),
+    offload_dir: Path = typer.Option(None, help="Folder for the disk probes.", show_default="config dir/offload"),
     quick: bool = typer.Option(False, help="Small sizes, 3 repeats: seconds, noisier."),
     output: Path = typer.Option(None, help="Write the JSON here instead of the user config dir."),
     cpu_only: bool = typer.Option(False, "--cpu-only", help="Ignore any GPU."),

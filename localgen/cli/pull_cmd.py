@@ -13,7 +13,7 @@ def pull(
         help="A hub repo, e.g. HuggingFaceTB/SmolLM2-135M-Instruct (safetensors: config, tokenizer "
              "and weights) or bartowski/SmolLM2-135M-Instruct-GGUF:Q8_0 (the GGUF of that quant, "
              "default Q4_K_M; :path/in/repo.gguf names a file)."),
-    revision: Optional[str] = typer.Option(None, "--revision", help="Branch, tag or commit (default: main)."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Branch, tag or commit.", show_default="main"),
 ) -> None:
     """Download a model into the Hugging Face cache, where `--model REPO[:QUANT]` finds it.
 

@@ -37,19 +37,19 @@ def is_loopback(host: str) -> bool:
 
 
 def serve(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model: local HF dir, hub id or GGUF path (default: the embedded SmolLM2-135M-Instruct)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model: local HF dir, hub id or GGUF path.", show_default="the embedded SmolLM2-135M-Instruct"),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; other than loopback needs --api-key or --no-auth."),
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="TCP port (0: any free one)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="LOCALGEN_API_KEY", help="Clients must send 'Authorization: Bearer KEY' (env LOCALGEN_API_KEY)."),
     no_auth: bool = typer.Option(False, "--no-auth", help="Serve a non-loopback --host without an API key."),
-    served_model_name: Optional[List[str]] = typer.Option(None, "--served-model-name", help="Name(s) clients use as 'model' (default: the model's name; repeat for aliases)."),
+    served_model_name: Optional[List[str]] = typer.Option(None, "--served-model-name", help="Name(s) clients use as 'model' (repeat for aliases).", show_default="the model's name"),
     max_num_seqs: int = typer.Option(64, "--max-num-seqs", min=1, help="Requests in the running batch at once."),
     max_pending: int = typer.Option(256, "--max-pending", min=1, help="Requests admitted (running or waiting) before new ones get 429."),
     max_body: str = typer.Option("4MiB", "--max-body", help="Largest request body, e.g. 4MiB (413 beyond)."),
-    kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help="KV cache size, e.g. 512MiB, 2GiB (default: sized from free memory)."),
+    kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help="KV cache size, e.g. 512MiB, 2GiB.", show_default="sized from free memory"),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", min=2, help="Cap the context (tokens)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype, e.g. float32, bfloat16."),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ... (default: best available)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ...", show_default="best available"),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level."),
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), /health and

@@ -16,8 +16,8 @@ def tune(
     latency_bound: float = typer.Option(None, help="Max seconds for one block (prefill + all tokens)."),
     tiers: str = typer.Option("any", help="any: the fastest placement over GPU, RAM and disk; fewest: the "
                                           "fewest tiers that hold the model (RAM and disk only if needed)."),
-    profile: str = typer.Option(None, help="Profile name (flexgen_t4, h200, cpu_2core) or JSON path; "
-                                           "default: the saved one, else measure now."),
+    profile: str = typer.Option(None, help="Profile name (flexgen_t4, h200, cpu_2core) or JSON path.",
+                                show_default="the saved one, else measure now"),
     offload_dir: Path = typer.Option(None, help="Folder for the disk probes if measuring."),
     yes: bool = typer.Option(False, "--yes", "-y", help="No wizard: take the options and save."),
     reset: bool = typer.Option(False, "--reset", help="Remove the policy saved for --model (chat, batch and generate go back to their defaults) and exit."),
