@@ -43,8 +43,8 @@ class SearchCancelled(Exception):
 
 def hw_summary(hw) -> str:
     """One line about a profile: GPU, CPU and RAM, disk, and when it was measured."""
-    gpu = f"{hw.gpu_name}, {hw.gpu_mem / GiB:.1f} GiB" if hw.has_gpu else "no GPU (the CPU computes)"
-    return (f"{hw.name} ({hw.date}): GPU {gpu}; CPU {hw.cpu_name}, {hw.cpu_mem / GiB:.1f} GiB; "
+    gpu = f"GPU {hw.gpu_name}, {hw.gpu_mem / GiB:.1f} GiB" if hw.has_gpu else "no GPU (the CPU computes)"
+    return (f"{hw.name} ({hw.date}): {gpu}; CPU {hw.cpu_name}, {hw.cpu_mem / GiB:.1f} GiB; "
             f"disk {hw.disk_mem / GiB:.0f} GiB at {hw.dtoc_bdw / 1e9:.2f} GB/s read")
 
 

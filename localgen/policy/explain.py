@@ -38,7 +38,8 @@ def _compute_words(cm: CostModel, policy: Policy, seconds: float) -> str:
         layer_bytes = cm.layer_weight_elems() * cm.wl.dtype_bytes * ratio
         if layer_bytes / bdw >= 0.5 * seconds:  # the roofline's bandwidth side dominates
             return f"reading the weights from {mem} at {bdw / 1e9:.0f} GB/s"
-    return f"the {dev}'s arithmetic"
+    kind = "4-bit " if policy.compress_weight else ""
+    return f"the {dev}'s compute (its {kind}matrix multiplies)"
 
 
 def _placement(cm: CostModel, policy: Policy, capacity: dict[str, float]) -> str:
