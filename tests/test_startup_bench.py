@@ -50,3 +50,27 @@ def test_localgen_command_runs_generate_for_one_token():
     cmd = sb.localgen_cmd("m.gguf", "hi")
     assert cmd[0] == sys.executable and cmd[3:] == ["generate", "hi", "--max-tokens", "1",
                                                     "--temperature", "0", "--model", "m.gguf"]
+
+
+_FAKE_CHAT = r"""
+import os, sys, time, tty
+tty.setraw(0)
+time.sleep(0.05)
+os.write(1, b"\x1b[2J\x1b[1;1H\x1b[38;5;245mMessage (Enter sends, F1 help)\x1b[0m")
+time.sleep(0.3)
+os.write(1, b"\x1b[24;1Hmodel \xc2\xb7 cpu \xc2\xb7 \x1b[1mready\x1b[0m")
+while os.read(0, 1) != b"\x11":
+    pass
+"""
+
+
+def test_time_chat_sees_the_box_then_ready_and_quits():
+    run = sb.time_chat([sys.executable, "-c", _FAKE_CHAT], limit_s=30)
+    assert run.input_shown_s is not None and run.ready_s is not None
+    assert run.input_shown_s <= run.ready_s and run.peak_rss > 0
+
+
+def test_time_chat_gives_up_on_an_app_that_never_gets_ready():
+    code = "import os, time, tty; tty.setraw(0); os.write(1, b'Message (Enter sends'); time.sleep(60)"
+    run = sb.time_chat([sys.executable, "-c", code], limit_s=1.5)
+    assert run.input_shown_s is not None and run.ready_s is None  # killed, not waited for

@@ -6,12 +6,15 @@ llama.cpp's `llama-simple -m GGUF -n 1 PROMPT` on the same file (its stdout is b
 a pipe, so only its exit time is comparable). Peak RSS is the child's ``ru_maxrss`` from
 ``os.wait4``. The first localgen run starts with an empty tokenizer cache (a new user's first
 command); the following runs reuse it, as every later command does. Ratios are localgen over
-llama-simple, measured in the same run.
+llama-simple, measured in the same run. `localgen chat` is started on a pseudo-terminal of 80x24
+and timed until its message box is drawn and until its status bar says ``ready`` (the model
+loaded: the first moment a question typed gets an answer).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -24,6 +27,7 @@ from typing import Callable
 
 TARGET_FIRST_TOKEN_S = 3.0
 TARGET_PEAK_RSS = 600 * 10**6  # bytes
+TARGET_CHAT_READY_S = 4.0
 _LOCALGEN = "import sys; from localgen.cli.main import app; sys.exit(app(prog_name='localgen'))"
 
 
@@ -46,6 +50,7 @@ class StartupResult:
     localgen: list[ProcessRun] = field(default_factory=list)
     llama_simple: list[ProcessRun] = field(default_factory=list)
     llama_simple_path: str | None = None
+    chat: list[ChatRun] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -67,6 +72,80 @@ def time_process(cmd: list[str], env: dict[str, str] | None = None) -> ProcessRu
     return ProcessRun(first, elapsed, usage.ru_maxrss * 1024, proc.returncode)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[()][0-9A-Za-z]|\x1b[=>78]")
+
+
+@dataclass
+class ChatRun:
+    """`localgen chat` in a pseudo-terminal of 80x24: seconds until its message box is drawn
+    (None: never within the limit) and until its status bar says the model is ``ready``."""
+
+    input_shown_s: float | None
+    ready_s: float | None
+    peak_rss: int
+
+
+def time_chat(cmd: list[str], env: dict[str, str] | None = None, limit_s: float = 300.0) -> ChatRun:
+    """Start ``cmd`` (the chat app) on a pseudo-terminal, watch its screen output for the message
+    box's placeholder and the word ``ready``, then quit it (Ctrl+Q; killed if still running)."""
+    import fcntl
+    import pty
+    import select
+    import signal
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, close_fds=True,
+                            env={**(env or os.environ), "TERM": "xterm-256color"},
+                            start_new_session=True)
+    os.close(slave)
+    usage = None  # set once reaped (os.wait4 keeps the child's rusage; Popen.poll would not)
+
+    def exited() -> bool:
+        nonlocal usage
+        if usage is None:
+            pid, _, ru = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                usage = ru
+        return usage is not None
+
+    shown = ready = None
+    seen = ""
+    try:
+        while ready is None and time.perf_counter() - t0 < limit_s and not exited():
+            if not select.select([master], [], [], 0.5)[0]:
+                continue
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            seen = (seen + _ANSI.sub("", chunk.decode("utf-8", "replace")))[-4096:]
+            now = time.perf_counter() - t0
+            if shown is None and "Message (Enter" in seen:
+                shown = now
+            if shown is not None and re.search(r"\bready\b", seen):
+                ready = now
+        if not exited():
+            os.write(master, b"\x11")  # Ctrl+Q
+        deadline = time.perf_counter() + 10
+        while not exited() and time.perf_counter() < deadline:
+            if select.select([master], [], [], 0.2)[0]:
+                try:
+                    os.read(master, 65536)
+                except OSError:
+                    time.sleep(0.1)
+    finally:
+        if not exited():
+            os.killpg(proc.pid, signal.SIGKILL)
+            usage = os.wait4(proc.pid, 0)[2]
+        proc.returncode = 0  # reaped above: Popen must not wait for it
+        os.close(master)
+    return ChatRun(shown, ready, usage.ru_maxrss * 1024)
+
+
 def find_llama_simple(given: str | os.PathLike | None = None) -> Path | None:
     """``llama-simple`` from ``given`` or ``$LLAMA_CPP_BIN`` (the binary or its folder), else
     from PATH; None when absent."""
@@ -81,6 +160,10 @@ def find_llama_simple(given: str | os.PathLike | None = None) -> Path | None:
     return Path(found) if found else None
 
 
+def chat_cmd(model: str | None) -> list[str]:
+    return [sys.executable, "-c", _LOCALGEN, "chat"] + (["--model", model] if model else [])
+
+
 def localgen_cmd(model: str | None, prompt: str) -> list[str]:
     cmd = [sys.executable, "-c", _LOCALGEN, "generate", prompt, "--max-tokens", "1",
            "--temperature", "0"]
@@ -88,15 +171,16 @@ def localgen_cmd(model: str | None, prompt: str) -> list[str]:
 
 
 def run(model: str | None, gguf: Path | None, prompt: str = "hi", repeat: int = 3,
-        llama_cpp_bin: str | None = None,
+        llama_cpp_bin: str | None = None, chat: bool = True,
         log: Callable[[str], None] = lambda m: None) -> StartupResult:
-    """Time ``repeat`` warm runs of each side plus localgen's first run; ``gguf`` is the file
-    llama-simple loads (None: llama-simple is skipped)."""
+    """Time ``repeat`` warm runs of each side plus localgen's first run, and with ``chat`` as
+    many warm starts of `localgen chat`; ``gguf`` is the file llama-simple loads (None:
+    llama-simple is skipped)."""
     res = StartupResult(model=model or "embedded", prompt=prompt)
     simple = find_llama_simple(llama_cpp_bin) if gguf is not None else None
     res.llama_simple_path = str(simple) if simple else None
     with tempfile.TemporaryDirectory(prefix="localgen-startup-") as tmp:
-        env = {**os.environ, "LOCALGEN_CACHE_DIR": tmp}
+        env = {**os.environ, "LOCALGEN_CACHE_DIR": tmp, "LOCALGEN_CHATS_DIR": tmp}
         log("localgen, first run (empty tokenizer cache)…")
         res.first_run = time_process(localgen_cmd(model, prompt), env)
         for i in range(repeat):  # interleaved, so both sides see the same machine load
@@ -105,10 +189,17 @@ def run(model: str | None, gguf: Path | None, prompt: str = "hi", repeat: int = 
             if simple is not None:
                 log(f"run {i + 1}/{repeat}: llama-simple…")
                 res.llama_simple.append(time_process([str(simple), "-m", str(gguf), "-n", "1", prompt]))
+            if chat:
+                log(f"run {i + 1}/{repeat}: localgen chat…")
+                res.chat.append(time_chat(chat_cmd(model), env))
     return res
 
 
-def median(runs: list[ProcessRun], key: str) -> float | None:
+def _s(seconds: float | None) -> str:
+    return "never" if seconds is None else f"{seconds:6.2f} s"
+
+
+def median(runs: list, key: str) -> float | None:
     values = [getattr(r, key) for r in runs if getattr(r, key) is not None]
     return statistics.median(values) if values else None
 
@@ -135,6 +226,12 @@ def report(res: StartupResult) -> list[str]:
     else:
         lines.append("llama-simple: not run (no GGUF model, or no binary: --llama-cpp-bin DIR or "
                      "LLAMA_CPP_BIN)")
+    if res.chat:
+        shown, ready = median(res.chat, "input_shown_s"), median(res.chat, "ready_s")
+        lines.append(f"{'localgen chat':<24} message box {_s(shown)}   model ready {_s(ready)}   peak RSS "
+                     f"{median(res.chat, 'peak_rss') / 1e6:7.1f} MB   (target: ready <= "
+                     f"{TARGET_CHAT_READY_S:.0f} s: "
+                     f"{'met' if ready is not None and ready <= TARGET_CHAT_READY_S else 'missed'})")
     ft, rss = median(res.localgen, "first_output_s"), median(res.localgen, "peak_rss")
     lines.append(f"targets: first token <= {TARGET_FIRST_TOKEN_S:.0f} s: "
                  f"{'met' if ft is not None and ft <= TARGET_FIRST_TOKEN_S else 'missed'}; "

@@ -225,10 +225,11 @@ def startup(
     model: Optional[str] = typer.Option(None, "--model", help="Model; llama-simple runs only on a GGUF file.", show_default="embedded"),
     prompt: str = typer.Option("hi", "--prompt", help="The prompt both sides answer with one token."),
     repeat: int = typer.Option(3, "--repeat", min=1, help="Warm runs of each side (medians are reported)."),
+    chat: bool = typer.Option(True, "--chat/--no-chat", help="Also time `localgen chat` until its model is ready (on a pseudo-terminal)."),
     llama_cpp_bin: Optional[str] = typer.Option(None, "--llama-cpp-bin", help="llama.cpp's llama-simple, or its folder.", show_default="$LLAMA_CPP_BIN, then PATH"),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the result as JSON here."),
 ) -> None:
-    """Time from the command to the first token of `localgen generate --max-tokens 1`, and its peak RSS, beside llama.cpp's llama-simple on the same GGUF.
+    """Time from the command to the first token of `localgen generate --max-tokens 1`, and its peak RSS, beside llama.cpp's llama-simple on the same GGUF; `localgen chat` until ready.
 
     Examples:
 
@@ -243,7 +244,7 @@ def startup(
         gguf = embedded_gguf_path()
     else:
         gguf = Path(model).expanduser() if model.endswith(".gguf") and Path(model).expanduser().is_file() else None
-    res = startup_bench.run(model, gguf, prompt, repeat, llama_cpp_bin,
+    res = startup_bench.run(model, gguf, prompt, repeat, llama_cpp_bin, chat=chat,
                             log=lambda m: typer.echo(m, err=True))
     for line in startup_bench.report(res):
         typer.echo(line)
