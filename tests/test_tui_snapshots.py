@@ -92,3 +92,7 @@ def test_model_failed_to_load(snap_compare):
         await steady(pilot)
 
     assert snap_compare(ChatApp(svc), terminal_size=(80, 24), run_before=before)
+
+
+def test_help_screen(snap_compare):
+    assert snap_compare(app_with_answer(), terminal_size=(100, 30), run_before=pressing("f1"))

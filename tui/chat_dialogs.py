@@ -34,14 +34,14 @@ _CSS = """
 def binding_rows(screen: Screen) -> list[tuple[str, str, str]]:
     """``(keys, what it does, where)`` for every key binding active on ``screen`` now (the
     focused widget's, the screen's and the app's), one row per binding, keys joined by ", "."""
-    rows: dict[int, tuple[list[str], str, str]] = {}
+    rows: dict[tuple, tuple[list[str], str, str]] = {}
     app = screen.app
     for key, active in screen.active_bindings.items():
         b = active.binding
         where = ("everywhere" if active.node is app else "chat" if active.node is screen
                  else "message box")
         desc = b.description or b.action.replace("_", " ")
-        entry = rows.setdefault(id(b), ([], desc, where))
+        entry = rows.setdefault((id(active.node), b.action, desc), ([], desc, where))
         entry[0].append(app.get_key_display(Binding(key, b.action)))
     order = {"everywhere": 0, "chat": 1, "message box": 2}
     out = [(", ".join(keys), desc, where) for keys, desc, where in rows.values()]

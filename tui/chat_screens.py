@@ -77,10 +77,11 @@ class SamplingScreen(ModalScreen[SamplingParams | None]):
     SamplingParams (None: cancelled); a bad value is named under the fields."""
 
     DEFAULT_CSS = _MODAL_CSS.format(name="SamplingScreen") + """
-    SamplingScreen .row { height: 1; margin: 0 0 1 0; }
+    SamplingScreen .row { height: 1; }
     SamplingScreen .row Label { width: 30; }
     SamplingScreen .row Input { width: 1fr; }
-    SamplingScreen #stop { height: 4; }
+    SamplingScreen #stop { height: 3; background: $boost; }
+    SamplingScreen .title { margin: 0 0 1 0; }
     """
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "ok", "OK")]
 
@@ -96,7 +97,8 @@ class SamplingScreen(ModalScreen[SamplingParams | None]):
                 value = getattr(s, fid)
                 with Horizontal(classes="row"):
                     yield Label(label)
-                    yield Input("" if value is None else str(value), id=fid, compact=True)
+                    yield Input("" if value is None else str(value), id=fid, compact=True,
+                                placeholder="blank" if fid == "seed" else "")
             with Horizontal(classes="row"):
                 yield Label("JSON answers")
                 yield Input(self._format_text(), id="response_format", compact=True,

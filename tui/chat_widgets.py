@@ -268,7 +268,7 @@ class PromptInput(TextArea):
     DEFAULT_CSS = """
     PromptInput { height: auto; min-height: 3; max-height: 10; }
     """
-    BINDINGS = [Binding("ctrl+j,shift+enter", "newline", "New line"),
+    BINDINGS = [Binding("ctrl+j,shift+enter", "newline", "New line", show=False),
                 Binding("up", "history(-1)", "Previous message / line up", show=False),
                 Binding("down", "history(1)", "Next message / line down", show=False)]
 
