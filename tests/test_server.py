@@ -113,7 +113,12 @@ def test_chat_stream_equals_whole_answer_with_usage(server, client):
     assert text == whole.choices[0].message.content
     reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert reasons == [whole.choices[0].finish_reason]
-    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == whole.usage.completion_tokens
+    assert last.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert last.usage.total_tokens == whole.usage.total_tokens
+    # the same prompt again: its whole blocks come from the prefix cache (16 tokens a block)
+    assert last.usage.prompt_tokens_details.cached_tokens == 16 * ((whole.usage.prompt_tokens - 1) // 16)
     assert all(c.usage is None for c in chunks[:-1])
 
 

@@ -135,7 +135,7 @@ async def _respond(request: Request, gen: Generator, prep: Prepared, stream: boo
 
         return EventSourceResponse(events(), sep="\n")
     try:
-        finals = await gen.final_outputs(streams, request.is_disconnected)
+        finals = await gen.final_outputs(streams, request.is_disconnected, prep.arrived)
     except ClientGone:
         gen.metrics.requests.labels(endpoint, "client_gone").inc()
         return Response(status_code=CLIENT_CLOSED)
@@ -196,7 +196,7 @@ async def _events(gen: Generator, prep: Prepared, streams: list[RequestStream],
         for i in range(len(streams)):
             yield chunk(shape.chat_delta(i, {"role": "assistant", "content": ""}))
     try:
-        async for i, out in gen.outputs(streams):
+        async for i, out in gen.outputs(streams, prep.arrived):
             st = states[i]
             if st.hold and prep.tool_mode == "auto" and not may_become_call(out.text):
                 st.hold = False  # plain text after all: send what was held, then stream on

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -51,6 +52,8 @@ class Prepared:
     warnings: list[str] = field(default_factory=list)
     n: int = 1  # choices per prompt
     tool_mode: str = "none"  # "none" | "auto" | "forced"
+    # perf_counter when the HTTP request arrived: TTFT counts tokenizing and queueing too
+    arrived: float = field(default_factory=time.perf_counter)
     tools: list = field(default_factory=list)
 
 
@@ -81,6 +84,7 @@ class Generator:
                            param="model", code="model_not_found")
 
     async def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
+        arrived = time.perf_counter()
         self.check_model(body.model)
         mode, tools, rf = _tool_mode(body)
         try:
@@ -91,11 +95,12 @@ class Generator:
             raise APIError(400, f"the chat template cannot render these messages: {e}",
                            param="messages", code="invalid_messages") from None
         prep = Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", [], [], len(ids), tool_mode=mode,
-                        tools=tools or [])
+                        tools=tools or [], arrived=arrived)
         await self._fill(prep, body, [ids], "messages", rf)
         return prep
 
     async def prepare_completion(self, body: CompletionRequest) -> Prepared:
+        arrived = time.perf_counter()
         self.check_model(body.model)
         if body.echo or body.suffix:
             raise APIError(400, "'echo' and 'suffix' are not supported",
@@ -110,7 +115,8 @@ class Generator:
         if any(not 0 <= t < vocab for p in prompts for t in p):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt",
                            code="invalid_value")
-        prep = Prepared("completion", f"cmpl-{uuid.uuid4().hex}", [], [], sum(map(len, prompts)))
+        prep = Prepared("completion", f"cmpl-{uuid.uuid4().hex}", [], [], sum(map(len, prompts)),
+                        arrived=arrived)
         await self._fill(prep, body, prompts, "prompt", None)
         return prep
 
@@ -192,14 +198,14 @@ class Generator:
                 s.abort()
         self.in_flight -= len(streams)
 
-    async def outputs(self, streams: list[RequestStream]
+    async def outputs(self, streams: list[RequestStream], arrived: float | None = None
                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """``(choice index, output)`` as each choice advances; raises an engine error as a
         400/503 APIError."""
         q: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, s: RequestStream) -> None:
-            timer = TokenTimer(self.metrics, s.submitted_at)
+            timer = TokenTimer(self.metrics, arrived if arrived is not None else s.submitted_at)
             try:
                 async for out in s:
                     timer.update(out.completion_tokens)
@@ -223,14 +229,14 @@ class Generator:
             for t in tasks:
                 t.cancel()
 
-    async def final_outputs(self, streams: list[RequestStream], is_disconnected
-                            ) -> list[RequestOutput]:
+    async def final_outputs(self, streams: list[RequestStream], is_disconnected,
+                            arrived: float | None = None) -> list[RequestOutput]:
         """Every choice's final output; ClientGone as soon as ``is_disconnected()`` says so
         (polled while waiting, since nothing else tells a non-streaming handler)."""
         finals: list[Any] = [None] * len(streams)
 
         async def collect() -> None:
-            async for i, out in self.outputs(streams):
+            async for i, out in self.outputs(streams, arrived):
                 if out.finished:
                     finals[i] = out
 
