@@ -86,6 +86,7 @@ class Generator:
     async def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
         arrived = time.perf_counter()
         self.check_model(body.model)
+        self._check_room(body.n)  # before tokenizing: a full server refuses cheaply
         mode, tools, rf = _tool_mode(body)
         try:
             ids = await asyncio.to_thread(self._encode_chat, body, tools if mode != "none" else None)
@@ -102,6 +103,7 @@ class Generator:
     async def prepare_completion(self, body: CompletionRequest) -> Prepared:
         arrived = time.perf_counter()
         self.check_model(body.model)
+        self._check_room(body.n)
         if body.echo or body.suffix:
             raise APIError(400, "'echo' and 'suffix' are not supported",
                            param="echo" if body.echo else "suffix", code="unsupported_parameter")
@@ -178,6 +180,14 @@ class Generator:
     def submit(self, prep: Prepared) -> list[RequestStream]:
         """Queue the choices (all or none); 429 when the bounded queue has no room for them."""
         n = len(prep.prompts)
+        self._check_room(n)
+        self.in_flight += n
+        return [self.service.submit(Request(prompt_token_ids=ids, sampling=sp,
+                                            priority=Priority.INTERACTIVE,
+                                            request_id=f"{prep.response_id}-{i}"))
+                for i, (ids, sp) in enumerate(zip(prep.prompts, prep.sampling))]
+
+    def _check_room(self, n: int) -> None:
         if self.service.state != "ready":
             raise APIError(503, f"the engine is {self.service.state}", code="engine_unavailable")
         if self.in_flight + n > self.config.max_pending:
@@ -185,11 +195,6 @@ class Generator:
                                 f"{self.config.max_pending}); retry after "
                                 f"{self.config.retry_after_s} s", code="rate_limit_exceeded",
                            headers={"Retry-After": str(self.config.retry_after_s)})
-        self.in_flight += n
-        return [self.service.submit(Request(prompt_token_ids=ids, sampling=sp,
-                                            priority=Priority.INTERACTIVE,
-                                            request_id=f"{prep.response_id}-{i}"))
-                for i, (ids, sp) in enumerate(zip(prep.prompts, prep.sampling))]
 
     def release(self, streams: list[RequestStream]) -> None:
         """Abort what has not finished (a client gone, an error) and free the queue slots."""
