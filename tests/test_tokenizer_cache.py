@@ -98,3 +98,24 @@ def test_an_unwritable_cache_still_gives_the_tokenizer(tiny_gguf, tmp_path, monk
     blocker.write_text("not a folder")
     monkeypatch.setenv("LOCALGEN_CACHE_DIR", str(blocker))
     assert gguf_source.load_gguf_tokenizer(tiny_gguf).get_vocab()
+
+
+def test_conversion_reads_through_the_fast_reader_with_the_stock_result(tiny_gguf, monkeypatch):
+    import gguf
+    from transformers import AutoTokenizer
+
+    from localgen.models.gguf_reader import FastGGUFReader
+
+    stock_class = gguf.GGUFReader
+    stock = AutoTokenizer.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name)
+    built = []
+    real_init = FastGGUFReader.__init__
+
+    def init(self, *a, **kw):
+        built.append(a[0])
+        real_init(self, *a, **kw)
+
+    monkeypatch.setattr(FastGGUFReader, "__init__", init)
+    fast = gguf_source.convert_gguf_tokenizer(tiny_gguf)
+    assert built and gguf.GGUFReader is stock_class  # used inside, restored after
+    _assert_same(stock, fast)

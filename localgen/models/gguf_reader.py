@@ -11,8 +11,10 @@ a file in the other byte order) goes through the stock code.
 
 from __future__ import annotations
 
+import contextlib
 import struct
-from typing import Any
+import threading
+from typing import Any, Iterator
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
@@ -74,3 +76,22 @@ class FastGGUFReader(GGUFReader):
             parts.append(plain[offs + 8:offs + 8 + n])
             offs += 8 + n
         return parts, offs
+
+
+_swap_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def stock_reader_replaced() -> Iterator[None]:
+    """Within the block, ``gguf.GGUFReader`` is `FastGGUFReader`: for libraries that import the
+    reader from ``gguf`` when they run (transformers' GGUF loader does), so they get the same
+    fields sooner. Restored on exit; one block at a time."""
+    import gguf
+
+    with _swap_lock:
+        stock = gguf.GGUFReader
+        gguf.GGUFReader = FastGGUFReader
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = stock

@@ -676,8 +676,11 @@ def convert_gguf_tokenizer(path: str | Path):
     """
     from transformers import AutoTokenizer
 
+    from localgen.models.gguf_reader import stock_reader_replaced
+
     path = Path(path)
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with stock_reader_replaced():  # transformers parses the whole file's metadata again
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if not getattr(tok, "chat_template", None):
         template = _field(open_gguf(path), "tokenizer.chat_template")
         if template:
