@@ -530,3 +530,25 @@ def test_auto_tool_choice_streams_plain_answers_unchanged(server, client):
     text = "".join(c.choices[0].delta.content or ""
                    for c in client.chat.completions.create(stream=True, **kw) if c.choices)
     assert whole.message.tool_calls is None and whole.message.content == text
+
+
+def test_completions_several_prompts_times_n_count_each_prompt_once(server, client):
+    tok = server.service.llm.tokenizer
+    prompts = ["The sky is", "Two plus two equals"]
+    r = client.completions.create(model=server.model, prompt=prompts, n=2, temperature=0,
+                                  max_tokens=3, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text and r.choices[2].text == r.choices[3].text
+    assert r.usage.prompt_tokens == sum(len(tok(p)["input_ids"]) for p in prompts)
+    assert r.usage.completion_tokens == 12
+
+
+def test_streamed_logprobs_equal_the_whole_ones(server, client):
+    kw = dict(model=server.model, messages=CHAT, temperature=0, max_tokens=6, logprobs=True,
+              top_logprobs=2, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw).choices[0].logprobs.content
+    streamed = [t for c in client.chat.completions.create(stream=True, **kw)
+                if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in whole]
+    assert [[a.token for a in t.top_logprobs] for t in streamed] == \
+        [[a.token for a in t.top_logprobs] for t in whole]
