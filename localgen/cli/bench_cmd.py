@@ -291,3 +291,27 @@ def serve(
         typer.echo(line)
     if out:
         atomic_write_json(out, res.to_json())
+
+
+@app.command("structured")
+def structured(
+    model: Optional[str] = typer.Option(None, "--model", help="Model.", show_default="embedded"),
+    concurrency: int = typer.Option(16, "--concurrency", min=1, help="Requests in one batch."),
+    max_tokens: int = typer.Option(64, "--max-tokens", min=1),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the result as JSON here."),
+) -> None:
+    """What a json_schema response_format costs: the same prompts free and constrained, each as
+    one continuous batch, output tokens/s and their ratio; the grammar's compile time.
+
+    Examples:
+
+        localgen bench structured --concurrency 16 --max-tokens 64
+    """
+    from localgen.bench import structured_bench
+
+    log = lambda m: typer.echo(m, err=True)  # noqa: E731
+    res = structured_bench.run(structured_bench.load(model, concurrency, log), concurrency,
+                               max_tokens, log=log)
+    typer.echo(structured_bench.report(res))
+    if out:
+        atomic_write_json(out, res.to_json())
