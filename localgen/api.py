@@ -61,7 +61,7 @@ class LLM:
              cpu_memory: int | None = None, gguf_native: bool = True,
              progress: Callable[[str], None] | None = None) -> "LLM":
         """Load ``model`` (None: the embedded default; a GGUF path; a Hugging Face directory; a
-        hub id from the local cache). Raises FileNotFoundError / UnsupportedModelError with the
+        hub id from the local cache; a ``ModelSource`` already resolved). Raises FileNotFoundError / UnsupportedModelError with the
         reason, ValueError for bad settings. ``progress(line)``, when given, receives short
         status lines while it loads (the stage; weight bytes read of the total).
 
@@ -82,7 +82,7 @@ class LLM:
         if max_num_seqs is None:
             max_num_seqs = policy.bls if policy is not None else 64
         status = LoadProgress(progress)
-        status.stage(f"opening {model or 'the embedded model'}")
+        status.stage(f"opening {getattr(model, 'name', None) or model or 'the embedded model'}")
         src = resolve_model(model, revision=revision)
         dev = torch.device(device) if device else default_device()
         if dtype is None and dev.type == "cpu" and policy is None:

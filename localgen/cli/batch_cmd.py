@@ -68,12 +68,16 @@ def load_llm(
     offload_dir, gpu_memory, cpu_memory for the offloading runtime (only passed when set)."""
     from localgen.cli.status import announce, stderr_status
 
+    from localgen.models.sources import resolve_model
+
+    # a missing or mistyped model fails here, before the runtime (torch) is imported
+    source = resolve_model(model) if model is not None else None
     announce()
     from localgen.api import LLM
 
     if offload.get("policy") is not None:
         max_num_seqs = max(max_num_seqs, offload["policy"].bls)
-    return LLM.load(model, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, dtype=dtype, device=device,
+    return LLM.load(source, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, dtype=dtype, device=device,
                     progress=stderr_status(), **offload)
 
 

