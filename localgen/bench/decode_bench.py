@@ -329,11 +329,40 @@ def _hf_from_source(llm, device, dtype):
                                                 **kw).to(device).eval()
 
 
+def llama_cpp_tool_runs(gguf: str, batches: list[int], prompt_len: int, gen_len: int,
+                        roofs: dict[int, float], *, gpu: bool, where, repeat: int, log
+                        ) -> list[DecodeRun]:
+    """The llama.cpp peer through its own tools (``llama_cpp_peer``) as DecodeRuns; [] with a
+    line in the log when the tools are not there or fail."""
+    from localgen.bench import llama_cpp_peer
+
+    try:
+        peer = llama_cpp_peer.run_peer(gguf, batches, prompt_len, gen_len, threads=torch.get_num_threads(),
+                                       gpu=gpu, where=where, repeat=max(repeat, 3))
+    except llama_cpp_peer.PeerError as e:
+        log(f"llama.cpp peer skipped: {e}")
+        return []
+    runs = []
+    for p in peer:
+        pre = p.batch * prompt_len / p.prefill_tokens_per_s
+        wall = pre + p.batch * gen_len / p.decode_tokens_per_s
+        runs.append(DecodeRun("llama.cpp", p.batch, prompt_len, gen_len, wall, p.batch * gen_len / wall,
+                              p.decode_tokens_per_s, roofs[p.batch],
+                              p.decode_tokens_per_s / roofs[p.batch], pre, None, p.prefill_tokens_per_s))
+        if p.weight_bytes:
+            log(f"llama.cpp weights (llama-bench model size): {p.weight_bytes / 1e9:.2f} GB")
+    return runs
+
+
 def bench(spec: str, batches: list[int], prompt_len: int, gen_len: int, *, device: str | None,
-          dtype: str, with_hf: bool = True, log=print, repeat: int = 1) -> dict:
+          dtype: str, with_hf: bool = True, log=print, repeat: int = 1,
+          llama_cpp_bin: str | None = None) -> dict:
     """Every engine, every batch size; with ``repeat`` > 1 each engine's times are medians of
     that many measured runs (localgen's later runs use other prompts of the same length, so the
-    prefix cache serves none of them)."""
+    prefix cache serves none of them). On a GGUF the llama.cpp peer runs through its own tools
+    (``llama-bench``, ``llama-batched-bench``) when ``llama_cpp_bin`` or ``$LLAMA_CPP_BIN``
+    finds them, on this device (all layers on the GPU there); else through llama-cpp-python on
+    the CPU where it is installed."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}[dtype]
@@ -341,7 +370,7 @@ def bench(spec: str, batches: list[int], prompt_len: int, gen_len: int, *, devic
     bw = copy_bandwidth(dev)
     wbytes = llm.engine.model.weight_bytes()
     kv_tok = llm.config.kv_bytes_per_token(torch.tensor([], dtype=dt).element_size())
-    log(f"{spec} on {dev} ({dt}): weights {wbytes / 1e9:.2f} GB, copy bandwidth {bw / 1e9:.0f} GB/s")
+    log(f"{spec} on {dev} ({dt}): resident weights {wbytes / 1e9:.3f} GB, copy bandwidth {bw / 1e9:.0f} GB/s")
     roofs = {b: roofline(wbytes, kv_tok, b, prompt_len, gen_len, bw) for b in batches}
     runs: list[DecodeRun] = []
     # one engine at a time, each measured before the next is loaded (a second model resident in
@@ -370,7 +399,12 @@ def bench(spec: str, batches: list[int], prompt_len: int, gen_len: int, *, devic
         del hf
         gc.collect()
     gguf = getattr(getattr(llm, "source", None), "path", None)
-    if with_hf and dev.type == "cpu" and gguf is not None and str(gguf).endswith(".gguf"):
+    is_gguf = gguf is not None and str(gguf).endswith(".gguf")
+    tools = is_gguf and with_hf and llama_cpp_peer_tools(llama_cpp_bin)
+    if tools:
+        runs += llama_cpp_tool_runs(str(gguf), batches, prompt_len, gen_len, roofs,
+                                    gpu=dev.type == "cuda", where=llama_cpp_bin, repeat=repeat, log=log)
+    elif with_hf and dev.type == "cpu" and is_gguf:
         for b in batches:
             lc = run_llama_cpp(str(gguf), b, prompt_len, gen_len, llm.config.vocab_size,
                                torch.get_num_threads(), repeat)
@@ -387,6 +421,13 @@ def bench(spec: str, batches: list[int], prompt_len: int, gen_len: int, *, devic
     return {"model": spec, "device": str(dev), "dtype": str(dt), "copy_bandwidth": bw,
             "weight_bytes": wbytes, "threads": torch.get_num_threads(), "repeat": repeat,
             "runs": [asdict(r) for r in runs], "ratios": ratios, "table": table}
+
+
+def llama_cpp_peer_tools(where: str | None) -> bool:
+    """Whether llama.cpp's llama-bench is at ``where``, ``$LLAMA_CPP_BIN`` or on PATH."""
+    from localgen.bench.llama_cpp_peer import find_tool
+
+    return find_tool("llama-bench", where) is not None
 
 
 def peer_ratios(runs: list[DecodeRun]) -> dict[str, dict[str, dict[str, float | None]]]:
@@ -444,13 +485,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write JSON results here")
     ap.add_argument("--repeat", type=int, default=1,
                     help="measured runs per engine and batch size (medians reported)")
+    ap.add_argument("--llama-cpp-bin", default=None,
+                    help="folder of llama.cpp's llama-bench / llama-batched-bench (default: $LLAMA_CPP_BIN, PATH)")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads for torch and llama.cpp (default: torch's)")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     res = bench(a.model, [int(x) for x in a.batches.split(",")], a.prompt_len, a.gen_len,
-                device=a.device, dtype=a.dtype, with_hf=not a.no_hf, repeat=a.repeat)
+                device=a.device, dtype=a.dtype, with_hf=not a.no_hf, repeat=a.repeat,
+                llama_cpp_bin=a.llama_cpp_bin)
     if a.out:
         atomic_write_json(a.out, res)
     return 0

@@ -197,10 +197,13 @@ def decode(
                                help="Measured runs per engine and batch size (medians)."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1,
                                           help="CPU threads for torch and llama.cpp."),
+    llama_cpp_bin: Optional[str] = typer.Option(
+        None, "--llama-cpp-bin", help="Folder of llama.cpp's llama-bench and llama-batched-bench.",
+        show_default="$LLAMA_CPP_BIN, then PATH"),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here."),
 ) -> None:
-    """Decode throughput and latency vs transformers `generate` (and llama.cpp on the same GGUF on
-    the CPU) and the HBM roofline. The same benchmark runs without typer as
+    """Decode throughput and latency vs transformers `generate`, llama.cpp's own tools on the same
+    GGUF (CPU or GPU, when found) and the HBM roofline; resident weight bytes of each. The same benchmark runs without typer as
     ``python -m localgen.bench.decode_bench``.
 
     Examples:
@@ -215,7 +218,7 @@ def decode(
         torch.set_num_threads(threads)
     res = decode_bench.bench(model, [int(b) for b in batches.split(",")], prompt_len, gen_len,
                              device=device, dtype=dtype, with_hf=peer, repeat=repeat,
-                             log=lambda m: typer.echo(m))
+                             log=lambda m: typer.echo(m), llama_cpp_bin=llama_cpp_bin)
     if out:
         atomic_write_json(out, res)
 
