@@ -400,7 +400,7 @@ def bench(spec: str, batches: list[int], prompt_len: int, gen_len: int, *, devic
         gc.collect()
     gguf = getattr(getattr(llm, "source", None), "path", None)
     is_gguf = gguf is not None and str(gguf).endswith(".gguf")
-    tools = is_gguf and with_hf and llama_cpp_peer_tools(llama_cpp_bin)
+    tools = is_gguf and llama_cpp_peer_tools(llama_cpp_bin)
     if tools:
         runs += llama_cpp_tool_runs(str(gguf), batches, prompt_len, gen_len, roofs,
                                     gpu=dev.type == "cuda", where=llama_cpp_bin, repeat=repeat, log=log)
