@@ -173,3 +173,13 @@ def test_shell_completion_is_offered():
     assert "--install-completion" in res.stdout and "--show-completion" in res.stdout
     res = _run(["--show-completion", "bash"])
     assert res.exit_code == 0 and "localgen" in res.stdout and "complete" in res.stdout
+
+
+def test_chat_reports_a_missing_model_before_the_app_opens(monkeypatch):
+    from localgen.cli import chat_cmd
+
+    def service(*a, **kw):
+        raise AssertionError("the app was started")
+
+    monkeypatch.setattr(chat_cmd, "make_service", service)
+    _check(_run(["chat", "--model", "llama3"]), 1, "Ollama")

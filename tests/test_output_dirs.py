@@ -118,6 +118,6 @@ def test_chat_warns_before_loading_that_transcripts_need_another_folder(tmp_path
         raise Loaded
 
     monkeypatch.setattr(chat_cmd, "make_service", load)
-    r = CliRunner().invoke(app, ["chat"])
+    r = CliRunner().invoke(app, ["chat"], env={"LOCALGEN_DEBUG": "1"})  # Loaded passes through
     assert isinstance(r.exception, Loaded), r.output  # the chat still starts
     assert str(tmp_path) in r.stderr and "F4 needs another folder" in r.stderr

@@ -110,11 +110,9 @@ def chat(
                                               conv.sampling.max_tokens, typer.echo)
     from localgen.models.sources import fetch_model
 
-    try:  # a hub model is downloaded here, where its progress shows, not behind the app
-        fetch_model(model)
-    except FileNotFoundError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1) from None
+    # a hub model is downloaded here, where its progress shows, not behind the app; a missing
+    # one is reported by the CLI's error handler (localgen/cli/errors.py), Ollama hint included
+    fetch_model(model)
     service = make_service(model, kv_cache_memory=kv_bytes, dtype=dtype, device=device, profile=profile,
                            offload=offload, predicted_peak=pred.peak_mem if pred is not None else None)
     from localgen.tui.chat import ChatApp

@@ -120,7 +120,8 @@ def fetch_model(spec: str | os.PathLike | None, *, revision: str | None = None) 
     if spec is None or Path(os.fspath(spec)).expanduser().exists():
         return
     ref = parse_ref(os.fspath(spec))
-    if ref is None:
+    if ref is None:  # neither a path nor a hub reference: resolve_model's error, without torch
+        resolve_model(spec)
         return
     try:
         pull.ensure(ref, revision=revision)
