@@ -13,7 +13,8 @@ Accepted shapes (https://platform.openai.com/docs/api-reference/chat/create#resp
     {"type": "json_object"}
     {"type": "json_schema", "json_schema": {"name": "...", "schema": {...}, "strict": true}}
 
-xgrammar is imported on first use, so requests without a grammar never load it.
+xgrammar (and torch) are imported on first use: ``SamplingParams.validate`` calls into this
+module, and the request types stay light to import.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ import json
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; users need only the rest.
 _CPP_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s*\S+:\d+:\s*")
@@ -155,12 +157,12 @@ class SequenceGrammar:
         return set(allowed.nonzero().flatten().tolist()) <= self._stop_token_ids
 
 
-_BIT = torch.arange(32, dtype=torch.int32)
-
-
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """bool ``[rows, vocab_size]`` from xgrammar's int32 bitmask ``[rows, ceil(vocab / 32)]``."""
-    bits = (bitmask.unsqueeze(-1) >> _BIT.to(bitmask.device)) & 1
+    import torch
+
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
     return bits.flatten(1)[:, :vocab_size].bool()
 
 
@@ -169,6 +171,8 @@ def mask_logits(logits: torch.Tensor, grammars: list[SequenceGrammar | None]) ->
     rows without a grammar are untouched. Returns a new tensor (the input is left as it is,
     so log-probabilities can still be read from the model's own distribution), or the input
     itself when no row is constrained."""
+    import torch
+
     rows = [i for i, g in enumerate(grammars) if g is not None]
     if not rows:
         return logits
