@@ -339,6 +339,12 @@ async def test_batch_progress_bar_moves_while_the_chat_is_shown(tmp_path):
         job = svc.batch_jobs[0]
         bar = app.screen.rows[job.job_id].query_one("ProgressBar")
         await pilot.press("escape")
+        job.state = "running"  # tokens flow before any request is done: the bar pulses
+        job.progress = BatchProgress(total=4, done=0, failed=0, skipped_resume=0, tokens=5,
+                                     elapsed=0.5, tokens_per_s=10.0)
+        job.on_progress(job)
+        await pilot.pause(0.15)
+        assert bar.total is None
         seen = []
         for done in range(1, 5):
             job.state = "running"

@@ -42,7 +42,8 @@ def test_chat_in_tmux(tmp_path):
     localgen = str(exe) if exe.exists() else shutil.which("localgen")
     if localgen is None:
         pytest.skip("the localgen console script is not installed (pip install -e .)")
-    cmd = ["env", "NO_COLOR=1", "TERM=xterm-256color", localgen, "chat", "--model", str(model), "--kv-cache-memory", "4MiB",
+    cmd = ["env", "NO_COLOR=1", "TERM=xterm-256color", f"LOCALGEN_CHATS_DIR={tmp_path / 'chats'}",
+           localgen, "chat", "--model", str(model), "--kv-cache-memory", "4MiB",
            "--temperature", "0", "--max-tokens", "24"]
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "24",
                     " ".join(shlex.quote(c) for c in cmd)], check=True)
@@ -54,6 +55,8 @@ def test_chat_in_tmux(tmp_path):
         assert "Memory" in screen and "Throughput" in screen and "esc Stop" in screen
         assert "24 tok" in screen  # the stats line of the finished answer
         subprocess.run(["tmux", "send-keys", "-t", session, "C-q"], check=True)
-        wait_screen(session, lambda s: "Assistant" not in s, 20, "the app to quit")
+        wait_screen(session, lambda s: "Assistant" not in s, 20, "the app to quit")  # saved: no question
+        saved = list((tmp_path / "chats").glob("*.json"))
+        assert len(saved) == 1 and "hello world" in saved[0].read_text()
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)

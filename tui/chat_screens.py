@@ -237,7 +237,12 @@ class JobRow(Vertical):
             return  # not composed yet: on_mount refreshes
         bar = bars.first()
         if p is not None:
-            bar.update(total=max(p.total, 1), progress=p.done + p.failed)
+            if p.done + p.failed == 0 and job.state == "running":
+                # the requests run side by side and often finish together: until the first one
+                # does, the bar pulses (tokens count up below) rather than sitting at 0%
+                bar.update(total=None)
+            else:
+                bar.update(total=max(p.total, 1), progress=p.done + p.failed)
             stats = (f"{job.state}: {p.done}/{p.total} done, {p.failed} failed · "
                      f"{p.tokens} tok · {p.tokens_per_s:.1f} tok/s · {p.elapsed:.1f} s")
         else:
