@@ -253,3 +253,23 @@ def test_bench_structured_counts_both_runs(llm):
         assert run.requests == 2 and 2 <= run.output_tokens <= 12 and run.seconds > 0
     assert 0 <= res.valid_json <= 2
     assert f"{res.ratio:8.2f}x" in structured_bench.report(res)
+
+
+def test_eos_is_allowed_only_once_the_grammar_is_complete(llm):
+    from localgen.runtime.structured import unpack_bitmask
+
+    engine = llm.engine
+    (eos,) = sorted(engine.eos_token_ids)
+    rf = {"type": "json_schema", "json_schema": {"name": "ok", "schema": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}}
+    grammar = engine.grammars.sequence_grammar(rf)
+    tokens = llm.tokenizer('{"ok": true}', add_special_tokens=False)["input_ids"]
+    vocab = engine.model.cfg.vocab_size
+    for i, tok in enumerate(tokens):
+        allowed = unpack_bitmask(grammar.next_token_bitmask()[None], vocab)[0]
+        assert allowed[tok] and not allowed[eos] and not grammar.complete, (i, tok)
+        grammar.accept(tok)
+    assert grammar.complete
+    assert unpack_bitmask(grammar.next_token_bitmask()[None], vocab)[0].nonzero().flatten().tolist() == [eos]
+    with pytest.raises(RuntimeError, match="breaks the request's response_format grammar"):
+        grammar.accept(tokens[0])
