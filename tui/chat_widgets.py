@@ -196,11 +196,15 @@ class ChatMessage(Vertical):
     def compose(self) -> ComposeResult:
         label = {"user": "You", "assistant": "Assistant", "error": "Error"}.get(self.role, self.role)
         yield Static(label, classes="role")
-        yield Markdown(self.text, classes="body")
+        if self.role == "user":  # what was typed, as typed: its line breaks and brackets kept
+            yield Static(self.text, classes="body", markup=False)
+        else:
+            yield Markdown(self.text, classes="body")
         yield Static("", classes="stats")
 
     @property
     def body(self) -> Markdown:
+        """The Markdown of an assistant or error turn (a user turn is plain text: ``text``)."""
         return self.query_one(Markdown)
 
     async def on_answer_update(self, msg: AnswerUpdate) -> None:
