@@ -69,7 +69,7 @@ class TokenRunner:
 
 def make_engine(num_blocks: int, block_size: int, max_num_seqs: int, max_batched: int,
                 max_model_len: int = 4096) -> Engine:
-    model = SimpleNamespace(cfg=SimpleNamespace(max_position_embeddings=max_model_len),
+    model = SimpleNamespace(cfg=SimpleNamespace(max_position_embeddings=max_model_len, vocab_size=VOCAB),
                             device=torch.device("cpu"), dtype=torch.float32)
 
     def factory(model, config, max_model_len):
