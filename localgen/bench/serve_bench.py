@@ -102,10 +102,21 @@ def summarize(server: str, concurrency: int, timings: list[RequestTiming], secon
                        percentile(gaps, 0.5), percentile(gaps, 0.99), errors)
 
 
+# common English nouns: about one token each in the usual BPE vocabularies
+_WORDS = ("time year people way day man thing woman life child world school state family student "
+          "group country problem hand part place case week company system program question work "
+          "government number night point home water room mother area money story fact month lot "
+          "right study book eye job word business issue side kind head house service friend father "
+          "power hour game line end member law car city community name president team minute idea "
+          "body information back parent face level office door health person art war history party "
+          "result change morning reason research girl moment air teacher force education").split()
+
+
 def prompt_text(i: int, words: int) -> str:
-    """A prompt of ``words`` words that differs from request to request from its first word on
-    (no prefix cache helps either side)."""
-    return " ".join(f"w{(i * 7919 + k) % 100003}" for k in range(words))
+    """A prompt of ``words`` common words that differs from request to request from its first
+    word on (no prefix cache helps either side)."""
+    n = len(_WORDS)
+    return " ".join(_WORDS[(i + k * (1 + i % (n - 1))) % n] for k in range(words))
 
 
 async def one_request(client, url: str, model: str, prompt: str, max_tokens: int) -> RequestTiming:
@@ -268,7 +279,7 @@ def run(model: str | None, gguf: Path | None, *, levels=LEVELS, prompt_words: in
                 res.localgen.append(_level(srv.base_url, "localgen", c, count(c), prompt_words,
                                            max_tokens, log))
         if binary is not None:
-            ctx = 4 * prompt_words + max_tokens + 64  # a word is a few tokens at most
+            ctx = 2 * prompt_words + max_tokens + 64  # a word is about one token
             for c in levels:
                 port = free_port()
                 log(f"llama-server --parallel {c} (port {port})…")
