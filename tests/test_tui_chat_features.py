@@ -359,3 +359,26 @@ async def test_batch_progress_bar_moves_while_the_chat_is_shown(tmp_path):
         assert seen == [0.25, 0.5, 0.75, 1.0]
         await pilot.press("f5")
         assert "running: 4/4 done" in str(app.screen.rows[job.job_id].query_one(".job-stats").render())
+
+
+@pytest.mark.asyncio
+async def test_a_resumed_chat_is_shown_and_continues_in_its_file(tmp_path):
+    store = ChatStore(tmp_path)
+    conv = Conversation()
+    conv.ask("Capital of France?")
+    conv.record_answer(None, "**Paris**.")
+    store.save("20261125-101010-abcd", conv)
+    loaded, _ = store.load("20261125-101010-abcd")
+    svc = FakeService(["Berlin."])
+    app = ChatApp(svc, loaded, store=store, chat_id="20261125-101010-abcd")
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        msgs = list(app.screen.query(ChatMessage))
+        assert [(m.role, m.text) for m in msgs] == [("user", "Capital of France?"),
+                                                    ("assistant", "**Paris**.")]
+        assert msgs[1].done and not app.screen.query("#welcome")
+        await send(pilot, "And Germany?")
+        assert [m["content"] for m in svc.requests[0].messages] == ["Capital of France?", "**Paris**.",
+                                                                     "And Germany?"]
+    again, _ = store.load("20261125-101010-abcd")
+    assert [t.content for t in again.turns][-2:] == ["And Germany?", "Berlin."]

@@ -86,12 +86,14 @@ class ChatScreen(Screen):
         yield PromptInput(placeholder="Message (Enter sends, Ctrl+J new line, F1 help)", id="prompt")
         yield Footer()
 
-    def on_mount(self) -> None:
+    async def on_mount(self) -> None:
         self.query_one(PromptInput).focus()
         self.app.update_status()
         snap = self.app.last_snapshot or self.app.service.metrics()
         self.query_one(MemoryPanel).show(snap)
         self.query_one(ThroughputPanel).show(snap)
+        if self.app.conversation.turns:  # a reopened chat (`chat --resume`)
+            await self.app.show_conversation()
 
     def on_screen_resume(self) -> None:
         # back from any dialog or the batch screen: typing goes to the message box again
@@ -183,8 +185,6 @@ class ChatApp(App):
             self.service.start()
         self.post_message(MetricsUpdated(self.service.metrics()))
         self._wait_ready()
-        if self.conversation.turns:
-            await self.show_conversation()
 
     @work(thread=True, exit_on_error=False)
     def _wait_ready(self) -> None:
