@@ -79,7 +79,8 @@ class Engine:
                                    max(config.max_num_batched_tokens, config.block_size))
         self.eos_token_ids = frozenset(eos_token_ids)
         # response_format grammars, compiled on first use against this tokenizer
-        self.grammars = GrammarCache(tokenizer, mcfg.vocab_size, tuple(sorted(self.eos_token_ids)))
+        self.grammars = GrammarCache(tokenizer, getattr(mcfg, "vocab_size", None),
+                                     tuple(sorted(self.eos_token_ids)))
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self.metrics = Metrics(kv_blocks_total=num_blocks)

@@ -188,11 +188,12 @@ class GrammarCache:
     out a fresh :class:`SequenceGrammar` per request. Thread safe: a server may compile a
     request's grammar on its own thread before queuing it, off the engine's step loop.
 
-    ``vocab_size``: the width of the model's logits (may exceed the tokenizer's vocabulary);
+    ``vocab_size``: the width of the model's logits (may exceed the tokenizer's vocabulary;
+    None: the tokenizer's);
     ``stop_token_ids``: the engine's end-of-sequence tokens, the only way the grammar ends.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
+    def __init__(self, tokenizer, vocab_size: int | None, stop_token_ids: tuple[int, ...]):
         self._tokenizer, self._vocab_size = tokenizer, vocab_size
         self._stop_token_ids = tuple(stop_token_ids)
         self._compiler = None
@@ -214,6 +215,7 @@ class GrammarCache:
         except Exception as e:
             raise ValueError(f"response_format: the grammar engine cannot read this model's "
                              f"tokenizer ({_engine_message(e)})") from None
+        self._vocab_size = info.vocab_size
         return xgr.GrammarCompiler(info, cache_limit_bytes=_CACHE_BYTES)
 
     def compile(self, response_format: Any):
