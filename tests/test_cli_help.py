@@ -56,3 +56,13 @@ def test_defaults_are_shown_one_way():
     prose = re.compile(r"\(default\b|\bdefault:|; default\b", re.IGNORECASE)
     bad = [f"{cmd} {p.opts[0]}: {p.help}" for cmd, p in _options() if p.help and prose.search(p.help)]
     assert bad == []
+
+
+def test_a_missing_model_is_reported_without_importing_torch():
+    code = ("import sys; from localgen.cli.main import app\n"
+            "try:\n    app(['generate', 'hi', '--model', 'llama3'], prog_name='localgen')\n"
+            "except SystemExit as e:\n    sys.stderr.write(f'exit {e.code} ')\n"
+            "sys.stderr.write(repr([m for m in ('torch', 'transformers') if m in sys.modules]))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "error: model 'llama3' not found" in res.stderr
+    assert res.stderr.strip().endswith("exit 1 []"), res.stderr

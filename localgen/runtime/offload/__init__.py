@@ -6,6 +6,14 @@ is the usual way in. See ``runner`` (block schedule), ``weights`` (tiers, stream
 (tiered / 4-bit KV cache, CPU attention), ``memory`` (pinned buffers, placement).
 """
 
-from localgen.runtime.offload.runner import OffloadedLM, OffloadRunner, build_offload
-
 __all__ = ["OffloadedLM", "OffloadRunner", "build_offload"]
+
+
+def __getattr__(name: str):
+    # the runner imports torch: loaded on first use, so the CLI's policy lookup (plan.py, this
+    # package's light module) does not import torch before a model is even found
+    if name in __all__:
+        from localgen.runtime.offload import runner
+
+        return getattr(runner, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
