@@ -135,8 +135,8 @@ class FakeKernels:
     def __init__(self, answer: bool):
         self.answer, self.calls = answer, []
 
-    def matmul(self, x, raw, qtype, k):
-        self.calls.append((x.dtype, x.is_contiguous(), tuple(raw.shape), qtype, k))
+    def matmul(self, x, raw, qtype, k, activations="q8"):
+        self.calls.append((x.dtype, x.is_contiguous(), tuple(raw.shape), qtype, k, activations))
         return torch.full((x.shape[0], raw.shape[0]), 7.0) if self.answer else None
 
 
@@ -147,11 +147,17 @@ def test_cpu_kernel_serves_when_it_answers(monkeypatch, answer):
     w = packed(Q.Q4_K, 16, 256, seed=5)
     x = torch.randn(3, 256, dtype=torch.bfloat16)
     y = w(x)
-    assert fake.calls == [(torch.float32, True, (16, 144), int(Q.Q4_K), 256)]
+    assert fake.calls == [(torch.float32, True, (16, 144), int(Q.Q4_K), 256, "q8")]
     assert y.dtype == torch.bfloat16  # the kernel's float32 comes back in x's dtype
     assert bool((y == 7).all()) == answer
+    monkeypatch.setenv(gb.CPU_ACTIVATIONS_ENV, "f32")
+    w(x)
+    assert fake.calls[-1][-1] == "f32"
+    monkeypatch.setenv(gb.CPU_ACTIVATIONS_ENV, "int4")
+    with pytest.raises(ValueError, match="LOCALGEN_GGUF_ACTIVATIONS"):
+        w(x)
     monkeypatch.setenv(gb.CPU_KERNEL_ENV, "0")
-    assert not (w(x) == 7).all() and len(fake.calls) == 1  # the switch keeps the reference
+    assert not (w(x) == 7).all() and len(fake.calls) == 2  # the switch keeps the reference
 
 
 def test_rows_move_as_raw_bytes():
@@ -304,6 +310,18 @@ def test_packed_model_on_cuda(gguf_files, kind, monkeypatch):
     assert tokens == want and len(set(tokens)) > 3
     assert packed_bytes <= 1.05 * file_bytes < dense_bytes
     assert packed_held <= 1.05 * file_bytes + (1 << 20), (packed_held, file_bytes)
+
+
+@pytest.mark.skipif(not gb.cpu_kernel_serves(Q.Q8_0), reason="no C compiler for the kernel")
+@pytest.mark.parametrize("kind", ["Q4_K_M", "Q5_0", "Q6_K", "IQ4_XS", "Q2_K"])
+def test_cpu_kernel_with_float_activations_decodes_as_the_expanded_one(gguf_files, kind,
+                                                                       monkeypatch):
+    """``LOCALGEN_GGUF_ACTIVATIONS=f32``: the C kernel multiplies the file's values in float32,
+    so greedy decoding equals the weights expanded to float32 at load."""
+    monkeypatch.setenv(gb.CPU_ACTIVATIONS_ENV, "f32")
+    _, tokens = greedy(gguf_files[kind], "1", monkeypatch, n=32)
+    _, want = greedy(gguf_files[kind], "0", monkeypatch, n=32)
+    assert tokens == want and len(set(tokens)) > 3
 
 
 def prefill_logits(llm) -> torch.Tensor:
