@@ -82,6 +82,12 @@ async def test_ctrl_j_starts_a_new_line_and_enter_sends():
         assert prompt(app).cursor_location[0] == 1
         await pilot.press("up")
         assert prompt(app).cursor_location[0] == 0 and prompt(app).text == "ab\ncd"
+        # keys arriving in one burst, as a terminal (or tmux send-keys) delivers them
+        prompt(app).value = ""
+        for key, char in (("x", "x"), ("ctrl+j", "\n"), ("y", "y")):
+            app.post_message(events.Key(key, char))
+        await pilot.pause(0.2)
+        assert prompt(app).text == "x\ny"
 
 
 @pytest.mark.asyncio

@@ -310,6 +310,12 @@ class PromptInput(TextArea):
             event.stop()
             event.prevent_default()
             self.post_message(self.Submitted(self, self.text))
+        elif event.key in ("ctrl+j", "shift+enter"):
+            # here, in key order: as a binding it would run after the keys typed behind it
+            # (a fast typist, or tmux send-keys, got "ab" + newline for a, ctrl+j, b)
+            event.stop()
+            event.prevent_default()
+            self.action_newline()
         elif event.character == "?" and not self.text:
             event.stop()
             event.prevent_default()
