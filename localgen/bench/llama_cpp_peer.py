@@ -50,7 +50,9 @@ def find_tool(name: str, where: str | os.PathLike | None = None) -> Path | None:
     return Path(found) if found else None
 
 
-def _run(cmd: list[str], timeout: float) -> str:
+def run_tool(cmd: list[str], timeout: float, *, stderr: bool = False) -> str:
+    """A tool's stdout (with its stderr after it when ``stderr``). Raises PeerError when it
+    fails or runs past ``timeout`` seconds, with the last lines it printed."""
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
@@ -58,7 +60,7 @@ def _run(cmd: list[str], timeout: float) -> str:
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise PeerError(f"{Path(cmd[0]).name} exited with {proc.returncode}: {' / '.join(tail)}")
-    return proc.stdout
+    return proc.stdout + (proc.stderr if stderr else "")
 
 
 def _common(gguf: str, threads: int, gpu: bool) -> list[str]:
@@ -106,7 +108,7 @@ def run_peer(gguf: str | os.PathLike, batches: list[int], prompt_len: int, gen_l
         tool = find_tool("llama-bench", where)
         if tool is None:
             raise PeerError(f"llama-bench not found (give --llama-cpp-bin or set {BIN_ENV})")
-        text = _run([str(tool), *_common(gguf, threads, gpu), "-p", str(prompt_len),
+        text = run_tool([str(tool), *_common(gguf, threads, gpu), "-p", str(prompt_len),
                      "-n", str(gen_len), "-r", str(repeat), "-o", "json"], timeout)
         pp, tg, size = parse_llama_bench(text)
         runs.append(PeerRun(1, pp, tg, size))
@@ -116,7 +118,7 @@ def run_peer(gguf: str | os.PathLike, batches: list[int], prompt_len: int, gen_l
         if tool is None:
             raise PeerError(f"llama-batched-bench not found (give --llama-cpp-bin or set {BIN_ENV})")
         ctx = max(many) * (prompt_len + gen_len) + 256
-        text = _run([str(tool), *_common(gguf, threads, gpu), "-c", str(ctx), "-b", "2048",
+        text = run_tool([str(tool), *_common(gguf, threads, gpu), "-c", str(ctx), "-b", "2048",
                      "-ub", "512", "-npp", str(prompt_len), "-ntg", str(gen_len),
                      "-npl", ",".join(map(str, many)), "--output-format", "jsonl"], timeout)
         for b, (pp, tg) in sorted(parse_batched_bench(text).items()):

@@ -223,6 +223,36 @@ def decode(
         atomic_write_json(out, res)
 
 
+@app.command("perplexity")
+def perplexity(
+    model: Optional[str] = typer.Option(None, "--model", help="A GGUF file.", show_default="embedded"),
+    ctx: int = typer.Option(512, "--ctx", min=16, help="Tokens per window (llama-perplexity's -c)."),
+    chunks: int = typer.Option(40, "--chunks", min=1, help="Windows scored (llama-perplexity's --chunks)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads for both."),
+    llama_cpp_bin: Optional[str] = typer.Option(
+        None, "--llama-cpp-bin", help="Folder of llama.cpp's llama-perplexity.",
+        show_default="$LLAMA_CPP_BIN, then PATH"),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the result as JSON here."),
+) -> None:
+    """WikiText-2 perplexity of a GGUF by localgen and by llama.cpp's llama-perplexity on the same
+    file and windows (each window's second half scored, as llama-perplexity does).
+
+    Examples:
+
+        localgen bench perplexity --model model.Q4_K_M.gguf --chunks 40 --llama-cpp-bin ~/llama.cpp/build/bin
+    """
+    import torch
+
+    from localgen.bench import perplexity_bench
+
+    if threads:
+        torch.set_num_threads(threads)
+    res = perplexity_bench.run(model, ctx=ctx, chunks=chunks, threads=threads,
+                               llama_cpp_bin=llama_cpp_bin, log=lambda m: typer.echo(m))
+    if out:
+        atomic_write_json(out, res)
+
+
 @app.command("startup")
 def startup(
     model: Optional[str] = typer.Option(None, "--model", help="Model; llama-simple runs only on a GGUF file.", show_default="embedded"),
