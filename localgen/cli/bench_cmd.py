@@ -192,7 +192,7 @@ def decode(
     dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32."),
     device: Optional[str] = typer.Option(None, "--device"),
     peer: bool = typer.Option(True, "--peer/--no-peer",
-                              help="Also run the peers: transformers generate, llama.cpp (CPU)."),
+                              help="Also run transformers generate (llama.cpp runs whenever its tools are found)."),
     repeat: int = typer.Option(1, "--repeat", min=1,
                                help="Measured runs per engine and batch size (medians)."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1,
