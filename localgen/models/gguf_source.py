@@ -221,6 +221,7 @@ class GGUFStore(WeightStore):
         t = self._tensor(name)
         rows, cols = self.shape(name)
         raw = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True)).reshape(rows, -1)
+        _release_mapped(self.reader, int(t.data_offset), int(t.n_bytes))
         return PackedGGUFWeight(self._unpermuted(name, raw), t.tensor_type, (rows, cols))
 
     def _unpermuted(self, name: str, w: torch.Tensor) -> torch.Tensor:
@@ -231,6 +232,21 @@ class GGUFStore(WeightStore):
 
     def __repr__(self) -> str:
         return f"GGUFStore({str(self.path)!r}, arch={self.arch!r})"
+
+
+def _release_mapped(reader, offset: int, nbytes: int) -> None:
+    """Drop this process's mapping of a tensor's bytes once they are copied out (madvise
+    DONTNEED on the read-only file map: the pages stay in the page cache, and a later read faults
+    them back in), so loading holds the copies and not the mapped file besides them. A reader
+    without a plain memory map (a split set) is left as it is."""
+    mm = getattr(getattr(reader, "data", None), "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = offset // mmap.PAGESIZE * mmap.PAGESIZE
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
+    except (OSError, ValueError):  # a map that refuses advice keeps its pages: only memory
+        pass
 
 
 def _dequantize(t) -> torch.Tensor:
