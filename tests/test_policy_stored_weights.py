@@ -11,7 +11,7 @@ import pytest
 from localgen.models.gguf_source import GGUFStore
 from localgen.policy.cost_model import CostModel, StoredWeights, Workload, compressed_ratio
 from localgen.policy.policy import Policy
-from localgen.policy.presets import preset_config, stored_weights
+from localgen.policy.presets import preset_config, resolve_model_weights
 from localgen.policy.search import search
 from localgen.profiler.hardware import GiB, load_profile
 from tests.test_gguf_packed import Q4_K_M, write_random_gguf
@@ -26,7 +26,7 @@ Q4KM_7B = StoredWeights(layer_bytes=202.4e6 * 4.85 / 8, global_bytes=2 * 32000 *
 def test_stored_weights_are_the_file_tensor_bytes(tmp_path, monkeypatch):
     path = write_random_gguf(tmp_path / "m.gguf", Q4_K_M)
     monkeypatch.setenv("LOCALGEN_GGUF_PACKED", "1")
-    sw = stored_weights(str(path))
+    sw = resolve_model_weights(str(path))[1]
     store = GGUFStore(path)
     # matrices: the file's blocks; norms (F32 in the file): the compute dtype's 2 bytes
     want = {True: 0, False: 0}
@@ -39,8 +39,8 @@ def test_stored_weights_are_the_file_tensor_bytes(tmp_path, monkeypatch):
     assert sw.layer_bytes * layers + sw.global_bytes < 0.4 * 2 * sum(
         math.prod(store.shape(n)) for n in store.names())
     monkeypatch.setenv("LOCALGEN_GGUF_PACKED", "0")
-    assert stored_weights(str(path)) is None
-    assert stored_weights("llama-2-7b") is None  # a preset: dtype_bytes per parameter
+    assert resolve_model_weights(str(path))[1] is None
+    assert resolve_model_weights("llama-2-7b")[1] is None  # a preset: dtype_bytes per parameter
 
 
 def test_cost_model_counts_stored_bytes():

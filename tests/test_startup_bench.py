@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 from localgen.bench import startup_bench as sb
+from localgen.bench.llama_cpp_peer import find_tool
 
 
 def test_time_process_sees_first_output_exit_and_memory():
@@ -27,11 +28,11 @@ def test_llama_simple_from_the_flag_the_environment_or_nowhere(tmp_path, monkeyp
     exe.chmod(0o755)
     monkeypatch.delenv("LLAMA_CPP_BIN", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    assert sb.find_llama_simple(tmp_path) == exe
-    assert sb.find_llama_simple(exe) == exe
-    assert sb.find_llama_simple(None) is None
+    assert find_tool("llama-simple", tmp_path) == exe
+    assert find_tool("llama-simple", exe) == exe
+    assert find_tool("llama-simple", None) is None
     monkeypatch.setenv("LLAMA_CPP_BIN", str(tmp_path))
-    assert sb.find_llama_simple(None) == exe
+    assert find_tool("llama-simple", None) == exe
 
 
 def test_report_gives_ratios_and_targets():

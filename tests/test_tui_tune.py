@@ -129,7 +129,7 @@ def test_wizard_why_sentence_saved_path_and_undo(config_dir):
 
 def test_why_sentence_reads_the_cost_models_numbers():
     """What the sentence claims, checked against the prediction it was read from."""
-    # Llama-2-70B on an H100 (chat): 16-bit weights (~128 GiB) exceed its ~71 GiB usable memory
+    # Llama-2-70B on the shipped h100 profile (chat): its 16-bit weights exceed the usable GPU memory
     hw = load_profile("h100")
     req = TuneRequest(model="llama-2-70b", workload="chat", compression="auto")
     cm = cost_model_for(req.model, hw, req.prompt_len, req.gen_len)

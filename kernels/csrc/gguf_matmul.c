@@ -749,6 +749,7 @@ AI void unpack_f(const int t, const uint8_t *blk, fblock *fb) {
         return;
     }
     kblock kb;
+    kb.dmin = 0.0f; /* types without minimums leave it unset */
     fb->groups = 8;
     if (t == T_Q2_K || t == T_Q3_K || t == T_Q6_K) {
         unpack_k16(t, blk, &kb);
@@ -914,17 +915,50 @@ static void quant_rows(const float *x, int64_t i0, int64_t i1, int64_t k, int ab
     }
 }
 
+/* 0 when w's rows hold k values of qtype; -1 for a type not implemented, -2 for k not a multiple
+ * of the block or a row stride shorter than a row. */
+static int check_rows(int qtype, int64_t k, int64_t w_stride) {
+    const int B = block_values(qtype);
+    if (!B) return -1;
+    if (k <= 0 || k % B || w_stride < k / B * block_bytes(qtype)) return -2;
+    return 0;
+}
+
+/* The shared work split, run inside a parallel region (its loop is an orphaned omp for):
+ * threads take chunks of n_chunk output rows; within a chunk, activation rows go m_tile at a
+ * time, 4 per weight-row visit. Activation row i is at xa + i * xs bytes: quantized rows for
+ * rows(), float32 rows (xs = 4 k) for rowsf() when f32. */
+static void sweep(int qtype, const uint8_t *w, int64_t w_stride, int64_t n, const uint8_t *xa,
+                  size_t xs, int64_t m, int64_t k, float *y, int64_t m_tile, int64_t n_chunk,
+                  int f32, int scalar) {
+    const int64_t chunks = (n + n_chunk - 1) / n_chunk;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t r0 = c * n_chunk, r1 = r0 + n_chunk < n ? r0 + n_chunk : n;
+        for (int64_t i0 = 0; i0 < m; i0 += m_tile) {
+            const int64_t i1 = i0 + m_tile < m ? i0 + m_tile : m;
+            for (int64_t r = r0; r < r1; r++)
+                for (int64_t i = i0; i < i1; i += 4) {
+                    const int nx = (int)(i1 - i < 4 ? i1 - i : 4);
+                    if (f32) rowsf(qtype, w + r * w_stride, (const float *)(xa + i * xs), k,
+                                   y + i * n + r, n, nx, scalar);
+                    else rows(qtype, w + r * w_stride, xa + i * xs, xs, k, y + i * n + r, n, nx,
+                              scalar);
+                }
+        }
+    }
+}
+
 /* y [m, n] float32 = x [m, k] float32 (contiguous) . W^T, W's row r at w + r * w_stride (bytes)
- * holding k / block_values blocks of qtype. Threads take chunks of n_chunk output rows; within a
- * chunk, activation rows go m_tile at a time. scalar != 0 forces the scalar path.
+ * holding k / block_values blocks of qtype, the activations rounded to 8 bits per block first.
+ * Work split as sweep(); scalar != 0 forces the scalar path.
  * Returns 0; -1 for a type not implemented; -2 for k not a multiple of the block or a row stride
  * shorter than a row; -3 when the activation buffer cannot be allocated. */
 int lg_gguf_matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n,
                    int64_t w_stride, int qtype, float *y, int threads, int64_t m_tile,
                    int64_t n_chunk, int scalar) {
-    const int B = block_values(qtype);
-    if (!B) return -1;
-    if (k <= 0 || k % B || w_stride < k / B * block_bytes(qtype)) return -2;
+    const int rc = check_rows(qtype, k, w_stride);
+    if (rc) return rc;
     if (m <= 0 || n <= 0) return 0;
     const int ablock = (qtype == T_Q2_K || qtype == T_Q3_K || qtype == T_Q4_K || qtype == T_Q5_K
                         || qtype == T_Q6_K || qtype == T_IQ4_XS) ? 256 : 32;
@@ -933,7 +967,6 @@ int lg_gguf_matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, int64
     if (!xq) return -3;
     if (m_tile < 1) m_tile = m;
     if (n_chunk < 1) n_chunk = n;
-    const int64_t chunks = (n + n_chunk - 1) / n_chunk;
     if (threads < 1) threads = 1;
     /* A few rows quantize faster than a barrier waits for a thread that has no core yet. */
     const int serial_quant = m * k < SERIAL_QUANT_VALUES;
@@ -944,17 +977,7 @@ int lg_gguf_matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, int64
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < m; i++) quant_rows(x, i, i + 1, k, ablock, xq, xs);
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t r0 = c * n_chunk, r1 = r0 + n_chunk < n ? r0 + n_chunk : n;
-            for (int64_t i0 = 0; i0 < m; i0 += m_tile) {
-                const int64_t i1 = i0 + m_tile < m ? i0 + m_tile : m;
-                for (int64_t r = r0; r < r1; r++)
-                    for (int64_t i = i0; i < i1; i += 4)
-                        rows(qtype, w + r * w_stride, xq + i * xs, xs, k, y + i * n + r, n,
-                             (int)(i1 - i < 4 ? i1 - i : 4), scalar);
-            }
-        }
+        sweep(qtype, w, w_stride, n, xq, xs, m, k, y, m_tile, n_chunk, 0, scalar);
     }
     free(xq);
     return 0;
@@ -966,25 +989,15 @@ int lg_gguf_matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, int64
 int lg_gguf_matmul_f32(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n,
                        int64_t w_stride, int qtype, float *y, int threads, int64_t m_tile,
                        int64_t n_chunk, int scalar) {
-    const int B = block_values(qtype);
-    if (!B) return -1;
-    if (k <= 0 || k % B || w_stride < k / B * block_bytes(qtype)) return -2;
+    const int rc = check_rows(qtype, k, w_stride);
+    if (rc) return rc;
     if (m <= 0 || n <= 0) return 0;
     if (m_tile < 1) m_tile = m;
     if (n_chunk < 1) n_chunk = n;
-    const int64_t chunks = (n + n_chunk - 1) / n_chunk;
     if (threads < 1) threads = 1;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t c = 0; c < chunks; c++) {
-        const int64_t r0 = c * n_chunk, r1 = r0 + n_chunk < n ? r0 + n_chunk : n;
-        for (int64_t i0 = 0; i0 < m; i0 += m_tile) {
-            const int64_t i1 = i0 + m_tile < m ? i0 + m_tile : m;
-            for (int64_t r = r0; r < r1; r++)
-                for (int64_t i = i0; i < i1; i += 4)
-                    rowsf(qtype, w + r * w_stride, x + i * k, k, y + i * n + r, n,
-                          (int)(i1 - i < 4 ? i1 - i : 4), scalar);
-        }
-    }
+#pragma omp parallel num_threads(threads)
+    sweep(qtype, w, w_stride, n, (const uint8_t *)x, 4 * (size_t)k, m, k, y, m_tile, n_chunk, 1,
+          scalar);
     return 0;
 }
 
@@ -992,9 +1005,9 @@ int lg_gguf_matmul_f32(const float *x, int64_t m, int64_t k, const uint8_t *w, i
  * Returns 0, -1 for a type not implemented, -2 for a bad k or stride. */
 int lg_gguf_dequant(const uint8_t *w, int64_t n, int64_t w_stride, int qtype, int64_t k, float *out,
                     int threads) {
+    const int rc = check_rows(qtype, k, w_stride);
+    if (rc) return rc;
     const int B = block_values(qtype), bb = block_bytes(qtype);
-    if (!B) return -1;
-    if (k <= 0 || k % B || w_stride < k / B * bb) return -2;
     if (threads < 1) threads = 1;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < n; r++)

@@ -37,17 +37,26 @@ class PeerRun:
 
 
 def find_tool(name: str, where: str | os.PathLike | None = None) -> Path | None:
-    """The llama.cpp tool ``name`` (e.g. ``llama-bench``): in ``where`` (a folder, or a tool whose
-    folder is searched), else ``$LLAMA_CPP_BIN``, else ``PATH``; None when absent."""
+    """The llama.cpp tool ``name`` (e.g. ``llama-bench``): from ``where``, else
+    ``$LLAMA_CPP_BIN``, else ``PATH``; None when absent. ``where`` (or the variable) is a folder
+    holding the tool, or a binary: the tool itself when it is named ``name``, else a sibling named
+    ``name`` (a folder's other tool), else the binary as given (a renamed build)."""
     for base in (where, os.environ.get(BIN_ENV)):
         if not base:
             continue
-        p = Path(base)
-        folder = p if p.is_dir() else p.parent
-        if (folder / name).is_file():
-            return folder / name
+        p = Path(base).expanduser()
+        if p.is_dir():
+            p = p / name
+        elif p.name != name and _executable(p.parent / name):
+            p = p.parent / name
+        if _executable(p):
+            return p
     found = shutil.which(name)
     return Path(found) if found else None
+
+
+def _executable(p: Path) -> bool:
+    return p.is_file() and os.access(p, os.X_OK)
 
 
 def run_tool(cmd: list[str], timeout: float, *, stderr: bool = False) -> str:

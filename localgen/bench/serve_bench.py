@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -26,6 +25,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from localgen.bench.llama_cpp_peer import find_tool
 
 _LOCALGEN = "import sys; from localgen.cli.main import app; sys.exit(app(prog_name='localgen'))"
 LEVELS = (1, 4, 16, 64)
@@ -220,20 +221,6 @@ class ServerProcess:
         self._log.close()
 
 
-def find_llama_server(given: str | os.PathLike | None = None) -> Path | None:
-    """``llama-server`` from ``given`` or ``$LLAMA_CPP_BIN`` (the binary or its folder), else
-    from PATH; None when absent."""
-    for cand in (given, os.environ.get("LLAMA_CPP_BIN")):
-        if not cand:
-            continue
-        p = Path(cand).expanduser()
-        p = p / "llama-server" if p.is_dir() else p
-        if p.is_file() and os.access(p, os.X_OK):
-            return p
-    found = shutil.which("llama-server")
-    return Path(found) if found else None
-
-
 def localgen_cmd(model: str | None, port: int, max_num_seqs: int) -> list[str]:
     cmd = [sys.executable, "-c", _LOCALGEN, "serve", "--port", str(port), "--max-num-seqs",
            str(max_num_seqs), "--max-pending", str(max(256, 4 * max_num_seqs)),
@@ -267,7 +254,7 @@ def run(model: str | None, gguf: Path | None, *, levels=LEVELS, prompt_words: in
     levels = tuple(sorted(levels))
     res = ServeBenchResult(model or "embedded", str(gguf) if gguf else None, prompt_words,
                            max_tokens, levels)
-    binary = find_llama_server(llama_server) if gguf is not None else None
+    binary = find_tool("llama-server", llama_server) if gguf is not None else None
     res.llama_server_path = str(binary) if binary else None
     count = (lambda c: requests_per_level) if requests_per_level else (lambda c: max(8, 2 * c))
     with tempfile.TemporaryDirectory(prefix="localgen-bench-serve-") as tmp:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from localgen.bench.llama_cpp_peer import find_tool
 
 TARGET_FIRST_TOKEN_S = 3.0
 TARGET_PEAK_RSS = 600 * 10**6  # bytes
@@ -146,20 +147,6 @@ def time_chat(cmd: list[str], env: dict[str, str] | None = None, limit_s: float 
     return ChatRun(shown, ready, usage.ru_maxrss * 1024)
 
 
-def find_llama_simple(given: str | os.PathLike | None = None) -> Path | None:
-    """``llama-simple`` from ``given`` or ``$LLAMA_CPP_BIN`` (the binary or its folder), else
-    from PATH; None when absent."""
-    for cand in (given, os.environ.get("LLAMA_CPP_BIN")):
-        if not cand:
-            continue
-        p = Path(cand).expanduser()
-        p = p / "llama-simple" if p.is_dir() else p
-        if p.is_file() and os.access(p, os.X_OK):
-            return p
-    found = shutil.which("llama-simple")
-    return Path(found) if found else None
-
-
 def chat_cmd(model: str | None) -> list[str]:
     return [sys.executable, "-c", _LOCALGEN, "chat"] + (["--model", model] if model else [])
 
@@ -177,7 +164,7 @@ def run(model: str | None, gguf: Path | None, prompt: str = "hi", repeat: int = 
     many warm starts of `localgen chat`; ``gguf`` is the file llama-simple loads (None:
     llama-simple is skipped)."""
     res = StartupResult(model=model or "embedded", prompt=prompt)
-    simple = find_llama_simple(llama_cpp_bin) if gguf is not None else None
+    simple = find_tool("llama-simple", llama_cpp_bin) if gguf is not None else None
     res.llama_simple_path = str(simple) if simple else None
     with tempfile.TemporaryDirectory(prefix="localgen-startup-") as tmp:
         env = {**os.environ, "LOCALGEN_CACHE_DIR": tmp, "LOCALGEN_CHATS_DIR": tmp}

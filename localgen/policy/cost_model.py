@@ -80,7 +80,7 @@ class Workload:
 @dataclass(frozen=True)
 class StoredWeights:
     """A checkpoint's weights as its file stores them and the runtime keeps them (a GGUF's
-    quantized blocks, ``models.gguf_source.stored_weights``): ``layer_bytes``, the mean bytes of
+    quantized blocks, ``policy.presets.stored_weights``): ``layer_bytes``, the mean bytes of
     one decoder layer's tensors; ``global_bytes``, the embeddings, final norm and output matrix.
     Without it the model counts ``dtype_bytes`` per parameter."""
 

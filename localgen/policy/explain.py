@@ -103,10 +103,10 @@ def why_sentence(cm: CostModel, res: SearchResult) -> str:
 def cost_model_for(model: str, hw: HardwareProfile, prompt_len: int, gen_len: int) -> CostModel:
     """The cost model ``tuning.run_search`` prices policies with (localgen's runtime)."""
     from localgen.policy.cost_model import Workload
-    from localgen.policy.presets import resolve_config
+    from localgen.policy.presets import resolve_model_weights
 
-    _, cfg = resolve_config(model)
-    return CostModel(cfg, hw, Workload(prompt_len, gen_len), runtime="localgen")
+    cfg, stored = resolve_model_weights(model)
+    return CostModel(cfg, hw, Workload(prompt_len, gen_len), runtime="localgen", stored=stored)
 
 
 def undo_hint(model: str) -> str:

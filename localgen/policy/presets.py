@@ -74,34 +74,29 @@ def preset_config(name: str) -> ModelConfig:
     return ModelConfig.from_hf_dict(HF_CONFIGS[key])
 
 
-def resolve_config(spec: str) -> tuple[str, ModelConfig]:
-    """(display name, ModelConfig) for a preset name, or any spec ``localgen.models.sources`` resolves
-    (embedded default, local dir, hub id, GGUF path). Raises KeyError if neither knows it."""
-    try:
-        return spec, preset_config(spec)
-    except KeyError as preset_err:
-        try:
-            from localgen.models.sources import resolve_model  # sibling module; may not exist yet
-        except ImportError:
-            raise preset_err from None
-        return spec, resolve_model(spec).config
-
-
-def stored_weights(spec: str | None, dtype_bytes: int = 2) -> StoredWeights | None:
-    """The bytes ``spec``'s weights take as the runtime keeps them, when that is not
-    ``dtype_bytes`` per parameter: a GGUF's matrices stay in the file's blocks (tensors of types
-    the packed weight does not hold, and norms, in the compute dtype). None for a preset, a
-    float checkpoint, or with ``LOCALGEN_GGUF_PACKED=0``. Raises as ``resolve_model``."""
+def resolve_model_weights(spec: str | None) -> tuple[ModelConfig, StoredWeights | None]:
+    """``spec``'s ModelConfig and, for a model whose weights the runtime keeps in their stored
+    form (``stored_weights``), those bytes; one resolution of the model. ``spec``: a preset name
+    (or its hub id), else anything ``models.sources.resolve_model`` resolves (None: the embedded
+    default). Raises what ``resolve_model`` raises (ModelNotFoundError…)."""
     if spec is not None:
         try:
-            preset_config(spec)
-            return None
+            return preset_config(spec), None
         except KeyError:
             pass
-    from localgen.models.model import GGUF_PACKED_ENV
     from localgen.models.sources import resolve_model
 
     src = resolve_model(spec)
+    return src.config, stored_weights(src)
+
+
+def stored_weights(src, dtype_bytes: int = 2) -> StoredWeights | None:
+    """The bytes a resolved model's (``models.sources.ModelSource``) weights take as the runtime
+    keeps them, when that is not ``dtype_bytes`` per parameter: a GGUF's matrices stay in the
+    file's blocks (tensors of types the packed weight does not hold, and norms, in the compute
+    dtype). None for a float checkpoint, or with ``LOCALGEN_GGUF_PACKED=0``."""
+    from localgen.models.model import GGUF_PACKED_ENV
+
     store = src.weights
     if not hasattr(store, "get_packed") or os.environ.get(GGUF_PACKED_ENV, "1") == "0":
         return None

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from localgen.policy.cost_model import Workload
-from localgen.policy.presets import resolve_config, stored_weights
+from localgen.policy.presets import resolve_model_weights
 from localgen.policy.search import SearchResult, search
 from localgen.policy.store import save_policy
 from localgen.profiler.hardware import GiB, HardwareProfile, ProfileNotFoundError, load_profile
@@ -49,11 +49,11 @@ def run_search(req: TuneRequest, hw: HardwareProfile,
                progress: Callable[[float, str], None] | None = None) -> SearchResult:
     """Search the policy for ``req`` on ``hw``: chat -> latency objective (batch 1).
     ``progress``: ``search``'s (an exception it raises ends the search)."""
-    _, cfg = resolve_config(req.model)
+    cfg, stored = resolve_model_weights(req.model)
     objective = "latency" if req.workload == "chat" else "throughput"
     return search(cfg, hw, req.to_workload(), compression=req.compression, objective=objective,
                   latency_bound=req.latency_bound, runtime="localgen", tiers=req.tiers,
-                  progress=progress, stored=stored_weights(req.model))
+                  progress=progress, stored=stored)
 
 
 def save_result(req: TuneRequest, hw: HardwareProfile, res: SearchResult):

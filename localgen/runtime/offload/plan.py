@@ -97,8 +97,9 @@ def predicted_for(model: str | None, policy: Policy, prompt_len: int, gen_len: i
     from localgen.models.sources import resolve_model
     from localgen.policy.presets import stored_weights
 
-    return predicted_peaks(resolve_model(model).config, policy, prompt_len, gen_len, gpu_memory=gpu_memory,
-                           cpu_memory=cpu_memory, offload_dir=offload_dir, stored=stored_weights(model))
+    src = resolve_model(model)
+    return predicted_peaks(src.config, policy, prompt_len, gen_len, gpu_memory=gpu_memory,
+                           cpu_memory=cpu_memory, offload_dir=offload_dir, stored=stored_weights(src))
 
 
 def peak_lines(policy: Policy, pred, prompt_len: int, gen_len: int) -> list[str]:
