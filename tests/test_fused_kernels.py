@@ -1,10 +1,6 @@
 """Fused elementwise kernels (kernels/fused_norm.py, fused_rope.py, fused_act.py) under the Triton
 interpreter vs float64 references: fresh random inputs each run, outputs poisoned with NaN."""
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"
-
 import pytest
 import torch
 

@@ -3,10 +3,6 @@ matmul, on the CPU under TRITON_INTERPRET=1 at small shapes."""
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
-
 import numpy as np
 import pytest
 import torch

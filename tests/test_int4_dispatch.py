@@ -13,11 +13,8 @@ counting the dispatcher's calls.
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
-
 import json  # noqa: E402
+import os  # noqa: E402
 import random  # noqa: E402
 
 import numpy as np  # noqa: E402

@@ -7,10 +7,6 @@ shuffled, and sequence lengths are not multiples of the block size.
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
-
 import random  # noqa: E402
 
 import pytest  # noqa: E402

@@ -4,10 +4,6 @@ channels; each query reads its own block in full precision, in prefill as in dec
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # the "kernels" path runs the Triton kernels on the CPU
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

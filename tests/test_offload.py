@@ -3,10 +3,6 @@ path's greedy tokens; disk placements really read their files; 4-bit runs stay w
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the int4 kernel path test
-
 import warnings  # noqa: E402
 
 import numpy as np  # noqa: E402

@@ -1,9 +1,6 @@
 """HardwareProfile round trips, shipped profiles, and the probes on a CPU-only machine."""
 
 import dataclasses
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the GPU-kernel probes' case test
 
 import pytest
 import torch
