@@ -5,6 +5,7 @@ with no traceback unless --debug or LOCALGEN_DEBUG=1."""
 from __future__ import annotations
 
 import errno
+import json
 
 import gguf
 import pytest
@@ -12,6 +13,7 @@ from typer.testing import CliRunner
 
 from localgen.cli import errors, generate_cmd
 from localgen.cli.main import app
+from localgen.models.config import supported_list
 from localgen.runtime.request import KVBudgetError, PromptTooLongError
 
 
@@ -68,6 +70,21 @@ def test_a_folder_without_a_model(tmp_path):
 
 def test_an_unsupported_architecture(unsupported_gguf):
     _check(_run(["generate", "hi", "--model", str(unsupported_gguf)]), 1, "mamba.gguf", "'mamba'")
+
+
+@pytest.mark.parametrize("config", [{"architectures": ["MambaForCausalLM"], "model_type": "mamba"},
+                                    {"model_type": "mamba"}])
+def test_an_unsupported_hf_architecture_names_it_and_the_families(tmp_path, config):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    res = _run(["generate", "hi", "--model", str(tmp_path)])
+    named = "'MambaForCausalLM'" if "architectures" in config else "model_type 'mamba'"
+    _check(res, 1, str(tmp_path / "config.json"), named, supported_list())
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_the_supported_families_are_listed_by_their_names():
+    names = supported_list().split(", ")
+    assert {"Llama", "Mistral", "Qwen2", "OPT"} <= set(names) and "ForCausalLM" not in supported_list()
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen2.5:7b", "mistral:latest"])

@@ -38,7 +38,18 @@ class CorruptModelError(ValueError):
 
 
 def supported_list() -> str:
-    return ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+    """The families localgen runs, as users name them: each supported Hugging Face class
+    without its ``ForCausalLM`` suffix (``"Llama, Mistral, OPT, Qwen2"``)."""
+    return ", ".join(sorted({a.removesuffix("ForCausalLM") for a in SUPPORTED_ARCHITECTURES},
+                            key=str.lower))
+
+
+def unsupported_architecture(named: str, where: str | None = None) -> UnsupportedModelError:
+    """The one-sentence error for an architecture without layer math: ``where`` (a file) and
+    ``named`` (e.g. ``architecture 'MambaForCausalLM'``), then the supported families."""
+    prefix = f"{where}: " if where else ""
+    return UnsupportedModelError(
+        f"{prefix}unsupported {named}; localgen runs these families: {supported_list()}")
 
 
 @dataclass(frozen=True)
@@ -195,7 +206,5 @@ def _architecture_of(d: Mapping[str, Any]) -> str:
     mt = d.get("model_type")
     if not archs and mt in SUPPORTED_MODEL_TYPES:
         return SUPPORTED_MODEL_TYPES[mt]
-    named = ", ".join(archs) or f"model_type={mt!r}"
-    raise UnsupportedModelError(
-        f"unsupported architecture {named}; localgen runs: {supported_list()}"
-    )
+    named = f"architecture {', '.join(repr(a) for a in archs)}" if archs else f"model_type {mt!r}"
+    raise unsupported_architecture(named)

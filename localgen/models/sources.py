@@ -200,7 +200,10 @@ def read_hf_config(path: Path) -> ModelConfig:
 
     Raises UnsupportedModelError.
     """
-    config = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+    try:
+        config = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+    except UnsupportedModelError as e:  # name the file the setting came from
+        raise UnsupportedModelError(f"{path / 'config.json'}: {e}") from None
     eos = list(config.eos_token_ids)
     gen = path / "generation_config.json"
     if gen.exists():
