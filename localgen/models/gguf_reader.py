@@ -22,11 +22,19 @@ from gguf import GGUFReader, GGUFValueType
 _U64 = struct.Struct("<Q")
 
 
+def gguf_field(reader, key: str, default: Any = None) -> Any:
+    """The value of metadata key `key` (``contents()`` of its field), or `default` when absent."""
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
 class FastGGUFReader(GGUFReader):
     """`GGUFReader` with one-pass parsing of scalar and string arrays (same results).
 
     Raises what `GGUFReader` raises (ValueError, IndexError… on a damaged file; callers use
-    ``localgen.models.gguf_source.open_gguf``, which turns them into one sentence)."""
+    ``localgen.models.gguf_open.open_gguf``, which turns them into one sentence)."""
 
     def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list[int], list]:
         if GGUFValueType(raw_type) != GGUFValueType.ARRAY or self.byte_order != "I":

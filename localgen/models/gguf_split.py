@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from localgen.models.config import CorruptModelError, ModelConfig
+from localgen.models.config import CorruptModelError
 
 _SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 _SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
@@ -42,7 +42,8 @@ class SplitGGUFReader:
     """
 
     def __init__(self, path: str | Path):
-        from localgen.models.gguf_source import _field, open_gguf
+        from localgen.models.gguf_open import open_gguf
+        from localgen.models.gguf_reader import gguf_field
 
         parts = split_parts(path)
         if parts is None:
@@ -53,7 +54,7 @@ class SplitGGUFReader:
                                     f"in {parts[0].parent}")
         readers = [open_gguf(p) for p in parts]
         for i, (p, r) in enumerate(zip(parts, readers)):
-            no, count = _field(r, "split.no"), _field(r, "split.count")
+            no, count = gguf_field(r, "split.no"), gguf_field(r, "split.count")
             if no is None or int(no) != i or count is None or int(count) != len(parts):
                 raise CorruptModelError(f"{p}: split.no = {no}, split.count = {count}, where its "
                                         f"name says part {i + 1} of {len(parts)}")
@@ -61,7 +62,7 @@ class SplitGGUFReader:
         self.fields = {k: v for k, v in readers[0].fields.items() if k not in _SPLIT_KEYS}
         self.tensors = [t for r in readers for t in r.tensors]
         self.data = readers[0].data
-        want = _field(readers[0], "split.tensors.count")
+        want = gguf_field(readers[0], "split.tensors.count")
         if want is not None and int(want) != len(self.tensors):
             raise CorruptModelError(f"{parts[0]}: split.tensors.count = {want}, but the {len(parts)} "
                                     f"parts hold {len(self.tensors)} tensors")
@@ -71,10 +72,8 @@ def load_split_gguf(path: str | Path):
     """``(ModelConfig, GGUFStore)`` of the split GGUF whose part `path` names (as `load_gguf`).
 
     Raises what `SplitGGUFReader` and `GGUFStore` raise."""
-    from localgen.models.gguf_source import GGUFStore
+    from localgen.models.gguf_source import GGUFStore, store_config
 
     reader = SplitGGUFReader(path)
     store = GGUFStore(reader.parts[0], reader=reader)
-    d = dict(store.hf_config)
-    d["torch_dtype"] = str(store.dtype).removeprefix("torch.")
-    return ModelConfig.from_hf_dict(d), store
+    return store_config(store), store

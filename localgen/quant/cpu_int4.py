@@ -151,7 +151,7 @@ def int4_output_weight(store, name: str, dense: torch.Tensor | None = None) -> I
 
     from localgen.quant.gguf_import import gguf_int4
 
-    t = store._tensor(name)
+    t = store.tensor(name)
     if len(store.shape(name)) != 2 or store.shape(name)[0] % 16:  # the kernel packs 16-row tiles
         return None
     if t.tensor_type == Q.Q8_0:

@@ -35,6 +35,19 @@ FLOAT_TYPES: frozenset[Q] = frozenset({Q.F32, Q.F16, Q.BF16})
 CHUNK_WEIGHTS = 1 << 23
 
 
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K permutation along rows (dim 0) of a ``[rows, ...]`` tensor.
+
+    llama.cpp's converter (``convert_hf_to_gguf.py``, ``LlamaModel.permute``) views each head's
+    rows as ``[2, head_dim/2]`` and transposes to ``[head_dim/2, 2]`` (pairs interleaved); the
+    inverse views ``[head_dim/2, 2]`` and transposes back. `n_head` is the number of heads the
+    rows hold (num_kv_heads for K). Rows move whole, so it applies to float rows and to rows of
+    blocks alike.
+    """
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
 def block_size(qtype: int) -> int:
     """Weights per block of ``qtype`` (32, or 256 for K-quants and IQ4_XS). KeyError if unknown."""
     return GGML_QUANT_SIZES[Q(qtype)][0]

@@ -12,7 +12,7 @@ trip: 64 rows of one column carry 64 different (d, m) pairs, which one 4-bit aff
 express, so that would be a second quantization (dequantize, then ``int4.quantize``) with its own
 error. The runtime therefore keeps imported Q4_1 weights in their native grouping.
 
-The Q/K row permutation of llama.cpp's converter (see ``gguf_source.unpermute_qk``) is a row
+The Q/K row permutation of llama.cpp's converter (see ``gguf_blocks.unpermute_qk``) is a row
 permutation; rows are whole groups here, so it is applied to the packed rows and their scale/min.
 """
 
@@ -56,15 +56,14 @@ def gguf_int4(store, name: str) -> Int4Tensor | None:
     Q4_1 (2-D), with llama.cpp's Q/K permutation undone; None for any other storage type."""
     from gguf import GGMLQuantizationType as Q
 
-    from localgen.models.gguf_source import unpermute_qk
+    from localgen.quant.gguf_blocks import unpermute_qk
 
-    t = store._tensor(name)
+    t = store.tensor(name)
     if t.tensor_type != Q.Q4_1 or len(store.shape(name)) != 2:
         return None
     rows, cols = store.shape(name)
     q = q4_1_blocks_to_int4(t.data, rows, cols)
-    for key, heads in store._permute_heads.items():
-        if key in name:
-            perm = unpermute_qk(torch.arange(rows)[:, None], heads)[:, 0]
-            q = permute_rows(q, perm)
+    heads = store.qk_heads(name)
+    if heads is not None:
+        q = permute_rows(q, unpermute_qk(torch.arange(rows)[:, None], heads)[:, 0])
     return q

@@ -1,0 +1,62 @@
+"""One GGUF tensor's data as a torch tensor, and the map's pages given back once it is copied.
+
+A tensor here is a `gguf.ReaderTensor` (its ``data`` a view into the reader's memory map). Float
+types are copied as they are stored; every quantized type that ``gguf.quants`` dequantizes is
+expanded to float32.
+"""
+
+from __future__ import annotations
+
+import mmap
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+
+def release_mapped(reader, offset: int, nbytes: int) -> None:
+    """Drop this process's mapping of a tensor's bytes once they are copied out (madvise
+    DONTNEED on the read-only file map: the pages stay in the page cache, and a later read faults
+    them back in), so loading holds the copies and not the mapped file besides them. A reader
+    without a plain memory map (a split set) is left as it is."""
+    mm = getattr(getattr(reader, "data", None), "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = offset // mmap.PAGESIZE * mmap.PAGESIZE
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
+    except (OSError, ValueError):  # a map that refuses advice keeps its pages: only memory
+        pass
+
+
+def dequantize_tensor(t) -> torch.Tensor:
+    """One GGUF tensor as a CPU torch tensor (copied out of the memory map)."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+
+    if t.tensor_type == Q.F32:
+        return torch.from_numpy(np.array(t.data, dtype=np.float32))
+    if t.tensor_type == Q.F16:
+        return torch.from_numpy(np.array(t.data, dtype=np.float16))
+    if t.tensor_type == Q.BF16:
+        # Keep bf16 bit-exact instead of widening: reinterpret the raw 16-bit words.
+        raw = np.array(t.data).view(np.int16)
+        return torch.from_numpy(raw).view(torch.bfloat16)
+    return torch.from_numpy(np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
+
+
+@lru_cache(maxsize=None)
+def loadable(qtype) -> bool:
+    """Whether `dequantize_tensor` reads `qtype`: the float types, and each type `gguf.quants`
+    dequantizes (probed on one zero block)."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+
+    if qtype in (Q.F32, Q.F16, Q.BF16):
+        return True
+    try:
+        dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
