@@ -48,8 +48,11 @@ def _dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
 class LLM:
     """A loaded model and its engine. Not thread-safe: drive it from one thread."""
 
-    def __init__(self, engine: Engine, model_name: str, source=None):
+    def __init__(self, engine: Engine, model_name: str, source=None, policy=None):
+        """``policy``: the offloading ``Policy`` the engine's runner was built for (None: the
+        plain resident path, whose runner holds everything on the model's device)."""
         self.engine, self.model_name, self.source = engine, model_name, source
+        self.policy = policy
 
     @classmethod
     def load(cls, model: str | None = None, *, revision: str | None = None,
@@ -138,19 +141,13 @@ class LLM:
             if dev.type == "cuda" and host > cpu_memory:
                 raise ValueError(f"the policy needs {host / 2**30:.2f} GiB of host memory for "
                                  f"weights and KV, over the --cpu-memory cap of {cpu_memory / 2**30:.2f} GiB")
-        return cls(engine, name, source)
-
-    @property
-    def policy(self):
-        """The offloading Policy this model runs under (None: the plain resident path)."""
-        return getattr(self.engine.model, "policy", None)
+        return cls(engine, name, source, policy)
 
     def memory_by_tier(self) -> dict[str, int]:
         """Actual bytes held per tier (gpu = the compute device, cpu, disk): weights, staging
         buffers, KV cache. The plain path holds everything on its device."""
-        runner = self.engine.runner
-        if hasattr(runner, "memory_by_tier"):
-            return runner.memory_by_tier()
+        if self.policy is not None:  # the offload runtime's runner places each tensor
+            return self.engine.runner.memory_by_tier()
         tier = "gpu" if self.device.type == "cuda" else "cpu"
         out = {"gpu": 0, "cpu": 0, "disk": 0}
         out[tier] = self.weight_bytes + self.kv_cache_bytes

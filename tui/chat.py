@@ -1,8 +1,8 @@
 """`localgen chat`: the Textual chat app (conversation, input with history, memory and
 throughput panels, stop / new chat / system prompt / sampling / save / batch).
 
-The app never touches the engine: it talks to an ``localgen.service.EngineService`` (or any
-object with its surface — tests pass a fake), whose thread runs the model. Answers arrive as
+The app never touches the engine: it talks to a :class:`~localgen.tui.service_seam.ChatService`
+(``localgen.service.EngineService``; tests pass a fake), whose thread runs the model. Answers arrive as
 ``RequestOutput``s through the request's async stream and are posted to the answer's widget as
 :class:`AnswerUpdate` messages; metrics snapshots arrive as :class:`MetricsUpdated` messages.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 from textual import on, work
 from textual.app import App, ComposeResult
@@ -22,6 +21,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Static
 
 from localgen.conversation import Conversation
+from localgen.service import MetricsSnapshot, RequestStream
 from localgen.tui.chat_dialogs import ConfirmScreen, CopyScreen, HelpScreen, HistoryScreen, binding_rows
 from localgen.tui.chat_screens import (BatchScreen, SamplingScreen, SaveScreen, SystemPromptScreen,
                                        default_transcript_path)
@@ -29,13 +29,14 @@ from localgen.tui.chat_widgets import (AnswerStats, AnswerUpdate, ChatMessage, C
                                        LastAnswer, MemoryPanel, MetricsUpdated, PromptInput,
                                        ThroughputPanel)
 from localgen.tui.history import ChatStore, new_chat_id
+from localgen.tui.service_seam import BatchJobView, ChatService
 
 WELCOME = ("Type a message and press Enter (Ctrl+J: new line). Esc stops an answer; ↑/↓ recall "
            "earlier messages; F1 lists every key.")
 
 
 class BatchProgressed(Message):
-    def __init__(self, job: Any):
+    def __init__(self, job: BatchJobView):
         super().__init__()
         self.job = job
 
@@ -154,7 +155,7 @@ class ChatApp(App):
     BINDINGS = [Binding("ctrl+q", "request_quit", "Quit", priority=True)]
     ENABLE_COMMAND_PALETTE = False
 
-    def __init__(self, service: Any, conversation: Conversation | None = None, *,
+    def __init__(self, service: ChatService, conversation: Conversation | None = None, *,
                  model_label: str = "", close_service: bool = True, store: ChatStore | None = None,
                  chat_id: str | None = None):
         super().__init__()
@@ -164,9 +165,9 @@ class ChatApp(App):
         self.close_service = close_service
         self.store, self.chat_id = store, chat_id
         self.saved_turns = len(self.conversation.turns) if chat_id else 0
-        self.current: Any = None  # the stream of the answer being generated
+        self.current: RequestStream | None = None  # the stream of the answer being generated
         self.current_widget: ChatMessage | None = None
-        self.last_snapshot: Any = None
+        self.last_snapshot: MetricsSnapshot | None = None
         self.answers_streamed = 0
         self._batch_posted: dict[str, float] = {}
         self._listener = lambda snap: self.post_message(MetricsUpdated(snap))
@@ -181,7 +182,7 @@ class ChatApp(App):
     async def on_mount(self) -> None:
         self.install_screen(BatchScreen(self.service), name="batch")
         self.service.add_metrics_listener(self._listener)
-        if not getattr(self.service, "started", True):
+        if not self.service.started:
             self.service.start()
         self.post_message(MetricsUpdated(self.service.metrics()))
         self._wait_ready()
@@ -196,7 +197,7 @@ class ChatApp(App):
         self.post_message(EngineState(err))
 
     async def on_engine_state(self, msg: EngineState) -> None:
-        info = getattr(self.service, "model_info", None)
+        info = self.service.model_info
         if info is not None and not self.conversation.model:
             self.conversation.model = info.name
         self.update_status()
@@ -221,8 +222,7 @@ class ChatApp(App):
     # -- status and panels --------------------------------------------------------------------
     def update_status(self) -> None:
         svc = self.service
-        state = getattr(svc, "state", "ready")
-        info = getattr(svc, "model_info", None)
+        state, info = svc.state, svc.model_info
         name = self.model_label or (info.name if info else "")
         parts = [name or "model"]
         if info is not None:
@@ -231,7 +231,7 @@ class ChatApp(App):
                       "closed": "closed"}.get(state, state))
         s = self.conversation.sampling
         parts.append(f"T={s.temperature:g} p={s.top_p:g} max={s.max_tokens}" + (f" seed={s.seed}" if s.seed is not None else ""))
-        jobs = [j for j in getattr(svc, "batch_jobs", []) if j.state in ("queued", "running")]
+        jobs = self.running_jobs()
         if jobs:
             p = jobs[0].progress
             parts.append(f"batch {p.done}/{p.total}" if p else "batch queued")
@@ -262,7 +262,7 @@ class ChatApp(App):
         if self.current is not None:
             self.notify("An answer is still being generated: Esc stops it.", severity="warning")
             return
-        state = getattr(self.service, "state", "ready")
+        state = self.service.state
         if state != "ready":
             self.notify("The model is still loading." if state == "loading" else
                         "The model is not loaded; see the message above.", severity="error")
@@ -278,7 +278,7 @@ class ChatApp(App):
         self._stream_answer(self.current, widget)
 
     @work(group="answer", exit_on_error=False)
-    async def _stream_answer(self, stream: Any, widget: ChatMessage) -> None:
+    async def _stream_answer(self, stream: RequestStream, widget: ChatMessage) -> None:
         t0 = stream.submitted_at
         try:
             async for out in stream:
@@ -354,8 +354,8 @@ class ChatApp(App):
             out.append("this conversation (it is not saved)")
         return out
 
-    def running_jobs(self) -> list[Any]:
-        return [j for j in getattr(self.service, "batch_jobs", []) if j.state in ("queued", "running")]
+    def running_jobs(self) -> list[BatchJobView]:
+        return [j for j in self.service.batch_jobs if j.state in ("queued", "running")]
 
     def confirm(self, question: str, then, yes: str = "Yes") -> None:
         """Ask ``question``; run ``then()`` (sync or async) on yes."""
@@ -467,7 +467,7 @@ class ChatApp(App):
     def show_batch(self) -> None:
         self.push_screen("batch")
 
-    def submit_batch(self, in_path, out_path) -> Any:
+    def submit_batch(self, in_path, out_path) -> BatchJobView:
         post = self.post_message
 
         def progressed(job) -> None:  # on the engine thread: throttle to ~10 messages/s

@@ -6,7 +6,6 @@ import os
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 from textual import on
 from textual.app import ComposeResult
@@ -16,6 +15,7 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Footer, Input, Label, ProgressBar, Static, TextArea
 
 from localgen.runtime.request import SamplingParams
+from localgen.tui.service_seam import BatchJobView, ChatService
 
 _MODAL_CSS = """
 {name} {{ align: center middle; }}
@@ -215,7 +215,7 @@ class JobRow(Vertical):
     JobRow .job-stats { color: $text-muted; }
     """
 
-    def __init__(self, job: Any):
+    def __init__(self, job: BatchJobView):
         super().__init__()
         self.job = job
 
@@ -272,7 +272,7 @@ class BatchScreen(Screen):
     """
     BINDINGS = [Binding("escape", "back", "Back to chat"), Binding("f5", "back", "Back to chat", show=False)]
 
-    def __init__(self, service: Any):
+    def __init__(self, service: ChatService):
         super().__init__()
         self.service = service
         self.rows: dict[str, JobRow] = {}
@@ -290,10 +290,10 @@ class BatchScreen(Screen):
         yield Footer()
 
     def on_mount(self) -> None:
-        for job in getattr(self.service, "batch_jobs", []):
+        for job in self.service.batch_jobs:
             self._add_row(job)
 
-    def _add_row(self, job: Any) -> None:
+    def _add_row(self, job: BatchJobView) -> None:
         if job.job_id in self.rows:
             return
         row = JobRow(job)
@@ -318,7 +318,7 @@ class BatchScreen(Screen):
         job = self.app.submit_batch(src_p, dst_p)
         self._add_row(job)
 
-    def refresh_job(self, job: Any) -> None:
+    def refresh_job(self, job: BatchJobView) -> None:
         if job.job_id not in self.rows:
             self._add_row(job)
         else:

@@ -13,7 +13,6 @@ They read plain data (RequestOutput, MetricsSnapshot); none touches the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from textual import events
 from textual.app import ComposeResult
@@ -23,6 +22,7 @@ from textual.message import Message
 from textual.widgets import Markdown, Sparkline, Static, TextArea
 
 from localgen.runtime.request import RequestOutput
+from localgen.service import MetricsSnapshot
 
 # ------------------------------------------------------------------------------------------
 # Formatting (pure; tested alone)
@@ -86,8 +86,8 @@ class AnswerStats:
         return " · ".join(parts)
 
 
-def memory_lines(snap: Any) -> list[str]:
-    """The memory panel's text for a MetricsSnapshot (≤ 28 columns a line)."""
+def memory_lines(snap: MetricsSnapshot | None) -> list[str]:
+    """The memory panel's text for a MetricsSnapshot (≤ 28 columns a line; None: loading)."""
     if snap is None or snap.memory is None:
         return ["loading…" if snap is None or snap.state == "loading" else "no data"]
     mem, info = snap.memory, snap.model
@@ -119,7 +119,7 @@ def memory_lines(snap: Any) -> list[str]:
     return lines
 
 
-def throughput_lines(snap: Any, last: AnswerStats | None = None) -> tuple[list[str], list[str]]:
+def throughput_lines(snap: MetricsSnapshot | None, last: AnswerStats | None = None) -> tuple[list[str], list[str]]:
     """Text above and below the sparkline of the throughput panel."""
     if snap is None or snap.model is None:
         return (["decode   –"], ["loading…" if snap is None or snap.state == "loading" else snap.state])
@@ -158,7 +158,7 @@ class AnswerFailed(Message):
 class MetricsUpdated(Message):
     """A new ``MetricsSnapshot`` for the panels."""
 
-    def __init__(self, snapshot: Any):
+    def __init__(self, snapshot: MetricsSnapshot):
         super().__init__()
         self.snapshot = snapshot
 
@@ -360,7 +360,7 @@ class MemoryPanel(Static):
     def on_metrics_updated(self, msg: MetricsUpdated) -> None:
         self.show(msg.snapshot)
 
-    def show(self, snap: Any) -> None:
+    def show(self, snap: MetricsSnapshot | None) -> None:
         self.snapshot = snap
         self.refreshes += 1
         self.update("\n".join(memory_lines(snap)))
@@ -394,7 +394,7 @@ class ThroughputPanel(Vertical):
         self.last = msg.stats
         self.show(self.snapshot)
 
-    def show(self, snap: Any) -> None:
+    def show(self, snap: MetricsSnapshot | None) -> None:
         self.snapshot = snap
         self.refreshes += 1
         top, bottom = throughput_lines(snap, self.last)

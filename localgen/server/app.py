@@ -39,7 +39,7 @@ def create_app(service: EngineService, config: ServerConfig) -> FastAPI:
     app.state.generator = gen
     install_error_handlers(app)
     api = APIRouter(dependencies=[Depends(_auth(config))])
-    text = TokenText(service.llm.tokenizer)
+    text = TokenText(gen.tokenizer)
 
     @app.get("/health")
     async def health():

@@ -23,7 +23,7 @@ from localgen.server.metrics import ServerMetrics, TokenTimer
 from localgen.server.protocol import (MAX_STOP, ChatCompletionRequest, CompletionRequest,
                                       sampling_params)
 from localgen.server.tools import render_messages, tool_call_schema
-from localgen.service import EngineService, RequestStream, ServiceClosed
+from localgen.service import EngineService, RequestStream, ServedLLM, ServiceClosed
 
 
 @dataclass
@@ -69,12 +69,20 @@ class Generator:
         self._tok_lock = threading.Lock()
 
     @property
+    def llm(self) -> ServedLLM:
+        """The service's model, for its constant properties (tokenizer, limits)."""
+        llm = self.service.llm
+        if llm is None:
+            raise RuntimeError(f"the engine service is {self.service.state}: no model to serve")
+        return llm
+
+    @property
     def tokenizer(self):
-        return self.service.llm.tokenizer
+        return self.llm.tokenizer
 
     @property
     def token_limit(self) -> int:
-        return self.service.llm.token_limit
+        return self.llm.token_limit
 
     # -- preparing ------------------------------------------------------------------------
     def check_model(self, name: str) -> None:
@@ -140,7 +148,7 @@ class Generator:
 
     def _check_bytes(self, text: str) -> None:
         """A prompt longer than any tokenization could fit is refused before tokenizing."""
-        cap = self.service.llm.max_prompt_bytes
+        cap = self.llm.max_prompt_bytes
         if len(text.encode("utf-8", "surrogatepass")) > cap:
             raise PromptTooLongError(f"the prompt's text cannot fit the context of "
                                      f"{self.token_limit} tokens")

@@ -1,17 +1,21 @@
 """``GET /metrics``: the engine and the server in Prometheus text format (prometheus-client).
 
-Gauges and counters are read from the engine when scraped (``Engine.metrics`` is updated by the
-engine thread after every step and every abort, so freed KV blocks show at once); the TTFT and
-inter-token latency histograms are observed by the server as it streams each request's tokens,
+Gauges and counters are read from the service's latest ``MetricsSnapshot`` when scraped (the
+engine thread publishes one after every step that finishes a request and every abort, before
+the request's stream ends, so a client sees its request counted and its KV blocks freed); the
+TTFT and inter-token latency histograms are observed by the server as it streams each request's tokens,
 so they include queueing and HTTP time, as a client sees it. Each server has its own registry.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from localgen.service import EngineService
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -20,17 +24,15 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 
 
 class _EngineCollector:
-    """Reads the service's engine at scrape time."""
+    """Reads the service's latest snapshot at scrape time (nothing while no model is loaded)."""
 
-    def __init__(self, service, in_flight):
+    def __init__(self, service: EngineService, in_flight: Callable[[], int]):
         self._service, self._in_flight = service, in_flight
 
     def collect(self):
-        llm = self._service.llm
-        m = getattr(llm, "metrics", None)
-        if m is None:
+        m = self._service.metrics()
+        if m.model is None:
             return
-        snap = self._service.metrics()
         gauges = [
             ("localgen_requests_running", "Requests in the running batch.", m.num_running),
             ("localgen_requests_waiting", "Requests waiting for the running batch.", m.num_waiting),
@@ -39,9 +41,9 @@ class _EngineCollector:
             ("localgen_kv_blocks_used", "KV cache blocks in use.", m.kv_blocks_used),
             ("localgen_kv_blocks_total", "KV cache blocks in all.", m.kv_blocks_total),
             ("localgen_decode_tokens_per_second",
-             "Decode tokens per second of decode time, over the recent window.", snap.decode_tokens_per_s),
+             "Decode tokens per second of decode time, over the recent window.", m.decode_tokens_per_s),
             ("localgen_prefill_tokens_per_second",
-             "Prompt tokens per second of prefill time, over recent prefills.", snap.prefill_tokens_per_s),
+             "Prompt tokens per second of prefill time, over recent prefills.", m.prefill_tokens_per_s),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=float(value))
@@ -60,7 +62,7 @@ class _EngineCollector:
 class ServerMetrics:
     """The server's registry: the engine collector plus request histograms and counters."""
 
-    def __init__(self, service, in_flight):
+    def __init__(self, service: EngineService, in_flight: Callable[[], int]):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(service, in_flight))
         self.ttft = Histogram("localgen_time_to_first_token_seconds",
