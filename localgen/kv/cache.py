@@ -1,18 +1,19 @@
 """The paged KV cache tensors and how many blocks fit in memory.
 
-Layout per layer, for K and for V: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (DESIGN.md).
+Layout per layer, for K and for V: ``[num_blocks, block_size, num_kv_heads, head_dim]``; a KV
+block is ``block_size`` (16 by default) tokens of one sequence (PagedAttention §4.1).
 """
 
 from __future__ import annotations
 
 import math
 import mmap
+from typing import Protocol
 
 import psutil
 import torch
 
 from localgen.kv.attention import LayerKV
-from localgen.models.config import ModelConfig
 
 # Share of free memory the cache may take when the user gives no --kv-cache-memory.
 GPU_FREE_FRACTION = 0.9
@@ -20,9 +21,20 @@ CPU_AVAILABLE_FRACTION = 0.25
 CPU_DEFAULT_CAP = 2 << 30  # host RAM is shared with everything else; --kv-cache-memory lifts it
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V of all layers for one block."""
-    return cfg.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size()) * block_size
+class KVShape(Protocol):
+    """The shape of a model's KV cache: what the cache needs to know of the model (a
+    ``ModelConfig`` is one). K and V of one token take ``num_kv_heads * head_dim`` elements each
+    in every one of ``num_layers`` layers."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def bytes_per_block(shape: KVShape, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V of all layers for one KV block of ``block_size`` tokens."""
+    esize = torch.tensor([], dtype=dtype).element_size()
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * esize * block_size
 
 
 def free_memory_bytes(device: torch.device, reserve_bytes: int = 0) -> int:
@@ -34,7 +46,7 @@ def free_memory_bytes(device: torch.device, reserve_bytes: int = 0) -> int:
     return min(int(psutil.virtual_memory().available * CPU_AVAILABLE_FRACTION), CPU_DEFAULT_CAP)
 
 
-def plan_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
+def plan_num_blocks(shape: KVShape, block_size: int, dtype: torch.dtype, device: torch.device,
                     kv_cache_memory: int | None, max_useful_tokens: int,
                     reserve_bytes: int = 0) -> int:
     """Blocks to allocate: ``kv_cache_memory`` bytes if given, else a share of free memory after
@@ -43,7 +55,7 @@ def plan_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, devic
 
     Raises ValueError when the budget holds less than one block.
     """
-    per_block = bytes_per_block(cfg, block_size, dtype)
+    per_block = bytes_per_block(shape, block_size, dtype)
     budget = kv_cache_memory if kv_cache_memory is not None else max(
         0, free_memory_bytes(device, reserve_bytes))
     n = budget // per_block
@@ -71,15 +83,15 @@ class PagedKVCache:
     """K and V tensors for every layer; ``layer(i)`` is the view the model's layer ``i`` gets.
     On the CPU the blocks take memory as they are first written (``lazy_zeros``)."""
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+    def __init__(self, shape: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device):
         # one extra block past the allocator's range: padded rows of a CUDA-graph batch write there
-        shape = (cfg.num_layers, 2, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.data = lazy_zeros(shape, dtype, device)
+        dims = (shape.num_layers, 2, num_blocks + 1, block_size, shape.num_kv_heads, shape.head_dim)
+        self.data = lazy_zeros(dims, dtype, device)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch_block = num_blocks
         self.views = [LayerKV(self.data[i, 0], self.data[i, 1], self.data[i])
-                      for i in range(cfg.num_layers)]
+                      for i in range(shape.num_layers)]
 
     @property
     def nbytes(self) -> int:
@@ -91,11 +103,13 @@ class PagedKVCache:
         return self.data[:, :, 0].numel() * self.data.element_size()
 
 
-def activation_reserve_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int,
+def activation_reserve_bytes(cfg, max_num_batched_tokens: int, max_num_seqs: int,
                              dtype: torch.dtype) -> int:
-    """GPU memory to leave free beside the cache: a prefill's activations at
-    ``max_num_batched_tokens`` (residual, q/k/v, gated MLP), the logits of a full decode batch in
-    float32 (twice: graph outputs and sampling), and 256 MiB for CUDA-graph pools."""
+    """GPU memory (bytes) to leave free beside the cache, for a model of ``cfg``'s shapes (a
+    ``ModelConfig``: hidden_size, q_size, kv_size, intermediate_size, vocab_size): a prefill's
+    activations at ``max_num_batched_tokens`` (residual, q/k/v, gated MLP), the logits of a full
+    decode batch in float32 (twice: graph outputs and sampling), and 256 MiB for CUDA-graph
+    pools."""
     esize = torch.tensor([], dtype=dtype).element_size()
     per_token = 4 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size + 3 * cfg.intermediate_size
     logits = 2 * max_num_seqs * cfg.vocab_size * 4
