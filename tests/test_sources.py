@@ -219,7 +219,7 @@ def test_models_cli_prints_table(model_dirs):
 
     result = CliRunner().invoke(app, ["models", str(model_dirs["llama2"])], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    assert "llama2" in result.output and "LlamaForCausalLM" in result.output
+    assert "llama2" in result.output and "Llama" in result.output
 
 
 # ---- GGUF -------------------------------------------------------------------------------------

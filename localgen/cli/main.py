@@ -47,6 +47,7 @@ from localgen.cli import models_cmd; app.command("models")(models_cmd.models)  #
 from localgen.cli import pull_cmd; app.command("pull")(pull_cmd.pull)  # noqa: E402,E702
 from localgen.cli import profile_cmd  # noqa: E402
 app.command("profile")(profile_cmd.profile)
+app.command("rm")(models_cmd.rm)
 from localgen.cli import serve_cmd; app.command("serve")(serve_cmd.serve)  # noqa: E402,E702
 from localgen.cli import tune_cmd  # noqa: E402
 app.command("tune")(tune_cmd.tune)
