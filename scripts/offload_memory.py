@@ -5,8 +5,8 @@ preset's shapes, prompt 512).
 
     python scripts/offload_memory.py --preset llama-2-7b --gpu-memory 12GiB --policy 4,85,38,62,0,100,0,100
 
-Kept because the search's Llama-2-7B fp16 pick at 6 GiB (4 x 85) ran out of GPU memory on an
-H100 while the model predicted 5.4 GiB.
+Use it when a policy runs out of GPU memory that the cost model said it would fit in: the tensors
+alive at the peak name what the model leaves out.
 """
 
 from __future__ import annotations

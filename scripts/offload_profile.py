@@ -5,8 +5,8 @@ host time, plus the wall time of a step.
     python scripts/offload_profile.py --preset llama-2-7b --gpu-memory 6GiB \
         --policy 2,4,100,0,100,0,100,0,w4,kv4 [--policy ...] [--device cuda] [--steps 3]
 
-Issue 6's 4-bit runs measured 20.8 ms of compute per layer per decode step against 0.56 predicted;
-this script is how that gap is found (kept so the measurement can be repeated).
+Use it when a policy's measured step is far above the cost model's prediction: the top ops say
+whether the GPU, the copies or the host's launches take the time.
 """
 
 from __future__ import annotations
