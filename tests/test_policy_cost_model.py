@@ -316,7 +316,7 @@ def test_one_batch_decode_when_the_gpu_reads_the_cache_in_place(cache, compress,
         assert t.decode["comp"][-1] < per_batch
 
 
-# Policies of record measured on a lent H100 (docs/results/offload_h100.md, "Ninth session" and later):
+# Policies of record measured on a lent H100 (docs/benchmarks.md, "Offloading"):
 # preset, the bench's GPU cap in GiB (None: the whole GPU), the bench's --policy, the result file.
 MEASURED_H100 = [
     ("opt-30b", 16, "32,2,10,90,0,100,100,0", "offload_opt30b_h100_v12_onebatch.json"),
@@ -341,7 +341,7 @@ MEASURED_H100 = [
 def test_localgen_predictions_within_25_percent_of_h100_runs(preset, cap_gib, spec, result):
     """Issue 6: the shipped H100 profile's prediction of each measured policy, under localgen's
     runtime, is within 25% of the throughput the H100 run measured (prompt 512, gen 32, dummy
-    weights of the preset's shapes; ``scripts/offload_gpu_runs.sh``)."""
+    weights of the preset's shapes; the commands in ``docs/benchmarks.md``)."""
     import dataclasses
     import json
     from pathlib import Path

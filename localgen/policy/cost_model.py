@@ -490,7 +490,7 @@ class CostModel:
         if compress_cache and self.runtime == "localgen":
             # localgen's 4-bit prefill attention also holds the rotated q/k/v, the 4-bit echo of
             # k/v and k/v concatenated with each prompt's own blocks in fp (runtime/offload/kv.py
-            # _fresh_int4_prefill; traced in docs/results/offload_memory_opt30b_32x13_h100.txt)
+            # _fresh_int4_prefill; scripts/offload_memory.py shows them at a policy's peak)
             att_p += gbs * s * B * (q + 8 * kv)
         ops_p = [gbs * s * B * (h1 + q + 2 * kv), att_p, gbs * s * B * (h1 + n_mlp * h2)]
         att_g = gbs * B * (q + nh * (s + n)) + (2 * kv * B * (s + n) * gbs if compress_cache else 0.0)

@@ -59,7 +59,7 @@ class ActivationTier:
     def __init__(self, hg: float, hc: float, device: torch.device, timers: Timers):
         self.hg, self.hc, self.device, self.timers = hg, hc, torch.device(device), timers
         self.cuda = self.device.type == "cuda"
-        self.overlap_enabled = True  # A/B switch for the diagnostics (scripts/offload_prefill_diag.py)
+        self.overlap_enabled = True  # False: the copies run on the compute stream (an A/B switch)
         self.host: dict[int, torch.Tensor] = {}  # GPU batch -> pinned buffer (uint8)
         self._streams = None  # (device-to-host, host-to-device), made on first use
         self._last: Held | None = None  # the latest stored batch whose src is still held

@@ -3,8 +3,8 @@
 The eager prefill of one block launches every kernel from Python: Llama-2-7B at 4 x 4 GPU
 batches of 512-token prompts makes about 2300 launches and 128 layer calls, 126 ms of host work
 against 227 ms of GPU work on a calm H100 host. When the device machine's host slows down, the
-host becomes the bound and the same prefill measured 0.25-0.41 s
-(``docs/results/offload_h100.md``, fifth session). A replayed graph costs the GPU time alone.
+host becomes the bound and the same prefill measured 0.25-0.41 s.
+A replayed graph costs the GPU time alone.
 
 A block shape (sequences, prompt length) is captured at its second sighting, for blocks whose
 prompts all have that length and nothing cached (a chat's prompts rarely repeat a length; a batch
