@@ -16,8 +16,8 @@ def keep_freed_host_memory(limit: int = 1 << 30) -> bool:
     them to the kernel (``mallopt`` M_MMAP_THRESHOLD and M_TRIM_THRESHOLD). By default every
     allocation above 128 KiB is a fresh ``mmap``, zero-filled page by page on first touch and
     unmapped when freed; a CPU forward allocates such tensors in every layer (a decode step's
-    gathered K/V and logits, a prefill's activations), and on the project's 2-core VM first-touch
-    writes ran at ~4 GB/s against ~35 GB/s into reused memory. This is what the jemalloc /
+    gathered K/V and logits, a prefill's activations), and writes that fault fresh pages in run
+    several times slower than writes into reused memory. This is what the jemalloc /
     tcmalloc advice for PyTorch on CPUs achieves, without preloading another allocator. The
     process keeps its peak heap (the memory stays mapped, not in use). Once per process; glibc
     only; ``LOCALGEN_MALLOPT=0`` turns it off. Returns whether it was applied."""

@@ -374,7 +374,7 @@ def bench(spec: str, batches: list[int], prompt_len: int, gen_len: int, *, devic
     roofs = {b: roofline(wbytes, kv_tok, b, prompt_len, gen_len, bw) for b in batches}
     runs: list[DecodeRun] = []
     # one engine at a time, each measured before the next is loaded (a second model resident in
-    # the process competes for caches and memory: once seen as 25-40% slower CPU decode steps)
+    # the process competes for caches and memory and slows the measured engine's steps)
     for b in batches:
         # warm-up with the measured shapes: compiles kernels, captures this run's graph buckets
         # (other prompts than the measured ones: no prefix-cache hits in the measurement)

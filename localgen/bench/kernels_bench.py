@@ -12,10 +12,10 @@ bf16 (``--dtype``), KV block size 16 (``--block-size``), shuffled block tables. 
 not fit in memory are skipped.
 
 Timing: CUDA events around one call, median of ``--repeat`` after warm-up, L2 flushed before every
-timed call by reading a 256 MiB buffer (``--flush read``). A flush that writes (``--flush write``, the
-method before 2026-11-24) leaves the L2 (50 MiB on an H100, 60 on an H200) full of dirty lines, and
-their write-back then lands inside the timed call: up to ~15 us of extra DRAM traffic, which a
-decode step, whose preceding kernels write only small activations, does not pay. The timing floor
+timed call by reading a 256 MiB buffer (``--flush read``). A flush that writes (``--flush write``, kept
+for comparison) leaves the L2 full of dirty lines, and their write-back then lands inside the timed
+call as extra DRAM traffic, which a decode step, whose preceding kernels write only small
+activations, does not pay. The timing floor
 (one tiny kernel timed the same way) is printed with the table. Ours and SDPA are timed as
 CUDA-graph replays ("us", pure GPU time) and as eager calls ("eager_us", with Python launch
 overhead); the reference eagerly (it reads

@@ -163,10 +163,9 @@ def run_localgen(cfg, store, policy, batch: int, prompt_len: int, gen_len: int, 
         for _ in range(2):  # a prefill graph is captured at its shape's second sighting
             generate_random(llm, batch, prompt_len, 2, seed=1)
     else:
-        # warm up at the measured prompt length: 8-token prompts left the large-M paths (int4
-        # dequantize + cuBLAS, the prefill attention, the allocator's growth) to the timed prefill,
-        # 3.0 s of OPT-30B 4-bit 8 x 7's 6.5 s on a fresh H100
-        # (docs/results/offload_prefill_diag_opt30b_h100_v1_recordstream.txt)
+        # warm up at the measured prompt length: shorter prompts would leave the first use of the
+        # large-M paths (int4 dequantize + cuBLAS, the prefill attention, the allocator's growth)
+        # inside the timed prefill
         generate_random(llm, min(batch, policy.bls), prompt_len, 2, seed=1)
     _log("  warmed up")
     runs = []
