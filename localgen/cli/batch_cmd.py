@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import typer
 
-from localgen.cli.units import parse_size
+from localgen.cli.offload_flags import OffloadFlags, offload_options, size_option, with_offload_flags
 
 # Exit statuses of a run stopped by a signal, 128 + the signal's number as a shell reports them:
 # 130 for Ctrl-C (SIGINT), 143 for SIGTERM, which supervisors (systemd, Kubernetes, `timeout`)
@@ -81,59 +81,7 @@ def load_llm(
                     progress=stderr_status(), **offload)
 
 
-def offload_options(model: str | None, percent, gpu_batch_size, num_gpu_batches, compress_weight,
-                    compress_cache, cpu_cache_compute, offload_dir, gpu_memory, cpu_memory,
-                    prompt_len: int, gen_len: int, echo) -> tuple[dict[str, Any], Any]:
-    """``(keywords, prediction)``: the policy (flags over the saved one) and caps as ``LLM.load``
-    keywords, empty when nothing asks for offloading; and the cost model's Prediction for it
-    (None without a policy, or when it cannot be made), whose peak per tier is printed with the
-    policy before loading."""
-    from localgen.runtime.offload.plan import peak_lines, policy_from_options, predicted_for
-
-    try:
-        policy = policy_from_options(model, percent, gpu_batch_size, num_gpu_batches, compress_weight,
-                                     compress_cache, cpu_cache_compute)
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--percent") from None
-    gpu_b, cpu_b = _size_option(gpu_memory), _size_option(cpu_memory)
-    if policy is None:
-        return {}, None
-    pred = None
-    try:
-        pred = predicted_for(model, policy, prompt_len, gen_len, gpu_memory=gpu_b, cpu_memory=cpu_b,
-                             offload_dir=offload_dir)
-        for line in peak_lines(policy, pred, prompt_len, gen_len):
-            echo(line)
-    except Exception as e:  # the prediction is advice; loading reports real problems
-        echo(f"predicted peak memory unavailable: {e}")
-    out: dict[str, Any] = {"policy": policy}
-    for k, v in (("offload_dir", offload_dir), ("gpu_memory", gpu_b), ("cpu_memory", cpu_b)):
-        if v is not None:
-            out[k] = v
-    return out, pred
-
-
-# FlexGen's flags (issue 6), shared by `batch` and `generate`.
-PercentOpt = typer.Option(None, "--percent", help="FlexGen placement in percent: wg wc cg cc hg hc (weights, KV cache, activations on GPU / CPU; disk takes the rest). Overrides the saved policy.")
-GbsOpt = typer.Option(None, "--gpu-batch-size", min=1, help="Sequences per GPU batch (policy gbs).")
-NgbOpt = typer.Option(None, "--num-gpu-batches", min=1, help="GPU batches per block sharing each loaded layer.")
-CwOpt = typer.Option(None, "--compress-weight/--no-compress-weight", help="4-bit group-wise weights (g=64).")
-CcOpt = typer.Option(None, "--compress-cache/--no-compress-cache", help="4-bit group-wise KV cache (g=64).")
-CpuAttnOpt = typer.Option(None, "--cpu-cache-compute/--no-cpu-cache-compute", help="Decode attention over a CPU/disk KV cache runs on the CPU.")
-OffloadDirOpt = typer.Option(None, "--offload-dir", help="Folder for disk-tier weights and KV files.")
-GpuMemOpt = typer.Option(None, "--gpu-memory", help="Cap on GPU memory, e.g. 6GiB (emulates a smaller GPU).")
-CpuMemOpt = typer.Option(None, "--cpu-memory", help="Cap on host memory for weights and KV, e.g. 16GiB.")
-
-
-def _size_option(value: Optional[str]) -> Optional[int]:
-    if value is None:
-        return None
-    try:
-        return parse_size(value)
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
-
-
+@with_offload_flags
 def batch(
     input: Path = typer.Argument(
         ..., exists=True, dir_okay=False, readable=True, metavar="IN.jsonl", help="Input JSONL: native {id, prompt|messages, ...} or OpenAI Batch API lines."
@@ -150,15 +98,7 @@ def batch(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype, e.g. float32, bfloat16.", show_default="chosen for the device"),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ...", show_default="best available"),
     progress_bar: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar (on stderr)."),
-    percent: Optional[tuple[float, float, float, float, float, float]] = PercentOpt,
-    gpu_batch_size: Optional[int] = GbsOpt,
-    num_gpu_batches: Optional[int] = NgbOpt,
-    compress_weight: Optional[bool] = CwOpt,
-    compress_cache: Optional[bool] = CcOpt,
-    cpu_cache_compute: Optional[bool] = CpuAttnOpt,
-    offload_dir: Optional[str] = OffloadDirOpt,
-    gpu_memory: Optional[str] = GpuMemOpt,
-    cpu_memory: Optional[str] = CpuMemOpt,
+    offload: OffloadFlags = OffloadFlags(),
 ) -> None:
     """Generate answers for every line of IN.jsonl, appending one result per line to OUT.jsonl.
 
@@ -176,7 +116,7 @@ def batch(
     from localgen.runtime.request import SamplingParams
 
     err = Console(stderr=True, highlight=False)
-    kv_bytes = _size_option(kv_cache_memory)
+    kv_bytes = size_option(kv_cache_memory)
     if input.resolve() == output.resolve():
         raise typer.BadParameter("the output file must differ from the input file", param_hint="--output")
     defaults: dict[str, Any] = {}
@@ -197,13 +137,11 @@ def batch(
             raise typer.Exit(1) from None
         with lock:
             try:
-                offload, _ = offload_options(model, percent, gpu_batch_size, num_gpu_batches, compress_weight,
-                                             compress_cache, cpu_cache_compute, offload_dir, gpu_memory,
-                                             cpu_memory, 512, max_tokens or 256,
+                load_kw, _ = offload_options(model, offload, 512, max_tokens or 256,
                                              lambda m: err.print(m, markup=False))
                 err.print(f"loading model {model or '(embedded default)'} ...")
                 llm = load_llm(model, kv_cache_memory=kv_bytes, max_num_seqs=max_num_seqs, dtype=dtype,
-                               device=device, **offload)
+                               device=device, **load_kw)
             except KeyboardInterrupt:
                 err.print("[yellow]interrupted[/] while loading the model; nothing was written.")
                 raise typer.Exit(term.exit_status) from None

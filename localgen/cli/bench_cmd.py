@@ -12,11 +12,13 @@ from localgen.fileio import atomic_write_json
 app = typer.Typer(help="Benchmarks: localgen beside its peers, measured in the same run.",
                   no_args_is_help=True)
 
+PromptsOpt = typer.Option(..., "--prompts", exists=True, dir_okay=False,
+                          help="JSONL with a 'prompt' per line (e.g. instructions.jsonl).")
+
 
 @app.command("batch")
 def batch(
-    prompts: Path = typer.Option(..., "--prompts", exists=True, dir_okay=False,
-                                 help="JSONL with a 'prompt' per line (e.g. instructions.jsonl)."),
+    prompts: Path = PromptsOpt,
     limit: int = typer.Option(100, "--limit", min=1, help="Number of prompts."),
     max_tokens: int = typer.Option(128, "--max-tokens", min=1),
     model: Optional[str] = typer.Option(None, "--model", help="Model.", show_default="embedded"),
@@ -56,8 +58,7 @@ def batch(
 
 @app.command("soak")
 def soak(
-    prompts: Path = typer.Option(..., "--prompts", exists=True, dir_okay=False,
-                                 help="JSONL with a 'prompt' per line (repeated as needed)."),
+    prompts: Path = PromptsOpt,
     requests: int = typer.Option(1000, "--requests", min=1, help="Number of requests."),
     max_tokens: int = typer.Option(16, "--max-tokens", min=1),
     fraction: float = typer.Option(0.1, "--fraction", min=0.001, max=1.0,
@@ -271,18 +272,11 @@ def startup(
         LLAMA_CPP_BIN=~/llama.cpp/build/bin localgen bench startup --repeat 5 --out startup.json
     """
     from localgen.bench import startup_bench
-    from localgen.models.sources import embedded_gguf_path
 
-    if model is None:
-        gguf = embedded_gguf_path()
-    else:
-        gguf = Path(model).expanduser() if model.endswith(".gguf") and Path(model).expanduser().is_file() else None
+    gguf = _peer_gguf(model)
     res = startup_bench.run(model, gguf, prompt, repeat, llama_cpp_bin, chat=chat,
                             log=lambda m: typer.echo(m, err=True))
-    for line in startup_bench.report(res):
-        typer.echo(line)
-    if out:
-        atomic_write_json(out, res.to_json())
+    _print_and_save(startup_bench.report(res), res, out)
 
 
 @app.command("serve")
@@ -304,7 +298,6 @@ def serve(
         LLAMA_CPP_BIN=~/llama.cpp/build/bin localgen bench serve --concurrency 1,16 --out serve.json
     """
     from localgen.bench import serve_bench
-    from localgen.models.sources import embedded_gguf_path
 
     try:
         levels = tuple(int(c) for c in concurrency.split(","))
@@ -313,17 +306,11 @@ def serve(
     except ValueError:
         typer.echo(f"error: --concurrency {concurrency!r}: give positive integers, e.g. 1,4,16,64", err=True)
         raise typer.Exit(2)
-    if model is None:
-        gguf = embedded_gguf_path()
-    else:
-        gguf = Path(model).expanduser() if model.endswith(".gguf") and Path(model).expanduser().is_file() else None
+    gguf = _peer_gguf(model)
     res = serve_bench.run(model, gguf, levels=levels, prompt_words=prompt_words,
                           max_tokens=max_tokens, requests_per_level=requests,
                           llama_server=llama_server, log=lambda m: typer.echo(m, err=True))
-    for line in serve_bench.report(res):
-        typer.echo(line)
-    if out:
-        atomic_write_json(out, res.to_json())
+    _print_and_save(serve_bench.report(res), res, out)
 
 
 @app.command("structured")
@@ -345,6 +332,24 @@ def structured(
     log = lambda m: typer.echo(m, err=True)  # noqa: E731
     res = structured_bench.run(structured_bench.load(model, concurrency, log), concurrency,
                                max_tokens, log=log)
-    typer.echo(structured_bench.report(res))
+    _print_and_save([structured_bench.report(res)], res, out)
+
+
+def _peer_gguf(model: str | None) -> Path | None:
+    """The GGUF file llama.cpp's tools run beside localgen: the embedded model's with no
+    ``--model``, MODEL when it names an existing ``.gguf`` file, else None (no peer)."""
+    from localgen.models.sources import embedded_gguf_path
+
+    if model is None:
+        return embedded_gguf_path()
+    path = Path(model).expanduser()
+    return path if model.endswith(".gguf") and path.is_file() else None
+
+
+def _print_and_save(lines, res, out: Optional[Path]) -> None:
+    """Print a bench's report lines to stdout and, with ``--out``, write ``res.to_json()`` there
+    whole (``atomic_write_json``)."""
+    for line in lines:
+        typer.echo(line)
     if out:
         atomic_write_json(out, res.to_json())

@@ -13,12 +13,13 @@ from typing import Optional
 import typer
 
 from localgen.cli import batch_cmd
+from localgen.cli.offload_flags import OffloadFlags, size_option, with_offload_flags
 from localgen.fileio import check_writable_dir
-from localgen.cli.units import parse_size
 
 CHAT_PROMPT_TOKENS = 512  # the conversation length the printed memory prediction assumes
 
 
+@with_offload_flags
 def chat(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Model: local HF dir, hub id or GGUF path.", show_default="the embedded SmolLM2-135M-Instruct"),
     system: Optional[str] = typer.Option(None, "--system", "-s", help="System prompt for the conversation (F2 edits it in the app)."),
@@ -29,15 +30,7 @@ def chat(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype, e.g. float32, bfloat16."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ...", show_default="best available"),
     profile: Optional[str] = typer.Option(None, "--profile", help="Hardware profile whose memory bandwidth the throughput panel shows as the limit.", show_default="the saved one, if any"),
-    percent: Optional[tuple[float, float, float, float, float, float]] = batch_cmd.PercentOpt,
-    gpu_batch_size: Optional[int] = batch_cmd.GbsOpt,
-    num_gpu_batches: Optional[int] = batch_cmd.NgbOpt,
-    compress_weight: Optional[bool] = batch_cmd.CwOpt,
-    compress_cache: Optional[bool] = batch_cmd.CcOpt,
-    cpu_cache_compute: Optional[bool] = batch_cmd.CpuAttnOpt,
-    offload_dir: Optional[str] = batch_cmd.OffloadDirOpt,
-    gpu_memory: Optional[str] = batch_cmd.GpuMemOpt,
-    cpu_memory: Optional[str] = batch_cmd.CpuMemOpt,
+    offload: OffloadFlags = OffloadFlags(),
     resume: bool = typer.Option(False, "--resume", "-r", help="Reopen the most recent saved chat (--chat ID picks another)."),
     chat_id: Optional[str] = typer.Option(None, "--chat", help="Reopen the saved chat ID (`localgen chat --list` shows the ids)."),
     list_chats: bool = typer.Option(False, "--list", help="List the saved chats (id, last change, messages, title) and exit."),
@@ -72,12 +65,7 @@ def chat(
             resumed = (cid, *store.load(cid))
         except (ChatNotFoundError, ValueError) as e:
             raise typer.BadParameter(str(e), param_hint="--chat" if chat_id else "--resume") from None
-    kv_bytes = None
-    if kv_cache_memory is not None:
-        try:
-            kv_bytes = parse_size(kv_cache_memory)
-        except ValueError as e:
-            raise typer.BadParameter(str(e), param_hint="--kv-cache-memory") from None
+    kv_bytes = size_option(kv_cache_memory, "--kv-cache-memory")
 
     # F4 offers the current folder for transcripts: say now that it cannot be used there, but
     # chat anyway (the save dialog takes any other path)
@@ -104,9 +92,7 @@ def chat(
 
     # the saved policy (`localgen tune`) or the flags over it: printed with its predicted peak
     # per tier before the app opens; the memory panel shows that peak beside what is measured
-    offload, pred = batch_cmd.offload_options(model, percent, gpu_batch_size, num_gpu_batches,
-                                              compress_weight, compress_cache, cpu_cache_compute,
-                                              offload_dir, gpu_memory, cpu_memory, CHAT_PROMPT_TOKENS,
+    load_kw, pred = batch_cmd.offload_options(model, offload, CHAT_PROMPT_TOKENS,
                                               conv.sampling.max_tokens, typer.echo)
     from localgen.models.sources import fetch_model
 
@@ -114,7 +100,7 @@ def chat(
     # one is reported by the CLI's error handler (localgen/cli/errors.py), Ollama hint included
     fetch_model(model)
     service = make_service(model, kv_cache_memory=kv_bytes, dtype=dtype, device=device, profile=profile,
-                           offload=offload, predicted_peak=pred.peak_mem if pred is not None else None)
+                           offload=load_kw, predicted_peak=pred.peak_mem if pred is not None else None)
     from localgen.tui.chat import ChatApp
 
     label = model or "SmolLM2-135M-Instruct (embedded)"
@@ -128,7 +114,7 @@ def make_service(model: str | None, *, kv_cache_memory: int | None = None, dtype
                  device: str | None = None, profile: str | None = None, offload: dict | None = None,
                  predicted_peak: dict | None = None):
     """An unstarted EngineService whose thread loads ``model`` (tests replace this); ``offload``:
-    ``LLM.load``'s policy keywords (``batch_cmd.offload_options``)."""
+    ``LLM.load``'s policy keywords (``offload_flags.offload_options``)."""
     from localgen.service import EngineService
 
     hw = None

@@ -13,7 +13,7 @@ from typing import Any, List, Optional
 import typer
 
 from localgen.cli import batch_cmd
-from localgen.cli.units import parse_size
+from localgen.cli.offload_flags import OffloadFlags, size_option, with_offload_flags
 
 
 def load_llm(
@@ -39,6 +39,7 @@ def load_llm(
                     progress=stderr_status(), **offload)
 
 
+@with_offload_flags
 def generate(
     prompt: Optional[str] = typer.Argument(None, help="The prompt; omit it or give - to read it from stdin."),
     system: Optional[str] = typer.Option(None, "--system", "-s", help="System message (chat template only)."),
@@ -57,15 +58,7 @@ def generate(
     kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help="KV cache size, e.g. 512MiB, 2GiB.", show_default="sized from free memory"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype, e.g. float32, bfloat16."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ...", show_default="best available"),
-    percent: Optional[tuple[float, float, float, float, float, float]] = batch_cmd.PercentOpt,
-    gpu_batch_size: Optional[int] = batch_cmd.GbsOpt,
-    num_gpu_batches: Optional[int] = batch_cmd.NgbOpt,
-    compress_weight: Optional[bool] = batch_cmd.CwOpt,
-    compress_cache: Optional[bool] = batch_cmd.CcOpt,
-    cpu_cache_compute: Optional[bool] = batch_cmd.CpuAttnOpt,
-    offload_dir: Optional[str] = batch_cmd.OffloadDirOpt,
-    gpu_memory: Optional[str] = batch_cmd.GpuMemOpt,
-    cpu_memory: Optional[str] = batch_cmd.CpuMemOpt,
+    offload: OffloadFlags = OffloadFlags(),
 ) -> None:
     """Generate an answer to PROMPT (or stdin), streaming it to stdout.
 
@@ -91,12 +84,7 @@ def generate(
         raise typer.BadParameter("the prompt is empty", param_hint="PROMPT")
     if raw and system is not None:
         raise typer.BadParameter("--system needs the chat template; drop --raw", param_hint="--system")
-    kv_bytes = None
-    if kv_cache_memory is not None:
-        try:
-            kv_bytes = parse_size(kv_cache_memory)
-        except ValueError as e:
-            raise typer.BadParameter(str(e), param_hint="--kv-cache-memory") from None
+    kv_bytes = size_option(kv_cache_memory, "--kv-cache-memory")
 
     given = {
         "temperature": temperature,
@@ -127,13 +115,11 @@ def generate(
         req = Request(messages=messages, sampling=sampling, priority=Priority.INTERACTIVE)
     req.request_id = f"generate-{req.request_id}"
 
-    offload, _ = batch_cmd.offload_options(model, percent, gpu_batch_size, num_gpu_batches,
-                                           compress_weight, compress_cache, cpu_cache_compute, offload_dir,
-                                           gpu_memory, cpu_memory, 512, max_tokens or 256,
+    load_kw, _ = batch_cmd.offload_options(model, offload, 512, max_tokens or 256,
                                            lambda m: typer.echo(m, err=True))
     with batch_cmd.SigtermAsInterrupt() as term:  # `kill` stops it like Ctrl-C (exit 143, not 130)
         try:
-            llm = load_llm(model, kv_cache_memory=kv_bytes, dtype=dtype, device=device, **offload)
+            llm = load_llm(model, kv_cache_memory=kv_bytes, dtype=dtype, device=device, **load_kw)
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)
             raise typer.Exit(term.exit_status) from None
