@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 
-from localgen.profiler.hardware import gemm_profile_dicts
+from localgen.profile_files import gemm_profile_dicts
 
 US = 1e-6
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from localgen.fileio import atomic_write_text
+from localgen.profile_files import profiles_dir
 
 GiB = 1 << 30
 PROFILE_FILE = "hardware.json"
@@ -138,7 +139,7 @@ def user_config_dir() -> Path:
 def shipped_profile_names() -> list[str]:
     """Names of the reference profiles shipped in ``localgen.profiles`` (``profiles/`` in the repo)."""
     other = ("gemm_", "softmax_")  # GEMM dispatch tables and softmax calibrations live beside them
-    return sorted(p.name[:-5] for p in _profiles_dir().iterdir()
+    return sorted(p.name[:-5] for p in profiles_dir().iterdir()
                   if p.name.endswith(".json") and not p.name.startswith(other))
 
 
@@ -153,40 +154,9 @@ def load_profile(name: str | os.PathLike | None = None) -> HardwareProfile:
     p = Path(name)
     if p.suffix == ".json" and p.is_file():
         return HardwareProfile.from_json(p.read_text())
-    shipped = _profiles_dir() / f"{name}.json"
+    shipped = profiles_dir() / f"{name}.json"
     if shipped.is_file():
         return HardwareProfile.from_json(shipped.read_text())
     raise ProfileNotFoundError(
         f"no profile {str(name)!r}; shipped: {', '.join(shipped_profile_names())}, or a .json path"
     )
-
-
-GEMM_TABLE_ENV = "LOCALGEN_GEMM_TABLE"  # a table file to use instead of the shipped profiles
-
-
-def gemm_profile_dicts(device_name: str, dtype: str) -> list[dict]:
-    """The int4 GEMM dispatch profiles (JSON dicts, ``kernels.dispatch.GemmDispatchTable``'s
-    form) for one GPU and compute dtype: the file ``$LOCALGEN_GEMM_TABLE`` if set, else every
-    shipped ``gemm_*.json`` whose ``device_name`` and ``dtype`` match, in name order. Read
-    without torch, for the dispatcher and the cost model alike."""
-    env = os.environ.get(GEMM_TABLE_ENV)
-    if env:
-        with open(env) as f:
-            return [json.load(f)]
-    out = []
-    for p in sorted(_profiles_dir().iterdir(), key=lambda p: p.name):
-        if p.name.startswith("gemm_") and p.name.endswith(".json"):
-            d = json.loads(p.read_text())
-            if d.get("device_name") == device_name and d.get("dtype", "bfloat16") == dtype:
-                out.append(d)
-    return out
-
-
-def _profiles_dir():
-    """``localgen.profiles`` when installed; the repo's ``profiles/`` folder in a source checkout."""
-    from importlib import resources
-
-    try:
-        return resources.files("localgen.profiles")
-    except ModuleNotFoundError:
-        return Path(__file__).resolve().parents[2] / "profiles"

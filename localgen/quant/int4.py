@@ -29,7 +29,7 @@ import torch
 
 from localgen.kernels.dispatch import GemmDispatchTable, Int4Linear
 from localgen.kernels.quant_ref import GROUP_SIZE, dequantize_int4, quantize_int4
-from localgen.profiler.hardware import GEMM_TABLE_ENV, gemm_profile_dicts
+from localgen.profile_files import GEMM_TABLE_ENV, gemm_profile_dicts
 
 __all__ = ["GROUP_SIZE", "Int4Tensor", "quantize", "dequantize", "cat_rows", "max_abs_error",
            "keeps_packed", "gemm_table", "as_linear", "GEMM_TABLE_ENV"]
