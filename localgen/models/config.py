@@ -11,17 +11,34 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from localgen.models.dense_options import DenseConfigError, DenseOptions, dense_options, global_rope_parameters
+
 # Hugging Face `architectures` / `model_type` values we run, mapped to our layer-math family.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
+    # the Llama layer with the departures of models/dense_options.py
+    "Qwen3ForCausalLM": "llama",
+    "Phi3ForCausalLM": "llama",
+    "GraniteForCausalLM": "llama",
+    "Olmo2ForCausalLM": "llama",
+    "SmolLM3ForCausalLM": "llama",
+    "Gemma2ForCausalLM": "llama",
+    "Gemma3ForCausalLM": "llama",
     "OPTForCausalLM": "opt",
 }
 SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "opt": "OPTForCausalLM",
 }
 
@@ -81,6 +98,7 @@ class ModelConfig:
     rope_freq_factors: tuple[float, ...] | None = None
     attention_bias: bool = False  # Qwen2 has q/k/v biases
     mlp_bias: bool = False
+    dense: DenseOptions = DenseOptions()  # the families' departures from the Llama layer
     # OPT
     word_embed_proj_dim: int | None = None  # != hidden_size -> project_in / project_out
     do_layer_norm_before: bool = True
@@ -91,6 +109,16 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # the checkpoint's dtype name, informational
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The sliding window of the layers that have one (``dense.window(i)`` says which)."""
+        return self.dense.sliding_window
+
+    @property
+    def attn_logit_softcapping(self) -> float | None:
+        """The attention-score softcap of every layer (Gemma 2), None when off."""
+        return self.dense.attn_logit_softcap
 
     @property
     def q_size(self) -> int:
@@ -170,7 +198,8 @@ class ModelConfig:
         head_dim = d.get("head_dim") or common["hidden_size"] // n_heads
         rope_scaling = d.get("rope_scaling")
         rope_theta = d.get("rope_theta")
-        rope_params = d.get("rope_parameters")  # transformers >= 5 folds theta/scaling here
+        # transformers >= 5 folds theta/scaling here (per layer type for Gemma 3: the full layers')
+        rope_params = global_rope_parameters(d) or d.get("rope_parameters")
         if isinstance(rope_params, Mapping):
             rope_theta = rope_theta or rope_params.get("rope_theta")
             if rope_params.get("rope_type", "default") != "default" and rope_scaling is None:
@@ -188,9 +217,17 @@ class ModelConfig:
             rope_freq_factors=_freq_factors(d.get("rope_freq_factors")),
             attention_bias=bool(d.get("attention_bias", arch == "Qwen2ForCausalLM")),
             mlp_bias=bool(d.get("mlp_bias", False)),
-            activation=d.get("hidden_act", "silu"),
+            activation=d.get("hidden_act") or d.get("hidden_activation") or "silu",
+            dense=_dense(arch, d, common["num_layers"], int(head_dim)),
             **common,
         )
+
+
+def _dense(arch: str, d: Mapping[str, Any], num_layers: int, head_dim: int) -> DenseOptions:
+    try:
+        return dense_options(arch, d, num_layers, head_dim)
+    except DenseConfigError as e:
+        raise UnsupportedModelError(f"{arch}: {e}") from None
 
 
 def _freq_factors(v: Any) -> tuple[float, ...] | None:

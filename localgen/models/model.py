@@ -14,9 +14,9 @@ from typing import Iterable, Protocol
 import torch
 
 from localgen.kv.attention import AttentionMetadata, LayerKV
-from localgen.models import llama, opt
+from localgen.models import dense, llama, opt
 from localgen.models.config import ModelConfig, UnsupportedModelError, supported_list
-from localgen.models.rope import RotaryPositions, inv_frequencies, rope_cos_sin
+from localgen.models.rope import RotaryPositions, layer_rope, model_rope, step_rope
 
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "opt": opt}
 
@@ -37,6 +37,10 @@ def fuse_weights(family, cfg: ModelConfig, w: dict) -> dict:
 
 
 def family_of(cfg: ModelConfig) -> ModuleType:
+    """The module whose layer math runs ``cfg``: ``dense`` for a Llama-family config with the
+    departures of ``DenseOptions``, else the family's own."""
+    if cfg.family == "llama" and not cfg.dense.plain:
+        return dense
     try:
         return FAMILIES[cfg.family]
     except KeyError:
@@ -123,7 +127,7 @@ def _numel(shape: Iterable[int]) -> int:
 
 def _use_cpu_int4(cfg: ModelConfig, store, dtype: torch.dtype, device: torch.device) -> bool:
     """bf16 on the CPU with a GGUF source: run its Q4_1 matrices through the int4 kernel."""
-    if device.type != "cpu" or dtype != torch.bfloat16 or cfg.family != "llama":
+    if device.type != "cpu" or dtype != torch.bfloat16 or family_of(cfg) is not llama:
         return False
     if not hasattr(store, "reader"):  # only GGUF stores hold raw Q4_1 blocks
         return False
@@ -144,7 +148,8 @@ class CausalLM:
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.family = family_of(cfg)
         # on the device once: a host-to-device copy per step would break CUDA-graph capture
-        self.inv_freq = inv_frequencies(cfg).to(self.device) if cfg.family == "llama" else None
+        rope = model_rope(cfg)
+        self.inv_freq = None if rope is None else rope.to(self.device)
         gopt = getattr(self.family, "GLOBAL_OPTIONAL", set())
         gnames = self.family.global_weight_names(cfg)
         self._packed_shorts = packed_shorts(self.family, store, self.device)
@@ -201,9 +206,9 @@ class CausalLM:
             # CUDA + triton: the rope kernel forms cos/sin from positions; residual carried
             rope = RotaryPositions(positions, self.inv_freq)
             return llama.forward_layers(self.cfg, self.layers, h, rope, kv_caches, meta)
-        rope = rope_cos_sin(self.inv_freq, positions, self.dtype) if self.inv_freq is not None else None
-        for w, kv in zip(self.layers, kv_caches):
-            h = self.family.layer(self.cfg, w, h, rope, kv, meta)
+        rope = step_rope(self.inv_freq, positions, self.dtype, fused=False)
+        for i, (w, kv) in enumerate(zip(self.layers, kv_caches)):
+            h = self.family.layer(self.cfg, w, h, layer_rope(rope, i), kv, meta)
         return h
 
     @torch.inference_mode()

@@ -21,7 +21,7 @@ from localgen.hostmem import keep_freed_host_memory
 from localgen.kv.cache import free_memory_bytes
 from localgen.models.config import ModelConfig
 from localgen.models.model import family_of, fuse_weights, packed_shorts, read_weights, warn_expanded
-from localgen.models.rope import inv_frequencies, step_rope
+from localgen.models.rope import layer_rope, model_rope, step_rope
 from localgen.policy.policy import Policy, assign_tiers
 from localgen.runtime.cuda_graphs import GraphedModelRunner
 from localgen.runtime.executor import ModelRunner
@@ -50,7 +50,8 @@ class OffloadedLM:
         self.cfg, self.dtype, self.device, self.policy = cfg, dtype, torch.device(device), policy
         self.family = family_of(cfg)
         # on the device once: a host-to-device copy per step would break CUDA-graph capture
-        self.inv_freq = inv_frequencies(cfg).to(self.device) if cfg.family == "llama" else None
+        rope = model_rope(cfg)
+        self.inv_freq = None if rope is None else rope.to(self.device)
         self.timers = Timers(self.device)
         gopt = getattr(self.family, "GLOBAL_OPTIONAL", set())
         gnames = self.family.global_weight_names(cfg)
@@ -110,7 +111,7 @@ class OffloadedLM:
         rope = step_rope(self.inv_freq, positions, self.dtype, self.fused(h))
         for j, kv in enumerate(kv_caches):
             self.layers.prefetch(j + 1)
-            h = self.family.layer(self.cfg, self.layers.get(j), h, rope, kv, meta)
+            h = self.family.layer(self.cfg, self.layers.get(j), h, layer_rope(rope, j), kv, meta)
             self.layers.release(j)
         return h
 
@@ -226,7 +227,7 @@ class OffloadRunner(ModelRunner):
                 if nb > 1:  # the next batch's activations cross PCIe under this batch's compute
                     hs[(k + 1) % nb] = self.acts.prefetch(hs[(k + 1) % nb])
                 with self.timers.section("compute"):
-                    h = m.family.layer(cfg, w, h, ropes[k], kv, meta)
+                    h = m.family.layer(cfg, w, h, layer_rope(ropes[k], j), kv, meta)
                 hs[k] = self.acts.store(h, k)
             m.layers.release(j)
         logits = []
