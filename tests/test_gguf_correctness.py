@@ -150,14 +150,14 @@ def write(model_dirs, tmp_path, variant="llama2", metadata=None, tensors=None) -
                          with_tokenizer=False, metadata=metadata, tensors=tensors)
 
 
-def test_mixtral_is_refused_up_front_in_one_sentence(model_dirs, tmp_path):
+def test_experts_of_an_arch_without_moe_math_are_refused_up_front_in_one_sentence(model_dirs, tmp_path):
     experts = {"blk.0.ffn_gate_exps.weight": np.zeros((8, 128, 64))}
-    path = write(model_dirs, tmp_path, metadata={"{arch}.expert_count": 8,
-                                                 "{arch}.expert_used_count": 2}, tensors=experts)
+    path = write(model_dirs, tmp_path, "qwen2", metadata={"{arch}.expert_count": 8,
+                                                          "{arch}.expert_used_count": 2}, tensors=experts)
     with pytest.raises(UnsupportedModelError) as e:
         resolve_model(path)
-    assert str(e.value) == (f"{path}: llama.expert_count = 8: mixture-of-experts GGUF models "
-                            f"are not supported yet")
+    assert str(e.value) == (f"{path}: qwen2.expert_count = 8: localgen runs the experts of Mixtral "
+                            f"(llama arch) and Qwen3-MoE (qwen3moe) files only")
 
 
 REFUSED = [

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from localgen.models.moe_options import MoEConfigError, MoEOptions, moe_layer_parameters, moe_options
 from localgen.models.dense_options import DenseConfigError, DenseOptions, dense_options, global_rope_parameters
 
 # Hugging Face `architectures` / `model_type` values we run, mapped to our layer-math family.
@@ -26,6 +27,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "SmolLM3ForCausalLM": "llama",
     "Gemma2ForCausalLM": "llama",
     "Gemma3ForCausalLM": "llama",
+    # the Llama layer with a mixture-of-experts MLP (models/moe.py)
+    "MixtralForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "llama",
     "OPTForCausalLM": "opt",
 }
 SUPPORTED_MODEL_TYPES: dict[str, str] = {
@@ -39,6 +43,8 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "smollm3": "SmolLM3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "opt": "OPTForCausalLM",
 }
 
@@ -61,12 +67,14 @@ def supported_list() -> str:
                             key=str.lower))
 
 
-def unsupported_architecture(named: str, where: str | None = None) -> UnsupportedModelError:
+def unsupported_architecture(named: str, where: str | None = None,
+                             detail: str = "") -> UnsupportedModelError:
     """The one-sentence error for an architecture without layer math: ``where`` (a file) and
-    ``named`` (e.g. ``architecture 'MambaForCausalLM'``), then the supported families."""
+    ``named`` (e.g. ``architecture 'MambaForCausalLM'``), then the supported families and
+    ``detail`` (e.g. the GGUF archs that carry them)."""
     prefix = f"{where}: " if where else ""
     return UnsupportedModelError(
-        f"{prefix}unsupported {named}; localgen runs these families: {supported_list()}")
+        f"{prefix}unsupported {named}; localgen runs these families: {supported_list()}{detail}")
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,7 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2 has q/k/v biases
     mlp_bias: bool = False
     dense: DenseOptions = DenseOptions()  # the families' departures from the Llama layer
+    moe: MoEOptions | None = None  # mixture-of-experts MLP (Mixtral, Qwen3-MoE); None = dense
     # OPT
     word_embed_proj_dim: int | None = None  # != hidden_size -> project_in / project_out
     do_layer_norm_before: bool = True
@@ -130,15 +139,22 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         """Parameter count (elements) from the shapes, embeddings counted once when tied."""
-        return self.num_layers * self.layer_parameters() + self.global_parameters()
+        n = self.num_layers * self.layer_parameters() + self.global_parameters()
+        if self.moe is not None:  # Qwen3-MoE's dense layers hold a dense MLP, not the experts
+            dense = self.num_layers - self.moe.num_moe_layers(self.num_layers)
+            n += dense * (3 * self.hidden_size * self.intermediate_size
+                          - moe_layer_parameters(self.moe, self.hidden_size))
+        return n
 
     def layer_parameters(self) -> int:
-        """Elements of one decoder layer: its matrices, norms and biases."""
+        """Elements of one decoder layer: its matrices, norms and biases (with experts: an MoE
+        layer, every expert counted)."""
         h, f = self.hidden_size, self.intermediate_size
         if self.family == "opt":
             n = 2 * h * self.q_size + 2 * h * self.kv_size + 2 * h * f
             return n + ((self.q_size + 2 * self.kv_size + h + f + h + 4 * h) if self.enable_bias else 4 * h)
-        n = 2 * h * self.q_size + 2 * h * self.kv_size + 3 * h * f + 2 * h
+        mlp = 3 * h * f if self.moe is None else moe_layer_parameters(self.moe, h)  # an MoE layer
+        n = 2 * h * self.q_size + 2 * h * self.kv_size + mlp + 2 * h
         return n + (self.q_size + 2 * self.kv_size if self.attention_bias else 0)
 
     def global_parameters(self) -> int:
@@ -219,8 +235,16 @@ class ModelConfig:
             mlp_bias=bool(d.get("mlp_bias", False)),
             activation=d.get("hidden_act") or d.get("hidden_activation") or "silu",
             dense=_dense(arch, d, common["num_layers"], int(head_dim)),
+            moe=_moe(arch, d, common["num_layers"]),
             **common,
         )
+
+
+def _moe(arch: str, d: Mapping[str, Any], num_layers: int) -> MoEOptions | None:
+    try:
+        return moe_options(arch, d, num_layers)
+    except MoEConfigError as e:
+        raise UnsupportedModelError(f"{arch}: {e}") from None
 
 
 def _dense(arch: str, d: Mapping[str, Any], num_layers: int, head_dim: int) -> DenseOptions:

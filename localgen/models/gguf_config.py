@@ -11,7 +11,8 @@ load (UnsupportedModelError naming the file, the key or tensor and its value). A
   (a per-layer list only when uniform), attention.key_length, attention.value_length and
   rope.dimension_count (each equal to head_dim: no partial rotary), layer_norm_rms_epsilon,
   rope.freq_base, rope.scaling.type none or linear with rope.scaling.factor (or the older
-  rope.scale_linear).
+  rope.scale_linear); expert_count, expert_used_count and expert_feed_forward_length of a file
+  with experts (llama arch: Mixtral; qwen3moe: Qwen3-MoE; other archs' experts are refused).
 - ``{arch}.`` keys that do not enter the math (`_INFO_KEYS`): rope.scaling.original_context_length
   and rope.scaling.finetuned (inputs of YaRN, which is refused), tensor_data_layout.
 - ``{arch}.`` keys at the value that turns their feature off (`_NEUTRAL`): expert_count 0,
@@ -19,7 +20,8 @@ load (UnsupportedModelError naming the file, the key or tensor and its value). A
 - tensors token_embd, output_norm, output, blk.N.{attn_norm, ffn_norm}.weight and
   blk.N.{attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down}.{weight, bias} for
   N < block_count, and rope_freqs.weight: llama.cpp's form of llama3 RoPE scaling, head_dim/2
-  divisors of the inverse frequencies, applied as `ModelConfig.rope_freq_factors`.
+  divisors of the inverse frequencies, applied as `ModelConfig.rope_freq_factors`; in a file
+  with experts, blk.N.ffn_gate_inp (the router) and blk.N.ffn_{gate,up,down}_exps (`gguf_experts`).
 
 The architectures localgen reads are the one table `GGUF_ARCHITECTURES`.
 Format: ggml's docs/gguf.md; key and tensor names: gguf-py's constants.py.
@@ -32,7 +34,9 @@ from typing import Any
 
 import torch
 
-from localgen.models.config import CorruptModelError, UnsupportedModelError
+from localgen.models.config import CorruptModelError, UnsupportedModelError, unsupported_architecture
+from localgen.models.gguf_experts import is_moe_tensor
+from localgen.models.moe_options import MOE_ARCHITECTURES
 from localgen.models.gguf_names import LAYER_TENSOR_RE, ROPE_FREQS, gguf_to_hf_name
 from localgen.models.gguf_reader import gguf_field
 from localgen.models.gguf_tensors import dequantize_tensor, loadable
@@ -56,7 +60,10 @@ class GGUFArch:
 GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
     "llama": GGUFArch("LlamaForCausalLM", "llama", qk_permuted=True),
     "qwen2": GGUFArch("Qwen2ForCausalLM", "qwen2", qk_permuted=False),
+    "qwen3moe": GGUFArch("Qwen3MoeForCausalLM", "qwen3_moe", qk_permuted=False),
 }
+# a llama-arch file with experts is Mixtral (llama.cpp's converter writes Mixtral as llama)
+_LLAMA_MOE = ("MixtralForCausalLM", "mixtral")
 
 # `{arch}.` keys that gguf_hf_config reads.
 _READ_KEYS = frozenset({
@@ -64,18 +71,17 @@ _READ_KEYS = frozenset({
     "attention.head_count", "attention.head_count_kv", "attention.key_length",
     "attention.value_length", "attention.layer_norm_rms_epsilon", "rope.dimension_count",
     "rope.freq_base", "rope.scaling.type", "rope.scaling.factor", "rope.scale_linear",
+    "expert_count", "expert_used_count", "expert_feed_forward_length",
 })
 # `{arch}.` keys that enter no math localgen runs (YaRN's inputs: YaRN itself is refused).
 _INFO_KEYS = frozenset({
     "rope.scaling.original_context_length", "rope.scaling.finetuned", "tensor_data_layout",
 })
-_MOE = "mixture-of-experts GGUF models are not supported yet"
+_MOE = ("localgen runs the experts of Mixtral (llama arch) and Qwen3-MoE (qwen3moe) files only")
 # `{arch}.` key -> (the value that turns its feature off, why another value is refused). Checked
 # in this order, so a Mixtral file is refused for its expert count.
 _NEUTRAL: dict[str, tuple[Any, str]] = {
-    "expert_count": (0, _MOE),
-    "expert_used_count": (0, _MOE),
-    "expert_shared_count": (0, _MOE),
+    "expert_shared_count": (0, "shared experts are not supported"),
     "attention.sliding_window": (0, "sliding-window attention is not supported yet"),
     "attention.causal": (True, "non-causal attention is not supported"),
     "attn_logit_softcapping": (0.0, "attention logit soft-capping is not supported"),
@@ -129,7 +135,7 @@ def gguf_hf_config(reader) -> dict[str, Any]:
     n_head = int(_required(reader, arch, "attention.head_count"))
     hidden = int(_required(reader, arch, "embedding_length"))
     n_layers = int(_required(reader, arch, "block_count"))
-    _check_tensors(reader, file, n_layers)
+    _check_tensors(reader, file, n_layers, moe=bool(g("expert_count", 0)))
     head_dim = _head_dim(reader, arch, hidden, n_head)
     tensor_names = {t.name for t in reader.tensors}
     vocab_size = g("vocab_size") or len(_vocab(reader)) or _embedding_rows(reader)
@@ -153,6 +159,7 @@ def gguf_hf_config(reader) -> dict[str, Any]:
         "eos_token_id": list(gguf_eos_token_ids(reader)),
         "gguf_file_type": _file_type_name(reader),
     }
+    d.update(_moe_config(reader, arch, hf_arch))
     scaling = _rope_scaling(reader, arch)
     if scaling is not None:
         d["rope_scaling"] = scaling
@@ -162,19 +169,37 @@ def gguf_hf_config(reader) -> dict[str, Any]:
     return d
 
 
+def _moe_config(reader, arch: str, hf_arch: str) -> dict[str, Any]:
+    """The HF config keys of a file's experts (none for a dense file). llama.cpp's MoE layer of
+    both archs divides the top-k routing weights by their sum (``build_moe_ffn``'s ``norm_w``),
+    so a Qwen3-MoE file means ``norm_topk_prob``. Raises UnsupportedModelError for experts in
+    another arch."""
+    n = gguf_field(reader, f"{arch}.expert_count", 0)
+    if not n:
+        return {}
+    if hf_arch not in MOE_ARCHITECTURES:
+        _refuse(_file_of(reader), f"{arch}.expert_count", n, _MOE)
+    d = {"num_local_experts": int(n),
+         "num_experts_per_tok": int(_required(reader, arch, "expert_used_count"))}
+    if hf_arch == "Qwen3MoeForCausalLM":
+        d.update(moe_intermediate_size=int(_required(reader, arch, "expert_feed_forward_length")),
+                 norm_topk_prob=True)
+    return d
+
+
 def _arch(reader) -> str:
     arch = str(gguf_field(reader, "general.architecture"))
     if arch not in GGUF_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"{_file_of(reader)}: unsupported GGUF architecture {arch!r}; localgen reads GGUF "
-            f"archs: {', '.join(sorted(GGUF_ARCHITECTURES))}"
-        )
+        raise unsupported_architecture(f"GGUF architecture {arch!r}", _file_of(reader),
+                                       f" (GGUF archs {', '.join(sorted(GGUF_ARCHITECTURES))})")
     return arch
 
 
 def _hf_architecture(reader, arch: str) -> tuple[str, str]:
     """(HF architecture class, model_type) of a file of GGUF arch `arch`."""
     name = str(gguf_field(reader, "general.name", "") or "")
+    if arch == "llama" and gguf_field(reader, "llama.expert_count", 0):
+        return _LLAMA_MOE
     if arch == "llama" and "mistral" in name.lower():
         return "MistralForCausalLM", "mistral"  # same math; keeps the name users expect
     entry = GGUF_ARCHITECTURES[arch]
@@ -290,12 +315,14 @@ def _rope_freq_factors(reader, file: str, head_dim: int) -> list[float] | None:
     return factors.tolist()
 
 
-def _check_tensors(reader, file: str, n_layers: int) -> None:
-    """Refuse tensors with no place in the layer math and types `dequantize_tensor` cannot read."""
+def _check_tensors(reader, file: str, n_layers: int, moe: bool = False) -> None:
+    """Refuse tensors with no place in the layer math (router and expert tensors have one in a
+    file with experts) and types `dequantize_tensor` cannot read."""
     for t in reader.tensors:
         m = LAYER_TENSOR_RE.fullmatch(t.name)
         shape = f"[{', '.join(str(int(d)) for d in reversed(t.shape.tolist()))}]"
-        if t.name != ROPE_FREQS and gguf_to_hf_name(t.name) is None:
+        if (t.name != ROPE_FREQS and gguf_to_hf_name(t.name) is None
+                and not (moe and is_moe_tensor(t.name))):
             raise UnsupportedModelError(
                 f"{file}: tensor {t.name} {shape} {t.tensor_type.name}: localgen has no math for "
                 f"it, and it may change the model's output, so the file is refused rather than "

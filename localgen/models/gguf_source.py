@@ -16,6 +16,7 @@ import torch
 
 from localgen.models.config import ModelConfig
 from localgen.models.gguf_config import GGUF_ARCHITECTURES, gguf_hf_config
+from localgen.models.gguf_experts import moe_tensors
 from localgen.models.gguf_names import gguf_to_hf_name
 from localgen.models.gguf_open import open_gguf
 from localgen.models.gguf_reader import gguf_field
@@ -45,6 +46,7 @@ class GGUFStore(WeightStore):
             hf = gguf_to_hf_name(t.name)
             if hf is not None:
                 self._tensors[hf] = t
+        self._tensors.update(moe_tensors(self.reader, self.hf_config))  # experts: one per slice
         n_head, n_kv = self.hf_config["num_attention_heads"], self.hf_config["num_key_value_heads"]
         self._permute_heads = ({".self_attn.q_proj.": n_head, ".self_attn.k_proj.": n_kv}
                                if GGUF_ARCHITECTURES[self.arch].qk_permuted else {})

@@ -23,7 +23,9 @@ from localgen.kv import attention as _attention
 from localgen.kv.attention import AttentionMetadata, LayerKV, paged_attention
 from localgen.kv.cpu_decode import cpu_decode_attention
 from localgen.models.config import ModelConfig
+from localgen.models import moe
 from localgen.models.fuse import fuse_qkv, fuse_rows, project_qkv
+from localgen.models.moe_options import EXPERT_SHORTS, moe_layer_names
 from localgen.models.rope import RotaryPositions, _signed_sin, apply_rope
 from localgen.quant import embedding, linear
 from localgen.quant.cpu_int4 import Int4Linear
@@ -62,12 +64,12 @@ _LAYER = {
 OPTIONAL = {"q_bias", "k_bias", "v_bias", "o_bias", "gate_bias", "up_bias", "down_bias"}
 # weights that may stay in GGUF blocks (``gguf_blocks.PackedGGUFWeight``): every matrix, and the
 # embedding (looked up row by row; tied, it is also the output matrix)
-PACKABLE = {"q", "k", "v", "o", "gate", "up", "down", "embed", "lm_head"}
+PACKABLE = {"q", "k", "v", "o", "gate", "up", "down", "embed", "lm_head"} | EXPERT_SHORTS
 
 
 def layer_weight_names(cfg: ModelConfig, i: int) -> dict[str, str]:
     """Short name -> Hugging Face parameter name for layer ``i`` (biases are optional)."""
-    return {k: f"model.layers.{i}.{v}" for k, v in _LAYER.items()}
+    return moe_layer_names(cfg.moe, i, {k: f"model.layers.{i}.{v}" for k, v in _LAYER.items()})
 
 
 def global_weight_names(cfg: ModelConfig) -> dict[str, str]:
@@ -100,6 +102,8 @@ def fuse_weights(cfg: ModelConfig, w: dict) -> dict:
     fuse_qkv(w)
     if "gate_bias" not in w:
         fuse_rows(w, "gate_up", ("gate", "up"))
+    if cfg.moe is not None:
+        moe.fuse_experts(cfg.moe, w)
     return w
 
 
@@ -147,8 +151,16 @@ def layer(cfg: ModelConfig, w: dict, h: torch.Tensor, rope: tuple[torch.Tensor, 
     h = h + linear(attn.reshape(n, cfg.q_size), w["o"], w.get("o_bias"))
     del attn
     x = rms_norm(h, w["post_norm"], cfg.norm_eps)
+    return h + mlp(cfg, w, x)
+
+
+def mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
+    """The layer's MLP on the normed ``x`` ``[n, hidden]``: the gated MLP, or for an MoE layer
+    (its weights hold a ``router``) the mixture of experts (``moe.moe_mlp``)."""
+    if moe.is_moe(w):
+        return moe.moe_mlp(cfg, w, x, _act(cfg))
     gate, up = _gate_up(w, x)
-    return h + linear(_act(cfg)(gate).mul_(up), w["down"], w.get("down_bias"))
+    return linear(_act(cfg)(gate).mul_(up), w["down"], w.get("down_bias"))
 
 
 def _cpu_decode_mats(cfg: ModelConfig, w: dict, h: torch.Tensor, kv: LayerKV):
@@ -233,6 +245,8 @@ def layer_step(cfg: ModelConfig, w: dict, x: torch.Tensor, residual: torch.Tenso
     del attn
     xn, residual = fnorm.add_rms_norm(o, residual, w["post_norm"], cfg.norm_eps)
     del o
+    if moe.is_moe(w):
+        return moe.moe_mlp(cfg, w, xn, _act(cfg)), residual
     if cfg.activation in ("silu", "swish"):
         if "gate_up" in w:
             act = fact.silu_mul_fused(linear(xn, w["gate_up"]))

@@ -177,6 +177,8 @@ def int4_layer_weights(store, names: dict[str, str]) -> dict[str, Int4Linear]:
     have = set(store.names())
     out = {}
     for fused, parts in _GROUPS.items():
+        if any(p not in names for p in parts):  # an MoE layer has experts, not gate/up/down
+            continue
         if fused != "qkv" and any(names.get(f"{p}_bias") in have for p in parts):
             continue
         tensors = [gguf_int4(store, names[p]) for p in parts]

@@ -19,7 +19,7 @@ import torch
 
 from localgen.hostmem import keep_freed_host_memory
 from localgen.kv.cache import free_memory_bytes
-from localgen.models.config import ModelConfig
+from localgen.models.config import ModelConfig, UnsupportedModelError
 from localgen.models.model import family_of, fuse_weights, packed_shorts, read_weights, warn_expanded
 from localgen.models.rope import layer_rope, model_rope, step_rope
 from localgen.policy.policy import Policy, assign_tiers
@@ -48,6 +48,10 @@ class OffloadedLM:
                  gguf_native: bool = True):
         policy.validate()
         self.cfg, self.dtype, self.device, self.policy = cfg, dtype, torch.device(device), policy
+        if cfg.moe is not None:  # its schedule streams whole dense layers
+            raise UnsupportedModelError(
+                f"{cfg.architecture} is a mixture-of-experts model, and the offload runtime runs "
+                "dense models only; run it without offloading (no --percent or saved policy)")
         self.family = family_of(cfg)
         # on the device once: a host-to-device copy per step would break CUDA-graph capture
         rope = model_rope(cfg)
