@@ -23,9 +23,10 @@ class _Seq:
 
 class FakeLLM:
     model_name = "fake-model"
+    max_prompt_bytes: int | None = None  # no bound known without tokenizing: the default line cap
 
     def __init__(self, *, max_model_len: int = 64, max_num_seqs: int = 4, interrupt_after: int | None = None):
-        self.max_model_len = max_model_len
+        self.max_model_len = self.token_limit = max_model_len
         self.max_num_seqs = max_num_seqs
         self.interrupt_after = interrupt_after
         self.waiting: list[_Seq] = []

@@ -1,8 +1,7 @@
 """Run a JSONL file of jobs through the engine, appending each result as it finishes.
 
-The engine is any object with the ``localgen.api.LLM`` surface used here: ``add_request``,
-``step``, ``abort``, ``has_unfinished``, ``model_name`` and optionally ``metrics`` and
-``max_num_seqs``. Jobs are submitted through a bounded window (the file is never tokenized up
+The engine is any :class:`BatchLLM` (``localgen.api.LLM``, the engine service's batch engine,
+the tests' fakes). Jobs are submitted through a bounded window (the file is never tokenized up
 front), the engine is stepped (continuous batching, Orca), and every finished request is written
 to OUT at once (see :mod:`localgen.batch.jsonl_io` for the resume rule). One run writes an OUT
 at a time (:class:`~localgen.batch.output_lock.OutputLock`), and input lines too long for the
@@ -17,7 +16,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 from localgen.batch.formats import Job, LineError, parse_lines
 from localgen.batch.jsonl_io import (
@@ -29,7 +28,48 @@ from localgen.batch.jsonl_io import (
     scan_output,
 )
 from localgen.batch.output_lock import OutputLock, lock_path
-from localgen.runtime.request import PromptTooLongError, RequestOutput
+from localgen.runtime.request import PromptTooLongError, Request, RequestOutput
+
+
+class EngineRates(Protocol):
+    """The engine's counters, as far as progress reads them (``localgen.runtime.metrics.Metrics``)."""
+
+    @property
+    def generation_tokens_per_s(self) -> float: ...
+
+
+class BatchLLM(Protocol):
+    """The engine surface :func:`run_batch` drives (``localgen.api.LLM``). Lengths in tokens.
+
+    ``max_prompt_bytes``: UTF-8 bytes of prompt text past which a prompt cannot fit
+    ``token_limit`` (None or 0: no such bound is known; lines get ``DEFAULT_MAX_LINE_BYTES``).
+    ``metrics.generation_tokens_per_s`` (0 when unknown) is the throughput progress shows.
+    """
+
+    model_name: str
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def token_limit(self) -> int: ...
+
+    @property
+    def max_prompt_bytes(self) -> int | None: ...
+
+    @property
+    def max_num_seqs(self) -> int: ...
+
+    @property
+    def metrics(self) -> EngineRates: ...
+
+    def add_request(self, req: Request) -> str: ...
+
+    def abort(self, request_id: str) -> Any: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished(self) -> bool: ...
 
 
 @dataclass
@@ -89,24 +129,22 @@ _LINE_ALLOWANCE = 64 * 2**10
 _ESCAPE_FACTOR = 6
 
 
-def line_byte_limit(llm: Any, max_line_bytes: int | None = None) -> tuple[int, str]:
+def line_byte_limit(llm: BatchLLM, max_line_bytes: int | None = None) -> tuple[int, str]:
     """``(cap, note)``: the most bytes one input line may have, and why (for the error message).
 
     ``max_line_bytes`` wins when given. Otherwise, from the engine's ``max_prompt_bytes`` (the
     most UTF-8 bytes of prompt text that can fit its context): a line holding a prompt that fits
     is at most ``6 × max_prompt_bytes`` of JSON-escaped text plus 64 KiB of other fields.
-    Without that property: ``DEFAULT_MAX_LINE_BYTES`` (16 MiB).
+    When it is None: ``DEFAULT_MAX_LINE_BYTES`` (16 MiB).
     """
     if max_line_bytes is not None:
         if max_line_bytes < 1:
             raise ValueError(f"max_line_bytes={max_line_bytes} must be >= 1")
         return max_line_bytes, ""
-    prompt_bytes = getattr(llm, "max_prompt_bytes", None)
-    if not isinstance(prompt_bytes, int) or isinstance(prompt_bytes, bool) or prompt_bytes <= 0:
+    prompt_bytes = llm.max_prompt_bytes
+    if prompt_bytes is None or prompt_bytes <= 0:
         return DEFAULT_MAX_LINE_BYTES, ""
-    ctx = getattr(llm, "token_limit", None) or getattr(llm, "max_model_len", None)
-    context = f"the model's context of {ctx} tokens" if ctx else "the model's context"
-    note = f": {context} holds at most {prompt_bytes} bytes of prompt"
+    note = f": the model's context of {llm.token_limit} tokens holds at most {prompt_bytes} bytes of prompt"
     return prompt_bytes * _ESCAPE_FACTOR + _LINE_ALLOWANCE, note
 
 
@@ -142,7 +180,7 @@ def _jobs(
 
 
 def run_batch(
-    llm: Any,
+    llm: BatchLLM,
     in_path: str | os.PathLike[str],
     out_path: str | os.PathLike[str],
     *,
@@ -162,7 +200,7 @@ def run_batch(
     ``default_sampling``: SamplingParams fields for jobs that do not set them (e.g.
     ``{"temperature": 0.0, "seed": 1}``). ``raw_prompts``: send native ``prompt`` text as is
     instead of as a user chat turn. ``max_in_flight``: most jobs queued in the engine at once
-    (default 2 × ``llm.max_num_seqs``, or 128). ``progress`` is called after every engine step
+    (default 2 × ``llm.max_num_seqs``, at least 16). ``progress`` is called after every engine step
     and every result. ``max_line_bytes``: the cap on one input line's bytes (default: from
     ``llm.max_prompt_bytes``, see :func:`line_byte_limit`); a longer line is a bad line, skipped
     unread. ``output_lock``: OUT's lock when the caller already holds it (the CLI takes it before
@@ -185,7 +223,7 @@ def run_batch(
                            max_in_flight, progress, line_cap)
 
 
-def _run_locked(llm: Any, in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
+def _run_locked(llm: BatchLLM, in_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
                 limit: int | None, max_tokens: int | None, default_sampling: dict[str, Any] | None,
                 raw_prompts: bool, max_in_flight: int | None, progress: ProgressCallback | None,
                 line_cap: tuple[int, str]) -> BatchSummary:
@@ -198,8 +236,8 @@ def _run_locked(llm: Any, in_path: str | os.PathLike[str], out_path: str | os.Pa
         empty = BatchSummary(total=0, done=0, skipped_resume=0, failed=0, tokens=0, seconds=seconds, interrupted=True)
         raise BatchInterrupted(empty) from None
 
-    window = max_in_flight or max(2 * int(getattr(llm, "max_num_seqs", 64) or 64), 16)
-    model = str(getattr(llm, "model_name", "unknown"))
+    window = max_in_flight or max(2 * llm.max_num_seqs, 16)
+    model = llm.model_name
     run_tag = uuid.uuid4().hex[:8]
     summary = BatchSummary(total=total, done=0, skipped_resume=0, failed=0, tokens=0, seconds=0.0)
     inflight: dict[str, Job] = {}
@@ -211,9 +249,8 @@ def _run_locked(llm: Any, in_path: str | os.PathLike[str], out_path: str | os.Pa
         elapsed = time.perf_counter() - t0
         generated = summary.tokens + sum(live_tokens.values())
         tps = generated / elapsed if elapsed > 0 else 0.0
-        metrics = getattr(llm, "metrics", None)
-        engine_tps = getattr(metrics, "generation_tokens_per_s", None) if metrics is not None else None
-        if isinstance(engine_tps, (int, float)) and engine_tps > 0:
+        engine_tps = llm.metrics.generation_tokens_per_s
+        if engine_tps > 0:
             tps = float(engine_tps)
         progress(
             BatchProgress(
@@ -246,9 +283,7 @@ def _run_locked(llm: Any, in_path: str | os.PathLike[str], out_path: str | os.Pa
             req = job.to_request(rid, defaults=default_sampling, max_tokens_cap=max_tokens, raw_prompts=raw_prompts)
             llm.add_request(req)
         except PromptTooLongError as e:
-            ctx = getattr(llm, "max_model_len", None)
-            where = f" ({ctx} tokens)" if ctx else ""
-            fail(LineError(job.line_no, f"prompt too long for the model's context{where}: {e}", key=job.key, format=job.format))
+            fail(LineError(job.line_no, f"prompt too long for the model's context ({llm.max_model_len} tokens): {e}", key=job.key, format=job.format))
             return
         except ValueError as e:
             fail(LineError(job.line_no, str(e), key=job.key, format=job.format))

@@ -76,7 +76,7 @@ class BatchCancelled(KeyboardInterrupt):
 
 
 class BatchEngine:
-    """What run_batch drives: the LLM's surface, where ``step()`` first calls ``between_steps``
+    """What run_batch drives (a ``localgen.batch.runner.BatchLLM``): the LLM's surface, where ``step()`` first calls ``between_steps``
     (the service serving its queue; True when the service is closing) and then ``step``
     (the service's step, which routes chat outputs and records metrics)."""
 
@@ -86,6 +86,8 @@ class BatchEngine:
         self._between_steps, self._step = between_steps, step
         self.model_name = llm.model_name
         self.max_model_len = llm.max_model_len
+        self.token_limit = llm.token_limit
+        self.max_prompt_bytes = llm.max_prompt_bytes  # the line cap, as `localgen batch` has it
         self.max_num_seqs = llm.max_num_seqs
 
     @property
