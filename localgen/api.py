@@ -72,7 +72,7 @@ class LLM:
         default) on a CPU with native bf16, which runs bf16 activations and its 4-bit matrices
         through torch's int4 kernel (``localgen.quant.cpu_int4``).
 
-        ``policy`` (a ``localgen.policy.Policy``) runs the offloading runtime (issue 6): layers on
+        ``policy`` (a ``localgen.policy.Policy``) runs the offloading runtime: layers on
         GPU / pinned CPU / disk files under ``offload_dir``, KV and activations split by the
         policy, the zig-zag block schedule, 4-bit compression. ``max_num_seqs`` defaults to 64, or
         to the policy's block size ``gbs * num_gpu_batches``. ``gpu_memory`` (bytes) caps CUDA
@@ -91,8 +91,9 @@ class LLM:
         if dtype is None and dev.type == "cpu" and policy is None:
             from localgen.quant import cpu_int4
 
-            # 4-bit GGUF on a bf16-capable CPU: bf16 activations + the int4 kernel, ~3x faster
-            # decode than float32; float32 stays the default elsewhere (the correctness oracle)
+            # 4-bit GGUF on a bf16-capable CPU: torch's int4 kernel takes bf16 activations and
+            # decode reads the packed 4-bit matrices (the weights are 4-bit already, so float32
+            # buys no exactness); float32 stays the default elsewhere (the correctness oracle)
             dtype = torch.bfloat16 if cpu_int4.fast_cpu_default(src.weights) else None
         cfg = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens,
