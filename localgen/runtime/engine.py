@@ -69,7 +69,9 @@ class Engine:
                                          config.kv_cache_memory, config.max_num_seqs * self.max_model_len,
                                          reserve_bytes=reserve)
             self.kv_cache = PagedKVCache(mcfg, num_blocks, config.block_size, model.dtype, model.device)
-            if model.device.type == "cuda" and config.cuda_graphs:
+            # an MoE layer reads its per-expert token counts on the host: no graph capture
+            graphs = config.cuda_graphs and getattr(mcfg, "moe", None) is None
+            if model.device.type == "cuda" and graphs:
                 self.runner = GraphedModelRunner(model, self.kv_cache, config.max_num_seqs,
                                                  self.max_model_len)
             else:
