@@ -19,6 +19,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
+from localgen.batch import BatchInterrupted, run_batch
 from localgen.runtime.request import Priority, Request, RequestOutput, SamplingParams
 from localgen.service.batch_job import BatchEngine, BatchJob
 from localgen.service.memory import probe_memory
@@ -276,8 +277,6 @@ class EngineService:
             stream._push(out)
 
     def _run_batch(self, job: BatchJob) -> None:
-        from localgen.batch import BatchInterrupted, run_batch
-
         if job.cancelled:
             job.state = "cancelled"
             job.mark_done(time.perf_counter())
