@@ -74,6 +74,10 @@ class EngineService:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name="localgen-engine", daemon=True)
         self._proc = None  # psutil.Process, made on the service thread at the first snapshot
+        # the memory probe runs at most once a metrics_interval: a forced publish (a finished
+        # or aborted request) refreshes the engine's counters and reuses the last probe
+        self._memory_snap: MemorySnapshot | None = None
+        self._memory_at = float("-inf")
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> "EngineService":
@@ -342,7 +346,7 @@ class EngineService:
             return
         self._last_publish = now
         llm = self._llm
-        snap = build_snapshot(now, self.state, self.model_info, self._memory(),
+        snap = build_snapshot(now, self.state, self.model_info, self._memory(now),
                               llm.metrics if llm is not None else None, self._tracker, self.hardware)
         self._snapshot = snap
         for fn in list(self._listeners):
@@ -351,12 +355,16 @@ class EngineService:
             except Exception:  # noqa: BLE001 - a listener's bug must not stop the engine
                 pass
 
-    def _memory(self) -> MemorySnapshot | None:
+    def _memory(self, now: float) -> MemorySnapshot | None:
+        if now - self._memory_at < self.metrics_interval:
+            return self._memory_snap
+        self._memory_at = now
         try:
             if self._proc is None:
                 import psutil
 
                 self._proc = psutil.Process()
-            return probe_memory(self._proc)
+            self._memory_snap = probe_memory(self._proc)
         except Exception:  # noqa: BLE001 - metrics must never stop the engine
-            return None
+            self._memory_snap = None
+        return self._memory_snap
