@@ -220,10 +220,13 @@ class Int4Linear:
         if impl in ("torch", REFERENCE) or (not x.is_cuda and not _interpreting()):
             y = self._dense_matmul(x, out)
             return y if bias is None else y + bias
-        from .flat_gemm import _num_sms, choose_split_k, flat_gemm_int4
+        from .flat_gemm import choose_split_k, flat_gemm_int4
+        from .triton_common import num_sms
         block_m = 16 if impl == "flat" else 64
         n, k = self.shape
-        split_k = choose_split_k(x.shape[0], n, k, _num_sms(x.device), block_m) if x.is_cuda else 1
+        split_k = 1
+        if x.is_cuda:
+            split_k = choose_split_k(x.shape[0], n, k, num_sms(x.device, 1), block_m)
         return flat_gemm_int4(x, self.qw, block_m=block_m, split_k=split_k, out=out, bias=bias)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -29,17 +29,19 @@ tiles that do not fit one scale group) take the general kernel ``_flat_gemm_int4
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .paged_decode import _counters, _dot, _dot_dtype, _pow2
+from .triton_common import dot, dot_dtype, ieee_dots, interpreting, num_sms, pow2, tickets
 from .quant_ref import QuantizedWeight
 
 PAIRS_BLOCK_N = 32  # the FlexGen kernel's default output rows a tile (and its smallest)
+# SMs modelled off CUDA (the interpreter): a large GPU's count, so the tile choice there is the
+# one a large GPU makes
+INTERPRETER_SMS = 132
 
 
 # The FlexGen kernel adds a bias in its store; LOCALGEN_INT4_BIAS_EPILOGUE=0 keeps the separate
@@ -95,7 +97,7 @@ def _flat_gemm_int4(x_ptr, wp_ptr, ws_ptr, wz_ptr, y_ptr, M, N, K,
         sc = tl.load(ws_ptr + s_off, mask=nk_mask, other=0.0).to(tl.float32)
         mn = tl.load(wz_ptr + s_off, mask=nk_mask, other=0.0).to(tl.float32)
         w = code.to(tl.float32) * sc + mn  # [BLOCK_N, BLOCK_K]
-        acc += _dot(x, tl.trans(w), DOT_DTYPE, IEEE)
+        acc += dot(x, tl.trans(w), DOT_DTYPE, IEEE)
     y_ptrs = y_ptr + offs_m64[:, None] * stride_ym + offs_n64[None, :] * stride_yn
     y_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
@@ -214,8 +216,8 @@ def _flat_gemm_int4_pairs(x_ptr, wp_ptr, ws_ptr, wz_ptr, y_ptr, part_ptr, cnt_pt
             mn = tl.load(wz_ptr + s_off + offs_k * stride_sk, mask=k_mask, other=0.0)
         c_e, c_o = _codes(byte, DOT_DTYPE, FAST)
         xt = tl.permute(x, (0, 2, 1))
-        acc_e += _dot(_dequant(c_e, sc, mn, DOT_DTYPE, FAST, IEEE), xt, DOT_DTYPE, IEEE)
-        acc_o += _dot(_dequant(c_o, sc, mn, DOT_DTYPE, FAST, IEEE), xt, DOT_DTYPE, IEEE)
+        acc_e += dot(_dequant(c_e, sc, mn, DOT_DTYPE, FAST, IEEE), xt, DOT_DTYPE, IEEE)
+        acc_o += dot(_dequant(c_o, sc, mn, DOT_DTYPE, FAST, IEEE), xt, DOT_DTYPE, IEEE)
     sum_e = tl.sum(acc_e, axis=0)  # [HALF, BLOCK_M]
     sum_o = tl.sum(acc_o, axis=0)
     col_m = offs_m64[None, :]
@@ -285,9 +287,9 @@ def flat_gemm_int4(x: torch.Tensor, w: QuantizedWeight, *, block_m: int = 16,
         raise ValueError(f"K-packed weights need an even K, got {K}")
     if out is not None and (tuple(out.shape) != (M, N) or out.dtype != x.dtype):
         raise ValueError(f"out must be [{M}, {N}] {x.dtype}, got {tuple(out.shape)} {out.dtype}")
-    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    ieee = x.dtype == torch.float32 or (interp and x.dtype == torch.bfloat16)
-    block_m = max(16, min(block_m, _pow2(M)))
+    interp = interpreting()
+    ieee = ieee_dots(x.dtype)
+    block_m = max(16, min(block_m, pow2(M)))
     bn = block_n or PAIRS_BLOCK_N
     pairs = not group_k and w.group_size % bn == 0 and bn >= PAIRS_BLOCK_N
     if pairs:
@@ -306,7 +308,7 @@ def flat_gemm_int4(x: torch.Tensor, w: QuantizedWeight, *, block_m: int = 16,
     args = (M, N, K, x.stride(0), x.stride(1), w.packed.stride(0), w.packed.stride(1),
             w.scale.stride(0), w.scale.stride(1))
     common = dict(GROUP=w.group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                  SPLIT_K=split_k, DOT_DTYPE=_dot_dtype(x.dtype), IEEE=ieee,
+                  SPLIT_K=split_k, DOT_DTYPE=dot_dtype(x.dtype), IEEE=ieee,
                   num_warps=num_warps, num_stages=num_stages)
     if pairs or split_k == 1:
         y = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -315,7 +317,7 @@ def flat_gemm_int4(x: torch.Tensor, w: QuantizedWeight, *, block_m: int = 16,
     if pairs:
         if split_k > 1:
             part = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device)
-            cnt = _counters(x.device, grid[0] * grid[1])  # paged_decode's tickets, same rules
+            cnt = tickets(x.device, grid[0] * grid[1])
         else:
             part = cnt = y  # unused
         has_bias = (BIAS_IN_STORE and bias is not None and bias.dtype == x.dtype
@@ -342,18 +344,12 @@ def _pairs_config(n: int, block_m: int, group: int, dtype: torch.dtype,
     40 against 45 the other way); the 64-row M tile: 256 K columns, 2 stages (its x tile is 4x
     larger)."""
     block_n = PAIRS_BLOCK_N
-    if dtype == torch.float16 and n > 4 * PAIRS_BLOCK_N * _num_sms(device) and group % 64 == 0:
+    sms = num_sms(device, INTERPRETER_SMS)
+    if dtype == torch.float16 and n > 4 * PAIRS_BLOCK_N * sms and group % 64 == 0:
         block_n = 64
     if block_m <= 16:
         return dict(block_n=block_n, block_k=512, num_stages=3)
     return dict(block_n=block_n, block_k=256, num_stages=2)
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter: any count (an H100's)
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def choose_split_k(m: int, n: int, k: int, num_sms: int, block_m: int = 16, block_n: int = 32,

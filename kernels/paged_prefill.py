@@ -11,13 +11,11 @@ the block table with int64 offsets.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .paged_decode import LOG2E, _dot, _dot_dtype, _pow2, _token_rows
+from .triton_common import LOG2E, dot, dot_dtype, ieee_dots, pow2, token_rows
 
 
 @triton.jit
@@ -59,10 +57,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, cl_ptr, out_ptr,
     for start in range(0, hi, BLOCK_N):
         tok = start + tl.arange(0, BLOCK_N)
         tok_mask = tok < hi
-        trow = _token_rows(bt_row, tok, tok_mask, BS, stride_kb, stride_kt)
+        trow = token_rows(bt_row, tok, tok_mask, BS, stride_kb, stride_kt)
         kv_mask = tok_mask[:, None] & d_mask[None, :]
         k = tl.load(kp + trow[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), DOT_DTYPE, IEEE) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = dot(q, tl.trans(k), DOT_DTYPE, IEEE) * qk_scale  # [BLOCK_M, BLOCK_N]
         visible = (tok[None, :] <= pos[:, None]) & tok_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -71,7 +69,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, cl_ptr, out_ptr,
         p = tl.exp2(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(vp + trow[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p, v, DOT_DTYPE, IEEE)
+        acc = acc * alpha[:, None] + dot(p, v, DOT_DTYPE, IEEE)
         m = m_new
     l = tl.where(l == 0.0, 1.0, l)
     o = acc / l[:, None]
@@ -108,16 +106,15 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     cu_t = torch.tensor(cu, dtype=torch.int32).to(q.device, non_blocking=True)
     cl_t = torch.tensor(cl, dtype=torch.int32).to(q.device, non_blocking=True)
     bt = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
-    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    block_m = min(block_m, _pow2(max(ql)))
+    block_m = min(block_m, pow2(max(ql)))
     grid = (len(ql), num_heads, triton.cdiv(max(ql), block_m))
     _prefill_kernel[grid](
         q, k_cache, v_cache, bt, cu_t, cl_t, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         bt.stride(0), out.stride(0), out.stride(1), float(scale) * LOG2E,
         GQA=num_heads // kv_heads, HEAD_DIM=head_dim, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=_pow2(head_dim), DOT_DTYPE=_dot_dtype(q.dtype),
-        IEEE=q.dtype == torch.float32 or (interp and q.dtype == torch.bfloat16),
+        BLOCK_D=pow2(head_dim), DOT_DTYPE=dot_dtype(q.dtype),
+        IEEE=ieee_dots(q.dtype),
         num_warps=num_warps, num_stages=num_stages)
     return out
 
