@@ -1,4 +1,5 @@
-"""Triton kernels vs float64 references, on the CPU under TRITON_INTERPRET=1 (small shapes).
+"""Triton kernels vs float64 references (small shapes): compiled on a GPU, else on the CPU under
+the Triton interpreter (tests/conftest.py).
 
 Inputs are drawn fresh each run (the seed is in every failure message); outputs are poisoned with
 NaN before each call; caches, queries and block tables are non-contiguous views, block tables are
@@ -7,12 +8,13 @@ shuffled, and sequence lengths are not multiples of the block size.
 
 from __future__ import annotations
 
-import random  # noqa: E402
+import random
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.usefixtures("kernel_device")
 
 from localgen.kernels import paged_attention_ref as ref  # noqa: E402
 from localgen.kernels import quant_ref as qr  # noqa: E402
@@ -143,8 +145,9 @@ def test_wave_span_by_hand():
 def test_bf16_split_counts_on_132_sms(monkeypatch, b, kvh, ctx, want):
     """The bf16 split counts on an H200 (132 SMs), hand-computed from the wave model; every
     returned count leaves no split empty (whole-tile chunks)."""
+    from localgen.kernels import decode_splits
     from localgen.kernels import paged_decode as pd
-    monkeypatch.setattr(pd, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(decode_splits, "num_sms", lambda device, off_cuda: 132)
     cfg = pd.decode_config(b, kvh, ctx, 128, torch.device("cpu"))
     got = pd.config_splits(cfg, b, kvh, ctx, torch.device("cpu"))
     tiles = -(-ctx // cfg["block_n"])
@@ -312,7 +315,7 @@ def test_int4_decode_rejects_a_mismatched_pool():
 def test_int4_recompute_and_fused_counters_reset(seed):
     """int4 rows forced through the recompute path (phi far above every score), fused combine;
     the fused path leaves its ticket counters at zero for the next call (CUDA-graph replays)."""
-    from localgen.kernels import paged_decode as pd
+    from localgen.kernels.triton_common import tickets
     q, k, v, bt, cl = decode_case(torch.bfloat16, 8, 2, 64, [45, 70])
     qk, qv = qr.quantize_kv(k), qr.quantize_kv(v)
     kd, vd = qr.dequantize_kv(qk, torch.float64), qr.dequantize_kv(qv, torch.float64)
@@ -323,8 +326,7 @@ def test_int4_recompute_and_fused_counters_reset(seed):
             out=poisoned(q), return_flags=True, flags=torch.full((2, 8), -7, dtype=torch.int32))
         assert flags.all(), f"seed={seed}"
         assert rel_err(got, want) < 1e-2, f"seed={seed} splits={splits} err={rel_err(got, want)}"
-    for buf in pd._COUNTERS.values():
-        assert int(buf.abs().sum()) == 0
+    assert int(tickets(q.device, 1).abs().sum()) == 0  # every launch leaves its tickets at zero
 
 
 # ---- prefill ---------------------------------------------------------------------------------
