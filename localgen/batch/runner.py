@@ -235,120 +235,137 @@ def _run_locked(llm: BatchLLM, in_path: str | os.PathLike[str], out_path: str | 
         seconds = time.perf_counter() - t0
         empty = BatchSummary(total=0, done=0, skipped_resume=0, failed=0, tokens=0, seconds=seconds, interrupted=True)
         raise BatchInterrupted(empty) from None
+    options = dict(defaults=default_sampling, max_tokens_cap=max_tokens, raw_prompts=raw_prompts)
+    run = _BatchRun(llm, out_path, state, total, todo, t0, progress, options)
+    return run.run(_jobs(in_path, limit, line_cap), max_in_flight or max(2 * llm.max_num_seqs, 16))
 
-    window = max_in_flight or max(2 * llm.max_num_seqs, 16)
-    model = llm.model_name
-    run_tag = uuid.uuid4().hex[:8]
-    summary = BatchSummary(total=total, done=0, skipped_resume=0, failed=0, tokens=0, seconds=0.0)
-    inflight: dict[str, Job] = {}
-    live_tokens: dict[str, int] = {}
 
-    def report() -> None:
-        if progress is None:
+class _BatchRun:
+    """One run's state: the jobs in the engine, the summary, OUT's writer and known results."""
+
+    def __init__(self, llm: BatchLLM, out_path: str | os.PathLike[str], state: OutputState,
+                 total: int, todo: int, t0: float, progress: ProgressCallback | None,
+                 request_options: dict[str, Any]):
+        """``request_options``: the keyword arguments of ``Job.to_request`` beside the id."""
+        self.llm, self.state, self.todo, self.t0, self.progress = llm, state, todo, t0, progress
+        self.model = llm.model_name
+        self.run_tag = uuid.uuid4().hex[:8]
+        self.summary = BatchSummary(total=total, done=0, skipped_resume=0, failed=0, tokens=0, seconds=0.0)
+        self.inflight: dict[str, Job] = {}
+        self.live_tokens: dict[str, int] = {}
+        self.request_options = request_options
+        self.writer = JsonlWriter(out_path)
+
+    def run(self, items: Iterator[Job | LineError], window: int) -> BatchSummary:
+        """Keep up to ``window`` jobs in the engine and step it until every job has a result."""
+        summary = self.summary
+        try:
+            self._loop(items, window)
+        except KeyboardInterrupt:
+            summary.interrupted = True
+            _abort_all(self.llm, self.inflight)
+            summary.seconds = time.perf_counter() - self.t0
+            self.writer.close()
+            raise BatchInterrupted(summary) from None
+        except BaseException:
+            _abort_all(self.llm, self.inflight)
+            self.writer.close()
+            raise
+        self.writer.close()
+        summary.seconds = time.perf_counter() - self.t0
+        self.report()
+        return summary
+
+    def _loop(self, items: Iterator[Job | LineError], window: int) -> None:
+        exhausted = False
+        while True:
+            exhausted = exhausted or self._fill(items, window)
+            if not self.inflight:
+                if exhausted:
+                    return
+                continue
+            self._step()
+            self.report()
+
+    def _fill(self, items: Iterator[Job | LineError], window: int) -> bool:
+        """Parse lines and queue jobs until ``window`` are in the engine; True once IN is read."""
+        while len(self.inflight) < window:
+            item = next(items, None)
+            if item is None:
+                return True
+            if isinstance(item, LineError):
+                self.fail(item)
+            elif item.done_key in self.state.done:
+                self.summary.skipped_resume += 1
+            else:
+                self.submit(item)
+        return False
+
+    def _step(self) -> None:
+        outputs = self.llm.step()
+        for out in outputs:
+            if out.request_id not in self.inflight:
+                continue  # someone else's request sharing the engine
+            if out.finished:
+                self.finish(out)
+            else:
+                self.live_tokens[out.request_id] = out.completion_tokens
+        if not outputs and self.inflight and not self.llm.has_unfinished():
+            raise RuntimeError(
+                f"the engine has no unfinished requests but {len(self.inflight)} batch results never arrived"
+            )
+
+    def report(self) -> None:
+        if self.progress is None:
             return
-        elapsed = time.perf_counter() - t0
-        generated = summary.tokens + sum(live_tokens.values())
+        summary = self.summary
+        elapsed = time.perf_counter() - self.t0
+        generated = summary.tokens + sum(self.live_tokens.values())
         tps = generated / elapsed if elapsed > 0 else 0.0
-        engine_tps = llm.metrics.generation_tokens_per_s
+        engine_tps = self.llm.metrics.generation_tokens_per_s
         if engine_tps > 0:
             tps = float(engine_tps)
-        progress(
-            BatchProgress(
-                total=todo,
-                done=summary.done,
-                failed=summary.failed,
-                skipped_resume=summary.skipped_resume,
-                tokens=generated,
-                elapsed=elapsed,
-                tokens_per_s=tps,
-            )
-        )
+        self.progress(BatchProgress(total=self.todo, done=summary.done, failed=summary.failed,
+                                    skipped_resume=summary.skipped_resume, tokens=generated,
+                                    elapsed=elapsed, tokens_per_s=tps))
 
-    writer = JsonlWriter(out_path)
-
-    def fail(err: LineError) -> None:
+    def fail(self, err: LineError) -> None:
+        summary = self.summary
         summary.failed += 1
         if len(summary.errors) < _MAX_ERRORS_KEPT:
             summary.errors.append(err)
         rec = err.record()
         ident = error_identity(rec)
-        if ident in state.errors:  # the same error is already in OUT: do not append it twice
+        if ident in self.state.errors:  # the same error is already in OUT: do not append it twice
             return
-        writer.write(rec)
-        state.errors.add(ident)
+        self.writer.write(rec)
+        self.state.errors.add(ident)
 
-    def submit(job: Job) -> None:
-        rid = f"batch-{run_tag}-{job.line_no}"
+    def submit(self, job: Job) -> None:
+        rid = f"batch-{self.run_tag}-{job.line_no}"
         try:
-            req = job.to_request(rid, defaults=default_sampling, max_tokens_cap=max_tokens, raw_prompts=raw_prompts)
-            llm.add_request(req)
+            self.llm.add_request(job.to_request(rid, **self.request_options))
         except PromptTooLongError as e:
-            fail(LineError(job.line_no, f"prompt too long for the model's context ({llm.max_model_len} tokens): {e}", key=job.key, format=job.format))
+            self.fail(LineError(job.line_no, f"prompt too long for the model's context "
+                                f"({self.llm.max_model_len} tokens): {e}", key=job.key, format=job.format))
             return
         except ValueError as e:
-            fail(LineError(job.line_no, str(e), key=job.key, format=job.format))
+            self.fail(LineError(job.line_no, str(e), key=job.key, format=job.format))
             return
-        inflight[rid] = job
-        live_tokens[rid] = 0
+        self.inflight[rid] = job
+        self.live_tokens[rid] = 0
 
-    def finish(out: RequestOutput) -> None:
-        job = inflight.pop(out.request_id)
-        live_tokens.pop(out.request_id, None)
+    def finish(self, out: RequestOutput) -> None:
+        job = self.inflight.pop(out.request_id)
+        self.live_tokens.pop(out.request_id, None)
         if out.finish_reason == "abort":
-            fail(LineError(job.line_no, "generation was aborted by the engine", key=job.key, format=job.format))
+            self.fail(LineError(job.line_no, "generation was aborted by the engine", key=job.key, format=job.format))
             return
-        writer.write(job.result_record(out, model, created=int(time.time())))
-        state.done.add(job.done_key)
-        summary.done += 1
-        summary.tokens += out.completion_tokens
-        summary.prompt_tokens += out.prompt_tokens
-
-    items = _jobs(in_path, limit, line_cap)
-    exhausted = False
-    try:
-        while True:
-            # Fill the window: parse lines and queue jobs until `window` are in the engine.
-            while not exhausted and len(inflight) < window:
-                item = next(items, None)
-                if item is None:
-                    exhausted = True
-                elif isinstance(item, LineError):
-                    fail(item)
-                elif item.done_key in state.done:
-                    summary.skipped_resume += 1
-                else:
-                    submit(item)
-            if not inflight:
-                if exhausted:
-                    break
-                continue
-            outputs = llm.step()
-            for out in outputs:
-                if out.request_id not in inflight:
-                    continue  # someone else's request sharing the engine
-                if out.finished:
-                    finish(out)
-                else:
-                    live_tokens[out.request_id] = out.completion_tokens
-            if not outputs and inflight and not llm.has_unfinished():
-                raise RuntimeError(
-                    f"the engine has no unfinished requests but {len(inflight)} batch results never arrived"
-                )
-            report()
-    except KeyboardInterrupt:
-        summary.interrupted = True
-        _abort_all(llm, inflight)
-        summary.seconds = time.perf_counter() - t0
-        writer.close()
-        raise BatchInterrupted(summary) from None
-    except BaseException:
-        _abort_all(llm, inflight)
-        writer.close()
-        raise
-    writer.close()
-    summary.seconds = time.perf_counter() - t0
-    report()
-    return summary
+        self.writer.write(job.result_record(out, self.model, created=int(time.time())))
+        self.state.done.add(job.done_key)
+        self.summary.done += 1
+        self.summary.tokens += out.completion_tokens
+        self.summary.prompt_tokens += out.prompt_tokens
 
 
 def _plan(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str], limit: int | None,
@@ -364,7 +381,7 @@ def _plan(in_path: str | os.PathLike[str], out_path: str | os.PathLike[str], lim
     return state, total, total - skipped
 
 
-def _abort_all(llm: Any, inflight: dict[str, Job]) -> None:
+def _abort_all(llm: BatchLLM, inflight: dict[str, Job]) -> None:
     for rid in list(inflight):
         try:
             llm.abort(rid)
