@@ -430,6 +430,30 @@ AI __m256 low4_ps(__m128i v) {
     return _mm256_cvtepi32_ps(_mm256_inserti128_si256(_mm256_setzero_si256(), v, 0));
 }
 
+/* The codes of sub-blocks 2c, 2c+1 of a Q4_K, Q5_K or IQ4_XS block from its 32 code bytes at qs:
+ * low nibbles to *lo, high to *hi; Q5_K's fifth bits from *qh (shifted on by two bits per call);
+ * IQ4_XS's codes mapped through its value table kv (16 bytes per sub-block: the low nibbles are
+ * its first 16 values), so *lo and *hi then hold signed values. */
+AI void k32_pair_codes(const int t, const uint8_t *qs, __m256i *qh, const __m256i kv, __m256i *lo,
+                       __m256i *hi) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i q = _mm256_loadu_si256((const __m256i *)qs);
+    __m256i l = _mm256_and_si256(q, m4), h = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+    if (t == T_Q5_K) {
+        l = _mm256_or_si256(l, _mm256_and_si256(_mm256_slli_epi16(*qh, 4), _mm256_set1_epi8(0x10)));
+        h = _mm256_or_si256(h, _mm256_and_si256(_mm256_slli_epi16(*qh, 3), _mm256_set1_epi8(0x10)));
+        *qh = _mm256_srli_epi16(*qh, 2);
+    }
+    if (t == T_IQ4_XS) {
+        const __m256i a = _mm256_permute2x128_si256(l, h, 0x20);
+        const __m256i b = _mm256_permute2x128_si256(l, h, 0x31);
+        l = _mm256_shuffle_epi8(kv, a);
+        h = _mm256_shuffle_epi8(kv, b);
+    }
+    *lo = l;
+    *hi = h;
+}
+
 /* Q4_K, Q5_K, IQ4_XS: one scale per 32 values. For each 64 values c, the block's bytes give two
  * sub-blocks (2c, 2c+1) of codes; each row adds sc * (codes . q) in int32, then once per block
  * d dx (that sum) - dmin dx (mins . sums of q per 32). */
@@ -437,7 +461,6 @@ AI void rows_k32(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int
                  int64_t ys, const int nx) {
     const int bb = block_bytes(t), five = t == T_Q5_K, iq = t == T_IQ4_XS;
     const int64_t nb = k / 256;
-    const __m256i m4 = _mm256_set1_epi8(15);
     const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES));
     __m256 acc[4], accm[4]; /* accm: the minimums' term, a chain of its own */
     for (int j = 0; j < nx; j++) acc[j] = accm[j] = _mm256_setzero_ps();
@@ -454,19 +477,8 @@ AI void rows_k32(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int
         __m256i isum[4];
         for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-            __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            if (five) {
-                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4), _mm256_set1_epi8(0x10)));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh, 3), _mm256_set1_epi8(0x10)));
-                qh = _mm256_srli_epi16(qh, 2);
-            }
-            if (iq) { /* 16 bytes per sub-block: low nibbles are its first 16 values */
-                const __m256i a = _mm256_permute2x128_si256(lo, hi, 0x20);
-                const __m256i bq = _mm256_permute2x128_si256(lo, hi, 0x31);
-                lo = _mm256_shuffle_epi8(kv, a);
-                hi = _mm256_shuffle_epi8(kv, bq);
-            }
+            __m256i lo, hi;
+            k32_pair_codes(t, qs + 32 * c, &qh, kv, &lo, &hi);
             const __m256i ulo = iq ? _mm256_abs_epi8(lo) : lo, uhi = iq ? _mm256_abs_epi8(hi) : hi;
             const __m256i s_lo = pick16(sc16, 2 * c, 2 * c), s_hi = pick16(sc16, 2 * c + 1, 2 * c + 1);
             for (int j = 0; j < nx; j++) {
@@ -498,6 +510,32 @@ AI void rows_k32(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int
     for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(_mm256_sub_ps(acc[j], accm[j]));
 }
 
+/* The codes of half h of a Q2_K, Q3_K or Q6_K block as unsigned bytes, group s (values
+ * 128 h + 32 s ..) in g[s]. Q3_K's high bits come from *hm (the block's hmask, shifted on by one
+ * bit per group), Q6_K's from its qh bytes. */
+AI void k16_half_codes(const int t, const uint8_t *blk, const int h, __m256i *hm, __m256i g[4]) {
+    const __m256i m2 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    if (t == T_Q6_K) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        g[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+        g[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+        g[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30));
+        g[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+        return;
+    }
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + (t == T_Q3_K ? 32 : 16) + 32 * h));
+    for (int s = 0; s < 4; s++) {
+        g[s] = _mm256_and_si256(_mm256_srli_epi16(q, 2 * s), m2);
+        if (t == T_Q3_K) { /* the high bit of group (h, s) is bit 4h + s of hmask */
+            g[s] = _mm256_or_si256(g[s], _mm256_and_si256(_mm256_slli_epi16(*hm, 2), _mm256_set1_epi8(4)));
+            *hm = _mm256_srli_epi16(*hm, 1);
+        }
+    }
+}
+
 /* Q2_K, Q3_K, Q6_K: one scale per 16 values. The block is two halves h of four 32-value groups
  * s (value 128 h + 32 s + l); a group's low 16 values take scale 8h + 2s, its high 16 the next.
  * Codes are unsigned (Q3_K: 0..7 meaning -4..3, Q6_K: 0..63 meaning -32..31, Q2_K: 0..3 with a
@@ -506,7 +544,6 @@ AI void rows_k16(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int
                  int64_t ys, const int nx) {
     const int bb = block_bytes(t);
     const int64_t nb = k / 256;
-    const __m256i m2 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
     __m256 acc[4], accm[4]; /* accm: the minimums' term, a chain of its own */
     for (int j = 0; j < nx; j++) acc[j] = accm[j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -535,25 +572,7 @@ AI void rows_k16(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int
         for (int h = 0; h < 2; h++) {
             const __m256i sch = _mm256_permute4x64_epi64(sc16, h ? 0xEE : 0x44); /* scales 8h.. in both lanes */
             __m256i g[4];
-            if (t == T_Q6_K) {
-                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-                g[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
-                g[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
-                g[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30));
-                g[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                       _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
-            } else {
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + (t == T_Q3_K ? 32 : 16) + 32 * h));
-                for (int s = 0; s < 4; s++) {
-                    g[s] = _mm256_and_si256(_mm256_srli_epi16(q, 2 * s), m2);
-                    if (t == T_Q3_K) { /* the high bit of group (h, s) is bit 4h + s of hmask */
-                        g[s] = _mm256_or_si256(g[s], _mm256_and_si256(_mm256_slli_epi16(hm, 2), _mm256_set1_epi8(4)));
-                        hm = _mm256_srli_epi16(hm, 1);
-                    }
-                }
-            }
+            k16_half_codes(t, blk, h, &hm, g);
             for (int s = 0; s < 4; s++) {
                 const __m256i scs = pick16(sch, 2 * s, 2 * s + 1);
                 for (int j = 0; j < nx; j++) {
@@ -591,7 +610,6 @@ typedef struct {
 
 AI void unpack_k32(const int t, const uint8_t *blk, kblock *kb) {
     const int five = t == T_Q5_K, iq = t == T_IQ4_XS;
-    const __m256i m4 = _mm256_set1_epi8(15);
     uint8_t sc[8], mn[8];
     kb->d = h2f(blk);
     if (iq) xs_scales(blk + 2, (int8_t *)sc);
@@ -607,16 +625,11 @@ AI void unpack_k32(const int t, const uint8_t *blk, kblock *kb) {
     const uint8_t *qs = blk + (iq ? 8 : 16 + 32 * five);
     __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
     for (int c = 0; c < 4; c++) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-        __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-        if (five) {
-            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4), _mm256_set1_epi8(0x10)));
-            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh, 3), _mm256_set1_epi8(0x10)));
-            qh = _mm256_srli_epi16(qh, 2);
-        }
+        __m256i lo, hi;
+        k32_pair_codes(t, qs + 32 * c, &qh, kv, &lo, &hi);
         if (iq) {
-            kb->w[2 * c] = _mm256_shuffle_epi8(kv, _mm256_permute2x128_si256(lo, hi, 0x20));
-            kb->w[2 * c + 1] = _mm256_shuffle_epi8(kv, _mm256_permute2x128_si256(lo, hi, 0x31));
+            kb->w[2 * c] = lo;
+            kb->w[2 * c + 1] = hi;
             kb->u[2 * c] = _mm256_abs_epi8(kb->w[2 * c]);
             kb->u[2 * c + 1] = _mm256_abs_epi8(kb->w[2 * c + 1]);
         } else {
@@ -629,7 +642,6 @@ AI void unpack_k32(const int t, const uint8_t *blk, kblock *kb) {
 }
 
 AI void unpack_k16(const int t, const uint8_t *blk, kblock *kb) {
-    const __m256i m2 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
     __m128i sc8;
     if (t == T_Q2_K) {
         const __m128i raw = _mm_loadu_si128((const __m128i *)blk);
@@ -651,26 +663,7 @@ AI void unpack_k16(const int t, const uint8_t *blk, kblock *kb) {
     __m256i hm = t == T_Q3_K ? _mm256_loadu_si256((const __m256i *)blk) : _mm256_setzero_si256();
     for (int h = 0; h < 2; h++) {
         const __m256i sch = _mm256_permute4x64_epi64(sc16, h ? 0xEE : 0x44);
-        __m256i *g = kb->u + 4 * h;
-        if (t == T_Q6_K) {
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-            g[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
-            g[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
-            g[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30));
-            g[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                   _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
-        } else {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + (t == T_Q3_K ? 32 : 16) + 32 * h));
-            for (int s = 0; s < 4; s++) {
-                g[s] = _mm256_and_si256(_mm256_srli_epi16(q, 2 * s), m2);
-                if (t == T_Q3_K) {
-                    g[s] = _mm256_or_si256(g[s], _mm256_and_si256(_mm256_slli_epi16(hm, 2), _mm256_set1_epi8(4)));
-                    hm = _mm256_srli_epi16(hm, 1);
-                }
-            }
-        }
+        k16_half_codes(t, blk, h, &hm, kb->u + 4 * h);
         for (int s = 0; s < 4; s++) kb->sc[4 * h + s] = pick16(sch, 2 * s, 2 * s + 1);
     }
 }
