@@ -16,6 +16,7 @@ from localgen.models.sources import EMBEDDED_NAME, embedded_gguf_path
 from tests import tiny_models as tm
 
 REV = "1" * 40
+FAMILIES = Path(__file__).parent / "fixtures" / "families"
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +68,10 @@ def test_models_json_lists_the_embedded_model_the_cache_and_given_paths(cache, t
     emb = rows[EMBEDDED_NAME]
     assert emb["kind"] == "embedded" and emb["architecture"] == "LlamaForCausalLM"
     assert emb["size_bytes"] == embedded_gguf_path().stat().st_size and emb["runnable"]
+    local = _rows(cache, str(tmp_path / "missing.gguf"), str(FAMILIES / "mixtral_top1"))["mixtral_top1"]
+    assert (local["kind"], local["format"], local["quant"], local["family"]) == (
+        "local", "safetensors", "F16", "Mixtral")
+    assert local["runnable"] and local["size_bytes"] == (FAMILIES / "mixtral_top1" / "model.safetensors").stat().st_size
     bad = rows["missing.gguf"]
     assert bad["error"] == "no such file or directory" and bad["size_bytes"] == 0
     assert not bad["runnable"]

@@ -74,8 +74,11 @@ def _path_row(path: Path, name: str, kind: str) -> Row:
 
         row.size_bytes = sum(p.stat().st_size for p in split_parts(path) or [path])
     else:
+        from localgen.hub.cache import checkpoint_dtype
+
         weights = sorted(path.glob("*.safetensors"))
         row.file, row.size_bytes = ", ".join(p.name for p in weights), sum(p.stat().st_size for p in weights)
+        row.quant = checkpoint_dtype(path)
     return _probe(row)
 
 

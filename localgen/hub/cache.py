@@ -161,7 +161,7 @@ def _revision_models(repo_id: str, rev) -> list[CachedModel]:
     models = []
     if is_hf_dir_repo(sizes) and _hf_dir_complete(snap):
         files = tuple(hf_dir_files(sizes))
-        models.append(CachedModel(repo_id, repo_id, "safetensors", _checkpoint_dtype(snap), snap,
+        models.append(CachedModel(repo_id, repo_id, "safetensors", checkpoint_dtype(snap), snap,
                                   files, sum(sizes[f] for f in files), rev.commit_hash))
     for first in gguf_models(sizes):
         m = SPLIT_RE.match(first)
@@ -189,11 +189,11 @@ def _tag_for(repo_id: str, file: str, quant: str | None, files) -> str:
         return file
 
 
-def _checkpoint_dtype(snapshot: Path) -> str | None:
-    """A safetensors checkpoint's weight type as config.json states it: the quantization
+def checkpoint_dtype(model_dir: Path) -> str | None:
+    """A safetensors model directory's weight type as config.json states it: the quantization
     method when it has one, else its dtype upper-cased (``BF16``, ``F32``)."""
     try:
-        cfg = json.loads((snapshot / "config.json").read_text())
+        cfg = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         return None
     method = (cfg.get("quantization_config") or {}).get("quant_method")
