@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from localgen.attention import cpu as cpu_decode
+from localgen.attention.cpu import CpuBackend, CpuDecodePlan, CpuKernelBackend
+from localgen.attention.prefill import cpu_prefill_attention
+from localgen.attention.spec import AttentionSpec
 from localgen.kernels import paged_attention_ref as ref
-from localgen.kv import cpu_decode
-from localgen.kv.attention import (AttentionMetadata, LayerKV, cpu_decode_attention,
-                                   cpu_prefill_attention)
+from localgen.kv.attention import AttentionMetadata, LayerKV
 from localgen.quant import cpu_int4
 
 BS = 16
@@ -51,14 +53,19 @@ def decode_meta(lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
 
 
 @pytest.fixture(params=["kernel", "torch"])
-def decode_path(request, monkeypatch):
-    """Runs a test through the C kernel (skipped where it cannot be built) and the torch path."""
+def decode_path(request):
+    """Runs a test through the C kernel backend (skipped where it cannot be built) and the torch
+    CPU backend."""
     if request.param == "kernel":
         if not cpu_decode.kernel.available():
             pytest.skip("no C compiler: the CPU decode kernel is not built")
-    else:
-        monkeypatch.setattr(cpu_decode.kernel, "available", lambda: False)
-    return request.param
+        return CpuKernelBackend()
+    return CpuBackend()
+
+
+def cpu_decode_attention(backend, q, kv, meta, scale):
+    """Decode attention through ``backend`` (the new K/V already in the cache)."""
+    return backend.decode(kv, q, None, None, meta, AttentionSpec(scale))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -79,15 +86,16 @@ def test_cpu_decode_attention_matches_reference(dtype, case, decode_path):
         kv = LayerKV(kv.k_cache, kv.v_cache)
     meta = decode_meta(lens, tables)
     q = torch.randn(len(lens), heads, d).to(dtype)
-    out = cpu_decode_attention(q, kv, meta, d ** -0.5)
+    out = cpu_decode_attention(decode_path, q, kv, meta, d ** -0.5)
     want = ref.paged_decode_attention(q.double(), kv.k_cache.double(), kv.v_cache.double(),
                                       meta.block_tables, meta.context_lens, d ** -0.5)
     assert out.dtype == dtype and rel_err(out, want) < (1e-5 if dtype == torch.float32 else 1e-2)
-    if decode_path == "kernel":
-        assert isinstance(meta.cpu_decode, cpu_decode.kernel.Launch)
+    planned = lambda kind: meta.plan(kind, lambda: pytest.fail(f"no {kind.__name__} planned"))  # noqa: E731
+    if isinstance(decode_path, CpuKernelBackend) and cpu_decode.kernel.supports(q, kv.k_cache, kv.v_cache):
+        assert isinstance(planned(cpu_decode.kernel.Launch), cpu_decode.kernel.Launch)
     else:
-        assert meta.cpu_decode.n_blocks == -(-max(lens) // BS)
-        assert (meta.cpu_decode.mask is None) == (len(set(lens)) == 1)
+        assert planned(CpuDecodePlan).n_blocks == -(-max(lens) // BS)
+        assert (planned(CpuDecodePlan).mask is None) == (len(set(lens)) == 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -108,7 +116,7 @@ def test_cpu_decode_attention_strided_query_and_reversed_tables(dtype, lens, dec
     meta = decode_meta(lens, tables)
     y = torch.randn(len(lens), (heads + 2 * kv_heads) * d).to(dtype)
     q = y[:, :heads * d].view(len(lens), heads, d)
-    out = cpu_decode_attention(q, kv, meta, d ** -0.5)
+    out = cpu_decode_attention(decode_path, q, kv, meta, d ** -0.5)
     want = ref.paged_decode_attention(q.double(), kv.k_cache.double(), kv.v_cache.double(),
                                       meta.block_tables, meta.context_lens, d ** -0.5)
     assert out.shape == (len(lens), heads, d)
@@ -132,7 +140,6 @@ def test_cpu_decode_layer_is_bit_identical_to_layer(num_seqs, c_ops, monkeypatch
     generic layer then takes the C norm too) and with their torch twins, and steps aside when a
     score observer is installed. test_cpu_kernels checks the C ops against torch alone."""
     from localgen.kernels import layer_ops_cpu
-    from localgen.kv import attention
     from localgen.models import llama
     from localgen.models.config import ModelConfig
     from localgen.models.rope import inv_frequencies, rope_cos_sin
@@ -175,11 +182,8 @@ def test_cpu_decode_layer_is_bit_identical_to_layer(num_seqs, c_ops, monkeypatch
         m.setattr(llama, "_cpu_decode_mats", lambda *a: None)  # the generic path
         want = llama.layer(cfg, w, h, rope, kv_ref, decode_meta(lens, tables))
     assert torch.equal(fast, want) and torch.equal(kv_fast.pair, kv_ref.pair)
-    prev = attention.set_score_observer(lambda *a: None)
-    try:
-        assert llama._cpu_decode_mats(cfg, w, h, kv_fast) is None
-    finally:
-        attention.set_score_observer(prev)
+    kv_fast.backend = CpuKernelBackend(observer=lambda *a: None)  # scores observed: generic path
+    assert llama._cpu_decode_mats(cfg, w, h, kv_fast) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -201,7 +205,7 @@ def test_cpu_prefill_attention_matches_reference(dtype):
     n = sum(ql)
     q = torch.randn(n, heads, d).to(dtype)
     k, v = torch.randn(n, kv_heads, d).to(dtype), torch.randn(n, kv_heads, d).to(dtype)
-    ref.write_kv(kv.k_cache, kv.v_cache, k, v, meta.slot_mapping)  # as paged_attention does first
+    ref.write_kv(kv.k_cache, kv.v_cache, k, v, meta.slot_mapping)  # as the backend does first
     out = cpu_prefill_attention(q, k, v, kv, meta, d ** -0.5)
     want = ref.paged_prefill_attention(q.double(), kv.k_cache.double(), kv.v_cache.double(),
                                        meta.block_tables, ctx, ql, d ** -0.5)

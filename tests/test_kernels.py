@@ -431,11 +431,10 @@ def test_call_site_observer_and_cpu_path(seed):
                                  torch.tensor([5, 6]), [1, 1], [5, 6])
     q, k, v = torch.randn(2, 4, 64), torch.randn(2, 2, 64), torch.randn(2, 2, 64)
     seen = []
-    prev = att.set_score_observer(lambda *a: seen.append(a))
-    try:
-        out = att.paged_attention(q, k, v, kv, meta, 0.125)
-    finally:
-        att.set_score_observer(prev)
+    from localgen.attention.select import device_backend
+    from localgen.attention.spec import AttentionSpec
+    kv.backend = device_backend("cpu", torch.float32, observer=lambda *a: seen.append(a))
+    out = kv.attend(q, k, v, meta, AttentionSpec(0.125))
     assert len(seen) == 1 and seen[0][0] is q
     want = ref.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.125)
     assert torch.allclose(out, want, rtol=1e-5, atol=1e-6)

@@ -8,6 +8,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from localgen.kernels.quant_ref import dequantize_int4, quantize_int4  # noqa: E402
+from localgen.attention.spec import AttentionSpec  # noqa: E402
 from localgen.kv.attention import AttentionMetadata  # noqa: E402
 from localgen.models.config import ModelConfig  # noqa: E402
 from localgen.runtime.offload import kv as offload_kv  # noqa: E402
@@ -85,9 +86,9 @@ def test_rotation_alone_is_exact(d):
     slots, scale = slots_of(table, 9, bs), d ** -0.5
     rot = layer(cfg, compress=False, rotate=True)
     assert rot.rot is not None and not rot.compress
-    out = rot.attend(q[:8], k[:8], v[:8], prefill_meta(slots[:8], table, 8), scale)
+    out = rot.attend(q[:8], k[:8], v[:8], prefill_meta(slots[:8], table, 8), AttentionSpec(scale))
     step = rot.attend(q[8:], k[8:], v[8:], AttentionMetadata(False, slots[8:], table, torch.tensor([9]),
-                                                             [1], [9]), scale)
+                                                             [1], [9]), AttentionSpec(scale))
     want = exact(q, k, v, scale)
     torch.testing.assert_close(torch.cat([out, step]), want, atol=2e-5, rtol=1e-5)
     stored = rot.t["k"].view(-1, cfg.num_kv_heads, d)[slots]
@@ -107,7 +108,7 @@ def test_rotation_shrinks_4bit_error_on_outlier_channels(d):
     err = {}
     for rotate in (False, True):
         kv = layer(cfg, rotate=rotate, recent_blocks=0)
-        out = kv.attend(q, k, v, prefill_meta(slots, table, n), scale)
+        out = kv.attend(q, k, v, prefill_meta(slots, table, n), AttentionSpec(scale))
         err[rotate] = float((out - want).norm() / want.norm())
     assert err[True] < 0.7 * err[False], err  # V has no outliers: its error stays, hence 0.7
     # the same for the keys themselves: quantizing kR loses far less than quantizing k
@@ -131,7 +132,7 @@ def test_rotated_greedy_tokens_equal_plain(tmp_path):
     prompts = [torch.randint(6, 300, (n,), generator=g).tolist() for n in (5, 19, 11)]
     plain = LLM.load(str(d), device="cpu", kv_cache_memory=1 << 22, block_size=4, max_num_seqs=4)
     want = run_staggered(plain, prompts, sp)
-    pol = Policy(cg=0, cc=1, gbs=3, num_gpu_batches=1).validate()  # CPU tier: TierKV views
+    pol = Policy(cg=0, cc=1, gbs=3, num_gpu_batches=1).validate()  # CPU tier: tiered layer views
     llm = LLM.load(str(d), device="cpu", kv_cache_memory=1 << 22, block_size=4, policy=pol)
     for view in llm.engine.runner.kv.views:
         view.set_rotation(kv_rotation(llm.config.head_dim))
@@ -162,21 +163,21 @@ def test_recent_block_prefill_equals_decode_and_reference(int4_path):
     table = torch.tensor([[5, 2, 7, 9]])
     slots = slots_of(table, n, bs)
     want = reference_recent(q, k, v, scale, bs, kv_rotation(64).float())
-    one = layer(cfg).attend(q, k, v, prefill_meta(slots, table, n), scale)
+    one = layer(cfg).attend(q, k, v, prefill_meta(slots, table, n), AttentionSpec(scale))
     torch.testing.assert_close(one, want, atol=1e-5, rtol=1e-5)
     kv = layer(cfg)
     outs = [kv.attend(q[p:p + 1], k[p:p + 1], v[p:p + 1],
                       AttentionMetadata(p == 0, slots[p:p + 1], table, torch.tensor([p + 1]), [1], [p + 1]),
-                      scale) for p in range(n)]
+                      AttentionSpec(scale)) for p in range(n)]
     torch.testing.assert_close(torch.cat(outs), want, atol=1e-5, rtol=1e-5)
     kv = layer(cfg)
-    a = kv.attend(q[:6], k[:6], v[:6], prefill_meta(slots[:6], table, 6), scale)  # ends mid-block
+    a = kv.attend(q[:6], k[:6], v[:6], prefill_meta(slots[:6], table, 6), AttentionSpec(scale))  # ends mid-block
     b = kv.attend(q[6:], k[6:], v[6:], AttentionMetadata(True, slots[6:], table, torch.tensor([n]), [5], [n]),
-                  scale)
+                  AttentionSpec(scale))
     torch.testing.assert_close(torch.cat([a, b]), want, atol=1e-5, rtol=1e-5)
     # and it matters: without the pool the same prefill is further from exact attention
     fp = exact(q, k, v, scale)
-    off = layer(cfg, recent_blocks=0).attend(q, k, v, prefill_meta(slots, table, n), scale)
+    off = layer(cfg, recent_blocks=0).attend(q, k, v, prefill_meta(slots, table, n), AttentionSpec(scale))
     assert (one - fp).norm() < 0.7 * (off - fp).norm()
 
 
@@ -191,7 +192,7 @@ def test_batched_fresh_prefill_equals_the_reference():
     q, k, v = (torch.cat(x) for x in zip(*data))
     slots = torch.cat([slots_of(tables[i:i + 1], n, bs) for i, n in enumerate(lens)])
     out = layer(cfg).attend(q, k, v, AttentionMetadata(True, slots, tables, torch.tensor(lens),
-                                                       list(lens), list(lens)), scale)
+                                                       list(lens), list(lens)), AttentionSpec(scale))
     rot, start = kv_rotation(64).float(), 0
     for (qi, ki, vi), n in zip(data, lens):
         torch.testing.assert_close(out[start:start + n], reference_recent(qi, ki, vi, scale, bs, rot),
@@ -212,16 +213,16 @@ def test_recent_pool_batched_decode_and_eviction(int4_path):
         kv = layer(cfg, recent_blocks=recent)
         for i, n in enumerate(lens):  # prefill each prompt alone
             q, k, v = (x[:n] for x in data[i])
-            kv.attend(q, k, v, prefill_meta(slots_of(tables[i:i + 1], n, bs), tables[i:i + 1], n), scale)
+            kv.attend(q, k, v, prefill_meta(slots_of(tables[i:i + 1], n, bs), tables[i:i + 1], n), AttentionSpec(scale))
         q, k, v = (torch.cat([x[i][n:n + 1] for i, n in enumerate(lens)]) for x in zip(*data))
         slots = torch.tensor([int(tables[i, n // bs]) * bs + n % bs for i, n in enumerate(lens)])
         ctx = [n + 1 for n in lens]
         if batched:
             return kv.attend(q, k, v, AttentionMetadata(False, slots, tables, torch.tensor(ctx), [1] * 3, ctx),
-                             scale), kv
+                             AttentionSpec(scale)), kv
         outs = [kv.attend(q[i:i + 1], k[i:i + 1], v[i:i + 1],
                           AttentionMetadata(False, slots[i:i + 1], tables[i:i + 1], torch.tensor([ctx[i]]),
-                                            [1], [ctx[i]]), scale) for i in range(3)]
+                                            [1], [ctx[i]]), AttentionSpec(scale)) for i in range(3)]
         return torch.cat(outs), kv
 
     batched, kv = run(8, True)
@@ -275,7 +276,7 @@ def test_cuda_gather_and_cpu_delegation_paths_agree():
         for i, n in enumerate(lens):
             q, k, v = (x[:n].to(dev) for x in data[i])
             outs.append(kv.attend(q, k, v, prefill_meta(slots_of(tables[i:i + 1], n, bs).to(dev),
-                                                        tables[i:i + 1].to(dev), n), scale))
+                                                        tables[i:i + 1].to(dev), n), AttentionSpec(scale)))
         for step in range(2):
             q, k, v = (torch.cat([x[i][n + step:n + step + 1] for i, n in enumerate(lens)]).to(dev)
                        for x in zip(*data))
@@ -283,7 +284,7 @@ def test_cuda_gather_and_cpu_delegation_paths_agree():
             slots = torch.tensor([int(tables[i, x // bs]) * bs + x % bs for i, x in enumerate(p)], device=dev)
             ctx = [x + 1 for x in p]
             outs.append(kv.attend(q, k, v, AttentionMetadata(False, slots, tables.to(dev),
-                                                             torch.tensor(ctx, device=dev), [1] * 3, ctx), scale))
+                                                             torch.tensor(ctx, device=dev), [1] * 3, ctx), AttentionSpec(scale)))
         assert all(o.device.type == "cuda" for o in outs)
         return [o.cpu() for o in outs]
 
@@ -310,19 +311,19 @@ def test_decode_with_a_shared_own_block_takes_the_general_path():
 
     def setup():
         kv = layer(cfg)
-        kv.attend(q[:7], k[:7], v[:7], prefill_meta(torch.arange(7), tables[:1], 7), scale)
+        kv.attend(q[:7], k[:7], v[:7], prefill_meta(torch.arange(7), tables[:1], 7), AttentionSpec(scale))
         return kv
 
     slots = torch.tensor([7, 8])  # A's 8th token (block 1), B's 9th (block 2); B's 8th is A's
     ctx = [8, 9]
     kv, kv2 = setup(), setup()
     meta = AttentionMetadata(False, slots, tables, torch.tensor(ctx), [1, 1], ctx)
-    both = kv2.attend(q[7:9], k[7:9], v[7:9], meta, scale)
+    both = kv2.attend(q[7:9], k[7:9], v[7:9], meta, AttentionSpec(scale))
     assert kv2._plan(meta).decode is None  # block 1 is A's own block and B's context
     one = [kv.attend(q[7:8], k[7:8], v[7:8], AttentionMetadata(False, slots[:1], tables[:1],
-                                                              torch.tensor([8]), [1], [8]), scale),
+                                                              torch.tensor([8]), [1], [8]), AttentionSpec(scale)),
            kv.attend(q[8:9], k[8:9], v[8:9], AttentionMetadata(False, slots[1:], tables[1:],
-                                                              torch.tensor([9]), [1], [9]), scale)]
+                                                              torch.tensor([9]), [1], [9]), AttentionSpec(scale))]
     torch.testing.assert_close(both, torch.cat(one), atol=1e-5, rtol=1e-5)
 
 
@@ -337,7 +338,7 @@ def test_row_remade_mid_block_starts_from_4bit_values(int4_path):
     kv = layer(cfg, recent_blocks=2)
     for i in range(3):  # the third prefill evicts the first sequence's row (least recently written)
         q, k, v = (x[:n] for x in data[i])
-        kv.attend(q, k, v, prefill_meta(slots_of(tables[i:i + 1], n, bs), tables[i:i + 1], n), scale)
+        kv.attend(q, k, v, prefill_meta(slots_of(tables[i:i + 1], n, bs), tables[i:i + 1], n), AttentionSpec(scale))
     assert 1 not in kv.pool_rows  # sequence 0's last block (positions 4..7)
     q, k, v = data[0]
     rot = kv_rotation(64).float()
@@ -347,7 +348,7 @@ def test_row_remade_mid_block_starts_from_4bit_values(int4_path):
     for p in (n, n + 1):
         out = kv.attend(q[p:p + 1], k[p:p + 1], v[p:p + 1],
                         AttentionMetadata(False, torch.tensor([int(tables[0, p // bs]) * bs + p % bs]),
-                                          tables[:1], torch.tensor([p + 1]), [1], [p + 1]), scale)
+                                          tables[:1], torch.tensor([p + 1]), [1], [p + 1]), AttentionSpec(scale))
         kk = torch.cat([kq[:n], kr[n:p + 1]]).repeat_interleave(2, 1)  # fp from the remade row on
         vv = torch.cat([vq[:n], vr[n:p + 1]]).repeat_interleave(2, 1)
         w = (torch.einsum("hd,mhd->hm", qr[p], kk) * scale).softmax(-1)

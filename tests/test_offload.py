@@ -93,8 +93,8 @@ def test_block_shapes_and_layer_reuse(dirs, tmp_path, gbs, ngb):
     get = layers.get
     layers.get = lambda j: calls.append(j) or get(j)
     batches = []
-    run = llm.engine.runner._run_block
-    llm.engine.runner._run_block = lambda block, g, pre: batches.append(len(block)) or run(block, g, pre)
+    run = llm.engine.runner._run_zigzag_block
+    llm.engine.runner._run_zigzag_block = lambda block, g, pre: batches.append(len(block)) or run(block, g, pre)
     assert staggered(llm, prompts()) == plain(dirs, "llama3")
     L = llm.config.num_layers
     assert len(calls) == L * len(batches)  # not L * number of GPU batches
@@ -116,8 +116,8 @@ def test_decode_runs_the_block_as_one_batch_when_the_cache_is_read_in_place(dirs
     runner = llm.engine.runner
     assert runner.one_batch_decode == one_batch
     shapes = {True: [], False: []}  # is_prefill -> sequences of each GPU batch of each block
-    fwd = runner.forward_block
-    runner.forward_block = lambda steps, lasts: shapes[steps[0][2].is_prefill].append(
+    fwd = runner.forward_zigzag_block
+    runner.forward_zigzag_block = lambda steps, lasts: shapes[steps[0][2].is_prefill].append(
         [len(m.query_lens) for _, _, m in steps]) or fwd(steps, lasts)
     assert staggered(llm, prompts()) == plain(dirs, "llama3")
     assert all(n == 1 for b in shapes[True] for n in b)  # prefill keeps GPU batches of gbs
@@ -190,10 +190,11 @@ def test_compressed_weights_equal_offline_round_trip(dirs, tmp_path, w):
 
 
 def test_compressed_kv_attention_within_bound():
-    """TierKV with plain 4-bit KV (no rotation, no recent-block pool: FlexGen's format as is)
+    """A tiered layer with plain 4-bit KV (no rotation, no recent-block pool: FlexGen's format as is)
     attends over exactly the dequantized cache (grouped along head_dim). The defaults (rotated K/V,
     own block in fp) are checked against their own reference in test_kv_rotation.py."""
     from localgen.kernels import paged_attention_ref as ref
+    from localgen.attention.spec import AttentionSpec
     from localgen.kv.attention import AttentionMetadata
     from localgen.quant import dequantize, quantize
     from localgen.runtime.offload.kv import TieredKVCache
@@ -209,7 +210,7 @@ def test_compressed_kv_attention_within_bound():
     q, k, v = (torch.randn(n, h, d, generator=g) for h in (H, kvh, kvh))
     slots = torch.tensor([8, 9, 10, 11, 20, 21, 22])
     meta = AttentionMetadata(True, slots, torch.tensor([[2, 5]]), torch.tensor([7]), [7], [7])
-    out = cache.views[0].attend(q, k, v, meta, d ** -0.5)
+    out = cache.views[0].attend(q, k, v, meta, AttentionSpec(d ** -0.5))
     kq, vq = (dequantize(quantize(x, dim=-1)) for x in (k, v))
     kc, vc = torch.zeros(8, 4, kvh, d), torch.zeros(8, 4, kvh, d)
     ref.write_kv(kc, vc, kq, vq, slots)
@@ -263,6 +264,7 @@ def test_int4_kernel_path_gives_the_reference_tokens(dirs, monkeypatch):
     torch reference path's greedy tokens, over staggered prefill/decode batches and two GPU batches."""
     pytest.importorskip("triton")
     from localgen.runtime.offload import kv as offload_kv
+    from localgen.runtime.offload.tier_backends import Int4KernelTierLayer
 
     pol = P(compress_cache=True, gbs=2, ngb=2)
     runs = {}
@@ -271,29 +273,32 @@ def test_int4_kernel_path_gives_the_reference_tokens(dirs, monkeypatch):
         llm = LLM.load(str(dirs["llama3"]), device="cpu", kv_cache_memory=KV, block_size=4,
                        max_num_seqs=4, policy=pol)
         runs[path] = staggered(llm, prompts())
-        assert all(v._kernels == (path == "kernels") for v in llm.engine.kv_cache.views)
+        assert all(isinstance(v, Int4KernelTierLayer) == (path == "kernels")
+                   for v in llm.engine.kv_cache.views)
     assert runs["kernels"] == runs["reference"]
 
 
 def test_int4_host_cache_staged_for_the_kernel_gives_the_same_tokens(dirs, monkeypatch):
-    """A 4-bit cache in pinned host memory under a GPU (``TierKV._host_mapped``): the kernels
+    """A 4-bit cache in pinned host memory under a GPU (``Int4KernelTierLayer._host_mapped``): the kernels
     write it and its fp pool in place, and each decode step copies the range of blocks it reads
-    to the GPU for the int4 kernel with shifted block tables (``TierKV._staged``). Emulated here
+    to the GPU for the int4 kernel with shifted block tables (``Int4KernelTierLayer._staged``). Emulated here
     on the CPU (Triton under TRITON_INTERPRET=1; the copy is a slice, the host's waits no-ops):
     the greedy tokens of staggered batches equal the in-place kernel path's, with block ranges
     that hold other sequences' blocks."""
     pytest.importorskip("triton")
     from localgen.runtime.offload import kv as offload_kv
+    from localgen.runtime.offload.tier_backends import Int4KernelTierLayer
+    from localgen.runtime.offload.tier_layer import TierLayer
 
     monkeypatch.setattr(offload_kv, "INT4_KERNEL_DEVICES", ("cuda", "cpu"))
     pol = P(compress_cache=True, gbs=2, ngb=2)
     runs, staged = {}, []
     for mapped in (False, True):
         if mapped:
-            monkeypatch.setattr(offload_kv.TierKV, "_host_mapped", lambda self: self._int4_kernels())
-            monkeypatch.setattr(offload_kv.TierKV, "_settle_host", lambda self: None)
-            real = offload_kv.TierKV._staged
-            monkeypatch.setattr(offload_kv.TierKV, "_staged",
+            monkeypatch.setattr(Int4KernelTierLayer, "_host_mapped", lambda self: True)
+            monkeypatch.setattr(TierLayer, "_settle_host", lambda self: None)
+            real = Int4KernelTierLayer._staged
+            monkeypatch.setattr(Int4KernelTierLayer, "_staged",
                                 lambda self, meta: staged.append(self._plan(meta).block_range) or real(self, meta))
         llm = LLM.load(str(dirs["llama3"]), device="cpu", kv_cache_memory=KV, block_size=4,
                        max_num_seqs=4, policy=pol)
@@ -344,8 +349,8 @@ def _graphed(llm: LLM, replays: list, monkeypatch, prefill: bool):
     if not prefill:
         return None
     runner.prefill_graphs = pg = PrefillGraphs(runner, capture=False)
-    run_block = pg.run_block
-    monkeypatch.setattr(pg, "run_block", lambda b: (out := run_block(b)) is not None and replays.append(len(b)) or out)
+    run_block = pg.run_zigzag_block
+    monkeypatch.setattr(pg, "run_zigzag_block", lambda b: (out := run_block(b)) is not None and replays.append(len(b)) or out)
     return pg
 
 
@@ -505,7 +510,7 @@ def test_disk_policy_needs_offload_dir(dirs):
 def test_fresh_prefill_attention(lens):
     """The fresh-prompt prefill attention of an off-GPU cache tier (one call for equal prompts,
     one per prompt otherwise) against causal attention written out in float64, with GQA."""
-    from localgen.kv.attention import fresh_prefill_attention
+    from localgen.attention.prefill import fresh_prefill_attention
 
     g = torch.Generator().manual_seed(len(lens))
     T, H, KVH, D = sum(lens), 8, 2, 16
@@ -531,6 +536,7 @@ def test_side_store_room_check(monkeypatch):
 
     from localgen.policy.presets import preset_config
     from localgen.runtime.offload import kv as kv_mod
+    from localgen.runtime.offload.tier_backends import _room_for
 
     gib = 1 << 30
     seen = []
@@ -556,12 +562,12 @@ def test_side_store_room_check(monkeypatch):
     later = tokens * kv_mod.prefill_temp_bytes_per_token(cfg, torch.float16)
     assert later == tokens * (4096 + 3 * 11008 + 2 * 4096) * 2
     allocated[0] = 5 * gib
-    assert not kv_mod._room_for(k, v, torch.device("cuda"), later)
+    assert not _room_for(k, v, torch.device("cuda"), later)
     assert seen and all(isinstance(i, int) for i in seen)
     allocated[0] = int(0.9 * 6 * gib) - held - later - 1
-    assert kv_mod._room_for(k, v, torch.device("cuda"), later)
+    assert _room_for(k, v, torch.device("cuda"), later)
     allocated[0] += 2
-    assert not kv_mod._room_for(k, v, torch.device("cuda", 0), later)
+    assert not _room_for(k, v, torch.device("cuda", 0), later)
 
 
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
@@ -570,7 +576,7 @@ def test_block_dequantization_kernel_matches_reference(head_dim):
     ``dequantize_int4`` to the last bit of fp16, including head_dim 80's short last group."""
     pytest.importorskip("triton")
     from localgen.kernels.quant_ref import dequantize_int4, quantize_int4
-    from localgen.runtime.offload.kv import _dequantize_blocks
+    from localgen.runtime.offload.tier_layer import _dequantize_blocks
 
     x = torch.randn(5, 4, 2, head_dim) * 3
     p, s, z = quantize_int4(x, 64, dim=-1)

@@ -2,7 +2,7 @@
 softmax (FlashDecoding++ §3) for one model, on real text.
 
 Runs the model (the embedded SmolLM2-135M by default, CPU) over WikiText-2 and collects, through
-the score observer of ``localgen.kv.attention``, every pre-softmax attention score
+the score observer of the engine's attention backend, every pre-softmax attention score
 ``x = scale * q.k`` of every layer and head at every position (a prefill row at position t sees
 exactly what a decode step at t sees). Then:
 
@@ -31,7 +31,6 @@ import torch
 from localgen.bench.data import data_dir
 from localgen.fileio import atomic_write_json
 from localgen.kernels import paged_attention_ref as ref
-from localgen.kv import attention
 
 BOUNDS = {"bfloat16": (-64.0, 64.0), "float32": (-64.0, 64.0), "float16": (-9.0, 11.0)}
 HIST_LO, HIST_HI, HIST_BINS = -256.0, 256.0, 4096
@@ -160,13 +159,13 @@ def run_wikitext(llm, path: str, tokens: int, chunk: int) -> ScoreStats:
     text = open(path, encoding="utf-8").read()
     ids = llm.tokenizer.encode(text[: tokens * 8])[:tokens]
     stats = ScoreStats(llm.config.num_layers)
-    prev = attention.set_score_observer(stats)
+    prev = llm.engine.runner.observe_scores(stats)
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         llm.generate([Request(prompt_token_ids=ids[i:i + chunk], sampling=sp)
                       for i in range(0, len(ids) - chunk + 1, chunk)])
     finally:
-        attention.set_score_observer(prev)
+        llm.engine.runner.observe_scores(prev)
     return stats
 
 
@@ -174,13 +173,13 @@ def run_mt_bench(llm, path: str, n: int, max_tokens: int) -> ScoreStats:
     from localgen.api import Request, SamplingParams
     qs = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()][:n]
     stats = ScoreStats(llm.config.num_layers)
-    prev = attention.set_score_observer(stats)
+    prev = llm.engine.runner.observe_scores(stats)
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         llm.generate([Request(messages=[{"role": "user", "content": q["turns"][0]}], sampling=sp)
                       for q in qs])
     finally:
-        attention.set_score_observer(prev)
+        llm.engine.runner.observe_scores(prev)
     return stats
 
 

@@ -19,9 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from localgen.kernels import layer_ops_cpu as cpu_ops
-from localgen.kv import attention as _attention
-from localgen.kv.attention import AttentionMetadata, LayerKV, paged_attention
-from localgen.kv.cpu_decode import cpu_decode_attention
+from localgen.attention.spec import default_spec
+from localgen.kv.attention import AttentionMetadata, LayerKV
 from localgen.models.config import ModelConfig
 from localgen.models import moe
 from localgen.models.fuse import fuse_qkv, fuse_rows, project_qkv
@@ -146,7 +145,7 @@ def layer(cfg: ModelConfig, w: dict, h: torch.Tensor, rope: tuple[torch.Tensor, 
     n = h.shape[0]
     x = rms_norm(h, w["input_norm"], cfg.norm_eps)
     q, k, v = _qkv_roped(cfg, w, x, rope)
-    attn = paged_attention(q, k, v, kv, meta, cfg.head_dim ** -0.5)
+    attn = kv.attend(q, k, v, meta, default_spec(cfg.head_dim))
     del q, k, v  # free the q/k/v GEMM output before the MLP's peak (prefill)
     h = h + linear(attn.reshape(n, cfg.q_size), w["o"], w.get("o_bias"))
     del attn
@@ -172,8 +171,7 @@ def _cpu_decode_mats(cfg: ModelConfig, w: dict, h: torch.Tensor, kv: LayerKV):
     if (h.dtype != torch.bfloat16 or cfg.activation not in ("silu", "swish")
             or any(type(m) is not Int4Linear or m.max_m < n or m.repeat_input != 1 for m in mats)
             or any(k in w for k in ("qkv_bias", "o_bias", "down_bias"))
-            or kv.pair is None or kv.pair.dtype != h.dtype or not kv.pair.is_contiguous()
-            or getattr(kv, "attend", None) is not None or _attention._score_observer is not None):
+            or not kv.fuses_cpu_decode(h.dtype)):
         return None
     return mats
 
@@ -185,7 +183,7 @@ def _cpu_decode_layer(cfg: ModelConfig, w: dict, mats: tuple, h: torch.Tensor,
     with fewer ops and less Python between them. The int4 kernel is called directly; where the
     C layer ops are built (``localgen.kernels.layer_ops_cpu``) the norms, the rotary embedding
     with the K/V write, and the residual add are one C call each, as is attention
-    (``cpu_decode_attention``); the torch twin of each is ``_torch_rope_store`` and the two-op
+    (the bound backend's ``decode``); the torch twin of each is ``_torch_rope_store`` and the two-op
     add + ``rms_norm``."""
     qkv, o, gate_up, down = mats
     n, hq, hk, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -197,7 +195,7 @@ def _cpu_decode_layer(cfg: ModelConfig, w: dict, mats: tuple, h: torch.Tensor,
         cpu_ops.rope_store(y, cos, sin, kv.pair, meta.slot_mapping, hq, hk, d)
     else:
         _torch_rope_store(y, cos, sin, kv, meta, hq, hk, d)
-    attn = cpu_decode_attention(y[:, :hq * d].view(n, hq, d), kv, meta, d ** -0.5)
+    attn = kv.attend_written(y[:, :hq * d].view(n, hq, d), meta, default_spec(d))
     delta = o.small(attn.view(n, hq * d))
     if fused:
         h, x = cpu_ops.add_rms_norm(h, delta, w["post_norm"], eps)
@@ -239,7 +237,7 @@ def layer_step(cfg: ModelConfig, w: dict, x: torch.Tensor, residual: torch.Tenso
         q, k = frope.rope_qk(q, k, rope.positions, rope.inv_freq)
     else:
         q, k = frope.rope_qk_cos_sin(q, k, *rope)
-    attn = paged_attention(q, k, v, kv, meta, cfg.head_dim ** -0.5)
+    attn = kv.attend(q, k, v, meta, default_spec(cfg.head_dim))
     del q, k, v  # free the q/k/v GEMM output (v views it) before the MLP's peak (prefill)
     o = linear(attn.reshape(n, cfg.q_size), w["o"], w.get("o_bias"))
     del attn

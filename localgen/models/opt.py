@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from localgen.kv.attention import AttentionMetadata, LayerKV, paged_attention
+from localgen.attention.spec import default_spec
+from localgen.kv.attention import AttentionMetadata, LayerKV
 from localgen.models.config import ModelConfig
 from localgen.models.fuse import fuse_qkv, project_qkv
 from localgen.quant import linear
@@ -76,7 +77,7 @@ def layer(cfg: ModelConfig, w: dict, h: torch.Tensor, rope, kv: LayerKV,
     n, pre = h.shape[0], cfg.do_layer_norm_before
     x = _ln(cfg, h, w["attn_norm"], w.get("attn_norm_bias")) if pre else h
     q, k, v = project_qkv(cfg, w, x)
-    attn = paged_attention(q, k, v, kv, meta, cfg.head_dim ** -0.5)
+    attn = kv.attend(q, k, v, meta, default_spec(cfg.head_dim))
     del q, k, v, x  # free the q/k/v GEMM output (views of it) before the MLP's peak (prefill)
     h = h + linear(attn.reshape(n, cfg.q_size), w["o"], w.get("o_bias"))
     del attn

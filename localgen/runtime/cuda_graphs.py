@@ -19,7 +19,7 @@ import torch
 from localgen.kv.attention import AttentionMetadata, pool_slot
 from localgen.kv.cache import PagedKVCache
 from localgen.models.model import CausalLM
-from localgen.runtime.executor import ModelRunner
+from localgen.runtime.model_runner import ModelRunner
 from localgen.runtime.sequence import Sequence
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -130,7 +130,7 @@ class GraphedModelRunner(ModelRunner):
         g.device_inputs.copy_(g.staging_t, non_blocking=True)
         if not self.capture:  # an eager step may read host-side lengths (the CPU reference path)
             g.meta.context_lens_list = ctx.tolist()
-            g.meta.cpu_decode = g.meta.tier_plan = None
+            g.meta.clear_plans()
         return True
 
     def _capture(self, batch: int, max_context: int) -> _Graph:

@@ -17,7 +17,7 @@ from localgen.kv.cache import PagedKVCache, activation_reserve_bytes, plan_num_b
 from localgen.runtime.cuda_graphs import GraphedModelRunner
 from localgen.models.model import CausalLM
 from localgen.runtime.detokenizer import IncrementalDetokenizer
-from localgen.runtime.executor import ModelRunner
+from localgen.runtime.model_runner import ModelRunner
 from localgen.runtime.metrics import Metrics
 from localgen.runtime.request import KVBudgetError, PromptTooLongError, Request, RequestOutput
 from localgen.runtime.sampling import sample, sampled_logprobs

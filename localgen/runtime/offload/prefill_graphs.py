@@ -11,7 +11,7 @@ prompts all have that length and nothing cached (a chat's prompts rarely repeat 
 of fixed-length prompts does at once); the capture's eager warm-up serves that block. The host
 settles what the eager layers decide on the fly before each replay: the recent-block pool rows
 (``RecentIndex.assign``, in the order the eager schedule asks), the pool slots of the tokens each
-sequence keeps in fp (``kv.kept_tokens``; a sequence without a row writes the scratch row) and
+sequence keeps in fp (``tier_plan.kept_tokens``; a sequence without a row writes the scratch row) and
 the cache slots; they reach the GPU in one copy from pinned memory. The prefill graphs share a
 memory pool of their own (not the decode graphs'), which holds a prefill's working memory for
 as long as they live: before any block runs
@@ -29,7 +29,7 @@ import torch
 
 from localgen.kv.attention import AttentionMetadata, pool_slot
 from localgen.runtime.cuda_graphs import EagerGraph, record_graph
-from localgen.runtime.offload.kv import StaticPrefill, kept_tokens, recent_mask
+from localgen.runtime.offload.tier_plan import StaticPrefill, kept_tokens, recent_mask
 from localgen.runtime.sequence import Sequence
 
 MAX_GRAPHS = 4  # block shapes captured at once, at most

@@ -24,7 +24,7 @@ from localgen.models.model import family_of, fuse_weights, packed_shorts, read_w
 from localgen.models.rope import layer_rope, model_rope, step_rope
 from localgen.policy.policy import Policy, assign_tiers
 from localgen.runtime.cuda_graphs import GraphedModelRunner
-from localgen.runtime.executor import ModelRunner
+from localgen.runtime.model_runner import ModelRunner
 from localgen.runtime.offload.activations import ActivationTier
 from localgen.runtime.offload.kv import TieredKVCache, kv_layer_bytes
 from localgen.runtime.offload.prefill_graphs import PrefillGraphs

@@ -2,16 +2,20 @@
 logits of each sequence's last token.
 
 Prefill packs every sequence's uncached tokens into one ``[num_tokens]`` batch; decode runs one
-token per sequence. K/V are written at the slots the block tables give.
+token per sequence. K/V are written at the slots the block tables give. The attention backend is
+chosen here, once (``localgen.attention.select``), and bound to every paged layer view.
 """
 
 from __future__ import annotations
 
 import torch
 
-from localgen.kernels import cpu_build
+from localgen.attention.base import AttentionBackend, ScoreObserver, unsupported
+from localgen.attention.select import select_backend
+from localgen.attention.spec import layer_specs
 from localgen.hostmem import keep_freed_host_memory
-from localgen.kv.attention import AttentionMetadata
+from localgen.kernels import cpu_build
+from localgen.kv.attention import AttentionMetadata, LayerKV
 from localgen.kv.cache import PagedKVCache
 from localgen.models.model import CausalLM
 from localgen.runtime.sequence import Sequence
@@ -28,12 +32,33 @@ def _block_tables(seqs: list[Sequence], device) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: PagedKVCache):
+    """Runs ``model`` over ``kv_cache`` (``views``: one KV view per layer).
+
+    ``backend``: the attention backend of the cache's unbound paged views; None chooses it from
+    the device, the cache's dtype and the model's layer specs. Raises ``UnsupportedAttention``
+    when a layer's view is bound to a backend that does not compute that layer's spec."""
+
+    def __init__(self, model: CausalLM, kv_cache: PagedKVCache,
+                 backend: AttentionBackend | None = None):
         self.model, self.kv = model, kv_cache
         self.device = model.device
+        specs = layer_specs(model.cfg)
+        self.attention = backend or select_backend(self.device, model.dtype, specs)
+        for view, spec in zip(kv_cache.views, specs):
+            if isinstance(view, LayerKV) and view.backend is None:
+                view.backend = self.attention
+            used = view.backend if isinstance(view, LayerKV) else view
+            if not used.supports(spec):
+                raise unsupported(used, spec, self.device)
         if self.device.type == "cpu":
             keep_freed_host_memory()
             cpu_build.build_all()  # the C decode kernels: compiled now, not in the first step
+
+    def observe_scores(self, fn: ScoreObserver | None) -> ScoreObserver | None:
+        """Install (None: remove) the score observer of this runner's paged backend, called as
+        ``fn(q, kv, meta, scale)`` after each layer's K/V are written; returns the previous one."""
+        prev, self.attention.observer = self.attention.observer, fn
+        return prev
 
     def prepare(self, seqs: list[Sequence], is_prefill: bool):
         """Packed token ids, positions ``[num_tokens]`` and the step's AttentionMetadata."""
