@@ -1,10 +1,12 @@
-"""Fused elementwise kernels (kernels/fused_norm.py, fused_rope.py, fused_act.py) under the Triton
-interpreter vs float64 references: fresh random inputs each run, outputs poisoned with NaN."""
+"""Fused elementwise kernels (kernels/fused_norm.py, fused_rope.py, fused_act.py) vs float64
+references, compiled on a GPU, else under the Triton interpreter: fresh random inputs each run,
+outputs poisoned with NaN."""
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.usefixtures("kernel_device")
 
 from localgen.kernels import fused_act, fused_norm, fused_rope  # noqa: E402
 

@@ -1,5 +1,5 @@
 """The Triton GGUF matmul (kernels/gguf_gemm.py) against gguf.quants.dequantize and a float64
-matmul, on the CPU under TRITON_INTERPRET=1 at small shapes."""
+matmul at small shapes: compiled on a GPU, else on the CPU under the Triton interpreter."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("triton")
+pytestmark = pytest.mark.usefixtures("kernel_device")
 
 from localgen.kernels import gguf_gemm  # noqa: E402
 
@@ -33,19 +34,20 @@ def reference(raw: np.ndarray, qtype, k: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("qtype", sorted(gguf_gemm.BLOCK_BYTES))
-def test_dequantize_equals_gguf(qtype):
+def test_dequantize_equals_gguf(qtype, kernel_device):
     raw = random_blocks(qtype, 5, 512, seed=qtype)
-    got = gguf_gemm.dequantize(torch.from_numpy(raw), qtype, 512, torch.float32)
-    np.testing.assert_array_equal(got.numpy(), reference(raw, qtype, 512).astype(np.float32))
+    got = gguf_gemm.dequantize(torch.from_numpy(raw).to(kernel_device), qtype, 512, torch.float32)
+    np.testing.assert_array_equal(got.cpu().numpy(), reference(raw, qtype, 512).astype(np.float32))
 
 
 @pytest.mark.parametrize("qtype", sorted(gguf_gemm.BLOCK_BYTES))
 @pytest.mark.parametrize("m,splits", [(1, None), (3, 3), (16, 2), (20, None)])
-def test_matmul_matches_float64(qtype, m, splits):
+def test_matmul_matches_float64(qtype, m, splits, kernel_device):
     n, k = 37, 512  # n not a multiple of the 32-row tile
     raw = random_blocks(qtype, n, k, seed=100 + qtype)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    y = gguf_gemm.matmul(x, torch.from_numpy(raw), qtype, k, splits=splits)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m), device="cpu")
+    y = gguf_gemm.matmul(x.to(kernel_device), torch.from_numpy(raw).to(kernel_device), qtype, k,
+                         splits=splits).cpu()
     want = x.double().numpy() @ reference(raw, qtype, k).T
     # float32 products summed in another order than float64: relative to the row's scale
     tol = 1e-5 * np.abs(x.double().numpy()) @ np.abs(reference(raw, qtype, k)).T + 1e-6

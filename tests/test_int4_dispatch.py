@@ -1,5 +1,5 @@
-"""Int4 linears through the FlashDecoding++ §5 dispatcher (issue 5, "one call site"), on the CPU
-under TRITON_INTERPRET=1 at small shapes.
+"""Int4 linears through the FlashDecoding++ §5 dispatcher (issue 5, "one call site") at small shapes:
+compiled on a GPU, else on the CPU under the Triton interpreter.
 
 Both weight layouts (FlexGen g=64 along the output channels; GGUF Q4_1 g=32 along the input
 channels, including real Q4_1 bytes through the importer) and every implementation the dispatcher
@@ -22,6 +22,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.usefixtures("kernel_device")
 
 from localgen.kernels import dispatch  # noqa: E402
 from localgen.kernels.dispatch import (DEFAULT_POINTS, REFERENCE, GemmDispatchTable,  # noqa: E402
@@ -52,7 +53,7 @@ def random_q4_1(n: int, k: int) -> int4.Int4Tensor:
     raw = np.random.randint(0, 256, (n, nb, 20), dtype=np.uint8)
     raw[..., 0:2] = np.random.uniform(0.01, 0.1, (n, nb)).astype(np.float16)[..., None].view(np.uint8)
     raw[..., 2:4] = np.random.uniform(-0.8, 0.0, (n, nb)).astype(np.float16)[..., None].view(np.uint8)
-    return q4_1_blocks_to_int4(raw.reshape(n, nb * 20), n, k)
+    return q4_1_blocks_to_int4(raw.reshape(n, nb * 20), n, k).to(torch.get_default_device())
 
 
 def want(x: torch.Tensor, t: int4.Int4Tensor) -> torch.Tensor:
@@ -187,6 +188,8 @@ def test_int4_linear_every_impl(seed, layout, dtype, monkeypatch):
         assert y.shape == (1, m, n)
         assert rel_err(y[0], want(x, t) + b.double()) < 2 * TOL[dtype], f"seed={seed} m={m}"
     assert seen == set(dispatch.IMPLS)
+    if t.packed.is_cuda:
+        return
     # off CUDA (no interpreter) every M takes the reference twin
     monkeypatch.setattr(dispatch, "_interpreting", lambda: False)
     x = torch.randn(3, k, dtype=dtype)
@@ -226,6 +229,8 @@ def _layer_weights(device_type_packed: bool, monkeypatch, layers):
     return ow.LayerWeights(layers, ["cpu"] * len(layers), torch.float32, cpu, None, Timers(cpu))
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="forces the CUDA decision on CPU tensors: the interpreter's case")
 def test_unpack_layer_routes_both_layouts(seed, monkeypatch):
     """``LayerWeights.get`` keeps 4-bit matrices packed behind the dispatcher when the device
     decision says so (CUDA), dequantizes them otherwise (CPU: unchanged); both give x @ W.T."""
@@ -244,6 +249,8 @@ def test_unpack_layer_routes_both_layouts(seed, monkeypatch):
             assert rel_err(torch.nn.functional.linear(x, dense[key]), ref) < 2e-5
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="forces the CUDA decision on CPU tensors: the interpreter's case")
 @pytest.mark.parametrize("variant", ["llama3", "opt"])
 def test_model_call_site_goes_through_the_dispatcher(tmp_path, monkeypatch, variant):
     """The offloaded model with 4-bit weights and the CUDA decision forced: every layer matrix
