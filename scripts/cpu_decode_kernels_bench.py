@@ -1,6 +1,6 @@
 """The CPU decode kernels in C (kernels/csrc/) beside the torch ops they replace, same process,
-same inputs: decode attention over a shuffled paged cache (``cpu_decode_attention`` with and
-without the kernel), RMSNorm and rotary + K/V write (SmolLM2-135M's shapes by default). Each cell
+same inputs: decode attention over a shuffled paged cache (the CPU attention backend with its C
+kernel, ``CpuKernelBackend``, and without, ``CpuBackend``), RMSNorm and rotary + K/V write (SmolLM2-135M's shapes by default). Each cell
 is the median of ``--repeat`` timings of ``--calls`` calls. With ``--cold`` a 64 MiB buffer is
 read between calls, evicting the cache as a decode step's weights do, so the attention rows come
 from memory as they do in a real step.
@@ -17,9 +17,10 @@ import time
 import torch
 
 from localgen.kernels import layer_ops_cpu as ops
+from localgen.attention.cpu import CpuBackend, CpuKernelBackend
+from localgen.attention.metadata import AttentionMetadata, LayerKV
+from localgen.attention.spec import AttentionSpec
 from localgen.kernels import paged_decode_cpu as kernel
-from localgen.kv import cpu_decode
-from localgen.kv.attention import AttentionMetadata, LayerKV
 
 BS = 16
 
@@ -52,21 +53,15 @@ def timed(fn, calls: int, repeat: int, flush: torch.Tensor | None) -> float:
 
 def attention_row(shape, dtype, args, flush) -> str:
     q, kv, meta = attention_case(*shape, dtype)
-    scale = shape[3] ** -0.5
+    spec = AttentionSpec(shape[3] ** -0.5)
 
-    def run(use_kernel: bool):
+    def run(backend):
         def call():
-            meta.cpu_decode = None  # plan per call, as the first layer of a step does
-            return cpu_decode.cpu_decode_attention(q, kv, meta, scale)
-        saved = kernel.available
-        if not use_kernel:
-            kernel.available = lambda: False
-        try:
-            return timed(call, args.calls, args.repeat, flush)
-        finally:
-            kernel.available = saved
+            meta.clear_plans()  # plan per call, as the first layer of a step does
+            return backend.decode(kv, q, None, None, meta, spec)
+        return timed(call, args.calls, args.repeat, flush)
 
-    c, t = run(True), run(False)
+    c, t = run(CpuKernelBackend()), run(CpuBackend())
     seqs, heads, kvh, d, ctx = shape
     gbs = 2 * seqs * ctx * kvh * d * q.element_size() / (c * 1e-6) / 1e9
     return (f"attention {seqs}x{heads}/{kvh}x{d} ctx {ctx} {str(dtype)[6:]:9s} C {c:8.1f} µs "
