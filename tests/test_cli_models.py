@@ -142,3 +142,23 @@ def test_rm_of_what_the_cache_lacks_names_it_and_what_is_there(cache):
     res = CliRunner().invoke(app, ["rm", "tiny-org/absent", "-y"], env=_env(cache))
     assert res.exit_code == 1 and res.stderr.startswith("error: tiny-org/absent is not in the Hugging Face cache")
     assert "Traceback" not in res.output
+
+
+def test_a_split_gguf_is_one_row_and_rm_takes_all_its_parts(tmp_path):
+    files = tmp_path / "files"
+    (files / "Q8_0").mkdir(parents=True)
+    for i in (1, 2):
+        (files / "Q8_0" / f"m-Q8_0-0000{i}-of-00002.gguf").write_bytes(bytes([i]) * 1000)
+    (files / "m-F16.gguf").write_bytes(b"f" * 3000)
+    hub = tmp_path / "hub"
+    snap = tm.make_hub_cache(hub, "org/split-GGUF", files, REV)
+    rows = {m.name: m for m in cached_models(hub)}
+    assert set(rows) == {"org/split-GGUF:Q8_0", "org/split-GGUF:F16"}
+    assert rows["org/split-GGUF:Q8_0"].files == ("Q8_0/m-Q8_0-00001-of-00002.gguf",
+                                                 "Q8_0/m-Q8_0-00002-of-00002.gguf")
+    assert rows["org/split-GGUF:Q8_0"].size_bytes == 2000
+    plan = plan_removal(ModelRef("org/split-GGUF", "Q8_0"), hub)
+    assert plan.strategy.expected_freed_size == 2000
+    plan.strategy.execute()
+    assert not (snap / "Q8_0" / "m-Q8_0-00002-of-00002.gguf").exists() and (snap / "m-F16.gguf").exists()
+    assert [m.name for m in cached_models(hub)] == ["org/split-GGUF:F16"]
