@@ -40,8 +40,8 @@ class _Rows:
     """A growing ``[rows, heads]`` float32 buffer (capacity doubles). Appending small result
     tensors to a list instead fragments the heap: each long-lived 36 KiB row block lands in the hole
     a freed score matrix left, so the next score matrix cannot reuse it and the process grows by
-    about one score matrix per (sequence, layer): a 16k-token WikiText run was OOM-killed at 24 GiB;
-    with this buffer it peaks at 4.9 GiB."""
+    about one score matrix per (sequence, layer), until a long run exhausts memory. One buffer
+    that doubles keeps the rows in a few large blocks."""
 
     def __init__(self):
         self.buf, self.n = None, 0
