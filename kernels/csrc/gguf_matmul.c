@@ -942,6 +942,19 @@ static void sweep(int qtype, const uint8_t *w, int64_t w_stride, int64_t n, cons
     }
 }
 
+/* The checks of lg_gguf_matmul*: check_rows' error code, 0 when there is nothing to compute, else
+ * 1 with the unset work-split arguments (below 1) made one M tile, one N chunk, one thread. */
+static int prepare(int qtype, int64_t k, int64_t w_stride, int64_t m, int64_t n, int64_t *m_tile,
+                   int64_t *n_chunk, int *threads) {
+    const int rc = check_rows(qtype, k, w_stride);
+    if (rc) return rc;
+    if (m <= 0 || n <= 0) return 0;
+    if (*m_tile < 1) *m_tile = m;
+    if (*n_chunk < 1) *n_chunk = n;
+    if (*threads < 1) *threads = 1;
+    return 1;
+}
+
 /* y [m, n] float32 = x [m, k] float32 (contiguous) . W^T, W's row r at w + r * w_stride (bytes)
  * holding k / block_values blocks of qtype, the activations rounded to 8 bits per block first.
  * Work split as sweep(); scalar != 0 forces the scalar path.
@@ -950,17 +963,13 @@ static void sweep(int qtype, const uint8_t *w, int64_t w_stride, int64_t n, cons
 int lg_gguf_matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n,
                    int64_t w_stride, int qtype, float *y, int threads, int64_t m_tile,
                    int64_t n_chunk, int scalar) {
-    const int rc = check_rows(qtype, k, w_stride);
-    if (rc) return rc;
-    if (m <= 0 || n <= 0) return 0;
+    const int go = prepare(qtype, k, w_stride, m, n, &m_tile, &n_chunk, &threads);
+    if (go <= 0) return go;
     const int ablock = (qtype == T_Q2_K || qtype == T_Q3_K || qtype == T_Q4_K || qtype == T_Q5_K
                         || qtype == T_Q6_K || qtype == T_IQ4_XS) ? 256 : 32;
     const size_t xs = xrow_bytes(k, ablock);
     uint8_t *xq = aligned_alloc(64, xs * (size_t)m);
     if (!xq) return -3;
-    if (m_tile < 1) m_tile = m;
-    if (n_chunk < 1) n_chunk = n;
-    if (threads < 1) threads = 1;
     /* A few rows quantize faster than a barrier waits for a thread that has no core yet. */
     const int serial_quant = m * k < SERIAL_QUANT_VALUES;
     if (serial_quant) quant_rows(x, 0, m, k, ablock, xq, xs);
@@ -982,12 +991,8 @@ int lg_gguf_matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, int64
 int lg_gguf_matmul_f32(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n,
                        int64_t w_stride, int qtype, float *y, int threads, int64_t m_tile,
                        int64_t n_chunk, int scalar) {
-    const int rc = check_rows(qtype, k, w_stride);
-    if (rc) return rc;
-    if (m <= 0 || n <= 0) return 0;
-    if (m_tile < 1) m_tile = m;
-    if (n_chunk < 1) n_chunk = n;
-    if (threads < 1) threads = 1;
+    const int go = prepare(qtype, k, w_stride, m, n, &m_tile, &n_chunk, &threads);
+    if (go <= 0) return go;
 #pragma omp parallel num_threads(threads)
     sweep(qtype, w, w_stride, n, (const uint8_t *)x, 4 * (size_t)k, m, k, y, m_tile, n_chunk, 1,
           scalar);
