@@ -81,8 +81,8 @@ def test_isolated_runs_one_process_per_policy_and_peer_batch(monkeypatch, tmp_pa
 
 
 def test_engine_config_sizes_the_cache_in_its_storage_format():
-    from localgen.bench.offload_bench import engine_config
     from localgen.runtime.offload.runner import plan_kv_blocks
+    from localgen.runtime.offload.timed_run import engine_config
 
     cfg = ModelConfig.from_hf_dict(HF_CONFIGS["llama-2-7b"])
     need = 16 * -(-(512 + 32) // 16)  # 34 blocks a sequence

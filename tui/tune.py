@@ -113,7 +113,7 @@ class ProfileScreen(Screen):
 
     @work(thread=True, exclusive=True)
     def measure(self) -> None:
-        from localgen.cli.profile_cmd import default_offload_dir
+        from localgen.profiler.hardware import default_offload_dir
         from localgen.profiler.probes import run_profile
 
         def step(name, i, n):

@@ -87,13 +87,9 @@ def _free_cuda_memory() -> None:
 
 def add_random_requests(llm, batch: int, prompt_len: int, gen_len: int, seed: int = 0) -> None:
     """``batch`` greedy requests of random prompt ids, EOS ignored (``gen_len`` tokens each)."""
-    from localgen.runtime.request import Request, SamplingParams
+    from localgen.runtime.offload import timed_run
 
-    g = torch.Generator().manual_seed(seed)
-    sp = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
-    for _ in range(batch):
-        ids = torch.randint(10, llm.config.vocab_size - 10, (prompt_len,), generator=g).tolist()
-        llm.add_request(Request(prompt_token_ids=ids, sampling=sp))
+    timed_run.add_random_requests(llm.engine, batch, prompt_len, gen_len, seed)
 
 
 def generate_random(llm, batch: int, prompt_len: int, gen_len: int, seed: int = 0):
@@ -103,48 +99,26 @@ def generate_random(llm, batch: int, prompt_len: int, gen_len: int, seed: int = 
 
 
 def generate_random_timed(llm, batch: int, prompt_len: int, gen_len: int, seed: int = 0):
-    """``generate_random`` -> (prefill s, decode s, wall s); wall also counts what the engine
-    does between model steps (scheduling, detokenizing), from the first step to the last token."""
-    add_random_requests(llm, batch, prompt_len, gen_len, seed)
-    m = llm.metrics
-    p0, d0 = m.prefill_seconds, m.decode_seconds
-    t0 = time.perf_counter()
-    while llm.has_unfinished():
-        llm.step()
-    _sync()
-    return m.prefill_seconds - p0, m.decode_seconds - d0, time.perf_counter() - t0
+    """``generate_random`` -> (prefill s, decode s, wall s) (``timed_run.timed_generation``)."""
+    from localgen.runtime.offload import timed_run
 
-
-def engine_config(cfg, policy, batch: int, prompt_len: int, gen_len: int, dtype=torch.float16,
-                  block_size: int = 16, prefill_graphs: bool = True):
-    """An EngineConfig whose KV cache holds ``batch`` sequences of ``prompt_len + gen_len``
-    tokens, plus one spare block each, in the policy's storage format (4-bit when it compresses
-    the cache) and no more: under a GPU cap the cache must not take the memory the policy's
-    weights and activations were planned with."""
-    from localgen.runtime.engine import EngineConfig
-    from localgen.runtime.offload.kv import kv_layer_bytes
-
-    blocks = batch * (-(-(prompt_len + gen_len) // block_size) + 1)
-    per_block = kv_layer_bytes(cfg, 1, block_size, dtype, policy.compress_cache) * cfg.num_layers
-    return EngineConfig(block_size=block_size, max_num_seqs=max(batch, policy.bls),
-                        max_num_batched_tokens=max(8192, batch * prompt_len),
-                        kv_cache_memory=blocks * per_block, enable_prefix_caching=False,
-                        prefill_graphs=prefill_graphs)
+    return timed_run.timed_generation(llm.engine, batch, prompt_len, gen_len, seed)
 
 
 def policy_llm(cfg, policy, batch: int, prompt_len: int, gen_len: int, *, store=None,
                device="cuda", dtype=torch.float16, gpu_memory=None, offload_dir=None,
                block_size: int = 16, prefill_graphs: bool = True, name: str = "bench"):
-    """An ``LLM`` running ``policy`` over ``store`` (default: dummy weights of ``cfg``'s shapes,
-    ``DummyStore``), its KV cache sized for ``batch`` prompts of ``prompt_len`` + ``gen_len``
-    tokens (``engine_config``): what the bench, the probes and the diagnostic scripts run."""
+    """An ``LLM`` over ``timed_run.build_engine``'s engine: ``policy`` over ``store`` (default:
+    dummy weights of ``cfg``'s shapes), its KV cache sized for ``batch`` prompts of
+    ``prompt_len`` + ``gen_len`` tokens. What the bench and the diagnostic scripts run."""
     from localgen.api import LLM
-    from localgen.models.model import family_of
+    from localgen.runtime.offload import timed_run
 
-    store = store if store is not None else DummyStore(cfg, family_of(cfg), dtype)
-    ecfg = engine_config(cfg, policy, batch, prompt_len, gen_len, dtype, block_size, prefill_graphs)
-    return LLM.from_parts(cfg, store, None, ecfg, device=device, dtype=dtype, name=name,
-                          policy=policy, offload_dir=offload_dir, gpu_memory=gpu_memory)
+    engine = timed_run.build_engine(cfg, policy, batch, prompt_len, gen_len, store=store,
+                                    device=device, dtype=dtype, gpu_memory=gpu_memory,
+                                    offload_dir=offload_dir, block_size=block_size,
+                                    prefill_graphs=prefill_graphs)
+    return LLM(engine, name, None, policy)
 
 
 def run_localgen(cfg, store, policy, batch: int, prompt_len: int, gen_len: int, *, device="cuda",

@@ -95,7 +95,7 @@ def offload_options(model: str | None, flags: OffloadFlags, prompt_len: int, gen
     keywords, empty when nothing asks for offloading; and the cost model's Prediction for it
     (None without a policy, or when it cannot be made), whose peak per tier is printed through
     ``echo`` with the policy before loading. A bad placement raises typer.BadParameter."""
-    from localgen.runtime.offload.plan import peak_lines, policy_from_options, predicted_for
+    from localgen.cli.offload_plan import peak_lines, policy_from_options, predicted_for
 
     try:
         policy = policy_from_options(model, flags.percent, flags.gpu_batch_size, flags.num_gpu_batches,

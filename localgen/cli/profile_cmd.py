@@ -17,12 +17,6 @@ import typer
 from localgen.fileio import atomic_write_text, check_writable_dir
 
 
-def default_offload_dir() -> Path:
-    from localgen.profiler.hardware import user_config_dir
-
-    return user_config_dir() / "offload"
-
-
 def require_writable_dir(path: Path, fix: str) -> None:
     """``check_writable_dir(path)``, or an ``error:`` line on stderr (the folder, the reason and
     ``fix``: how to choose another) and exit status 1. For commands to call before slow work."""
@@ -50,7 +44,7 @@ def profile(
     from rich.console import Console
     from rich.progress import Progress
 
-    from localgen.profiler.hardware import PROFILE_FILE, user_config_dir
+    from localgen.profiler.hardware import PROFILE_FILE, default_offload_dir, user_config_dir
     from localgen.profiler.probes import QUICK, run_profile
 
     console = Console()

@@ -66,7 +66,8 @@ def tune(
 def _check_output_dirs(model: str, profile: str | None, offload_dir: Path | None) -> None:
     """Exit with an error line unless the folders tune writes into take files: the policy folder,
     and when it will measure (no profile given or saved) the config and offload folders."""
-    from localgen.cli.profile_cmd import default_offload_dir, require_writable_dir
+    from localgen.cli.profile_cmd import require_writable_dir
+    from localgen.profiler.hardware import default_offload_dir
     from localgen.policy.store import policy_path
     from localgen.profiler.hardware import PROFILE_FILE, user_config_dir
 
@@ -80,7 +81,8 @@ def _check_output_dirs(model: str, profile: str | None, offload_dir: Path | None
 def _run_plain(req, profile_name, offload_dir) -> None:
     from rich.console import Console
 
-    from localgen.cli.profile_cmd import default_offload_dir, print_profile
+    from localgen.cli.profile_cmd import print_profile
+    from localgen.profiler.hardware import default_offload_dir
     from localgen.policy.explain import cost_model_for, undo_hint, why_sentence
     from localgen.policy.search import NoFeasiblePolicyError
     from localgen.policy.tuning import get_profile, result_lines, run_search, save_result

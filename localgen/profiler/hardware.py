@@ -136,6 +136,12 @@ def user_config_dir() -> Path:
         return Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "localgen"
 
 
+def default_offload_dir() -> Path:
+    """Where the disk probe writes and offloaded tensors go when no ``--offload-dir`` is given:
+    ``offload/`` in `user_config_dir`."""
+    return user_config_dir() / "offload"
+
+
 def shipped_profile_names() -> list[str]:
     """Names of the reference profiles shipped in ``localgen.profiles`` (``profiles/`` in the repo)."""
     other = ("gemm_", "softmax_")  # GEMM dispatch tables and softmax calibrations live beside them

@@ -244,9 +244,9 @@ def layer_host_case(num_layers: int, device: str, batch: int = 4, prompt_len: in
     eager offloaded decode path (``runtime/offload``, one GPU batch of ``batch`` sequences), with
     GPU work too small to hide the host's. Returns ``decode(steps) -> seconds`` of ``steps``
     decode steps after a ``prompt_len``-token prefill."""
-    from localgen.bench.offload_bench import generate_random_timed, policy_llm
     from localgen.models.config import ModelConfig
-    from localgen.policy.policy import Policy
+    from localgen.runtime.offload.policy import Policy
+    from localgen.runtime.offload.timed_run import build_engine, timed_generation
 
     cfg = ModelConfig.from_hf_dict({
         "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 256,
@@ -254,10 +254,10 @@ def layer_host_case(num_layers: int, device: str, batch: int = 4, prompt_len: in
         "num_key_value_heads": 4, "max_position_embeddings": 512, "rms_norm_eps": 1e-5})
     policy = Policy(gbs=batch, num_gpu_batches=1, wg=0.0, wc=1.0, cg=1.0, hg=1.0,
                     compress_weight=True, compress_cache=True).validate()
-    llm = policy_llm(cfg, policy, batch, prompt_len, 64, device=device, name="probe")
+    engine = build_engine(cfg, policy, batch, prompt_len, 64, device=device)
 
     def decode(steps: int) -> float:
-        return generate_random_timed(llm, batch, prompt_len, steps + 1)[1]
+        return timed_generation(engine, batch, prompt_len, steps + 1)[1]
 
     return decode
 

@@ -1,11 +1,12 @@
 """The offloading executor: a model whose layers stream from their tiers, and a runner that
-follows a ``Policy`` with FlexGen's zig-zag block schedule (§4.2, Fig. 4).
+follows a ``Policy`` with FlexGen's zig-zag block schedule (§4.1-4.2, Fig. 4).
 
-A scheduled step's sequences are cut into blocks of ``bls = gbs * num_gpu_batches`` sequences and
-each block into ``num_gpu_batches`` GPU batches of ``gbs``. For each layer ``j`` the runner starts
-loading layer ``j+1``'s weights (``LayerWeights.prefetch``; async on CUDA), takes layer ``j``
-(``get``), and runs it for every GPU batch of the block before moving on, so each load is shared by
-the whole block. Hidden states of a GPU batch live between layers on the activation tiers
+A scheduled step's sequences are cut into zig-zag blocks of ``bls = gbs * num_gpu_batches``
+sequences and each zig-zag block into ``num_gpu_batches`` GPU batches of ``gbs``. For each layer
+``j`` the runner starts loading layer ``j+1``'s weights (``LayerWeights.prefetch``; async on
+CUDA), takes layer ``j`` (``get``), and runs it for every GPU batch of the zig-zag block before
+moving on, so each load is shared by the whole zig-zag block. Hidden states of a GPU batch live
+between layers on the activation tiers
 (``hg``/``hc``: rows split between the compute device and host memory; ``activations``: their
 copies run on side streams under the neighbouring GPU batches' compute); the KV cache is placed
 by ``cg/cc/cd`` (``kv.TieredKVCache``).
@@ -22,7 +23,7 @@ from localgen.kv.cache import free_memory_bytes
 from localgen.models.config import ModelConfig, UnsupportedModelError
 from localgen.models.model import family_of, fuse_weights, packed_shorts, read_weights, warn_expanded
 from localgen.models.rope import layer_rope, model_rope, step_rope
-from localgen.policy.policy import Policy, assign_tiers
+from localgen.runtime.offload.policy import Policy, assign_tiers
 from localgen.runtime.cuda_graphs import GraphedModelRunner
 from localgen.runtime.model_runner import ModelRunner
 from localgen.runtime.offload.activations import ActivationTier
@@ -122,7 +123,8 @@ class OffloadedLM:
 
 def plan_kv_blocks(cfg: ModelConfig, policy: Policy, block_size: int, dtype: torch.dtype,
                    device: torch.device, kv_cache_memory: int | None, max_useful_tokens: int) -> int:
-    """Blocks of the (tiered) KV pool: ``kv_cache_memory`` stored bytes over all tiers and layers,
+    """KV blocks of the (tiered) KV pool: ``kv_cache_memory`` stored bytes over all tiers and
+    layers,
     else a share of free compute-device memory, at most what ``max_useful_tokens`` need."""
     per_block = kv_layer_bytes(cfg, 256, block_size, dtype, policy.compress_cache) / 256 * cfg.num_layers
     budget = kv_cache_memory if kv_cache_memory is not None else free_memory_bytes(torch.device(device))
@@ -140,18 +142,18 @@ class OffloadRunner(ModelRunner):
 
     ``graphs``: a ``GraphedModelRunner`` over the same model and cache, or None. When the policy
     keeps every weight, the cache and the activations on the GPU, the schedule has no transfer to
-    overlap, and a decode step is one batch of kernels whose launches cost more than the kernels
-    (4-bit Llama-2-7B at 4 x 4 on an H100: GPU busy 23.5 ms of a 256 ms step); such steps replay
+    overlap, and a decode step is one batch of kernels whose launches can cost more than the
+    kernels themselves; such steps replay
     as CUDA graphs over all of the step's sequences at once, unless the timers are on (each term
     is then timed alone) or the cache asks for an eager step. With ``prefill_graphs`` (and
-    ``graphs``), a 4-bit cache's whole-prompt prefill blocks replay as graphs as well
+    ``graphs``), a 4-bit cache's whole-prompt prefill zig-zag blocks replay as graphs as well
     (``prefill_graphs.PrefillGraphs``).
 
     A decode step whose every cache layer is read in place by the compute device's kernels
-    (``TieredKVCache.decodes_in_place``) runs its block as one GPU batch: no batch's cache has to
-    cross PCIe, so the GPU batches have no transfers to overlap, and a step makes one call per
-    layer instead of ``num_gpu_batches`` (OPT-30B 4-bit at 8 x 7: 48 layer calls, not 336, each
-    ~1.3 ms of host work). Each streamed layer still serves the whole block before the next one;
+    (``TieredKVCache.decodes_in_place``) runs its zig-zag block as one GPU batch: no batch's cache
+    has to cross PCIe, so the GPU batches have no transfers to overlap, and a step makes one call
+    per layer instead of ``num_gpu_batches``, each call's host work paid once. Each streamed layer
+    still serves the whole zig-zag block before the next one;
     prefill keeps the GPU batches (their activations are what the GPU memory holds)."""
 
     def __init__(self, model: OffloadedLM, kv: TieredKVCache, graphs: GraphedModelRunner | None = None,
@@ -168,11 +170,12 @@ class OffloadRunner(ModelRunner):
 
     @property
     def one_batch_decode(self) -> bool:
-        """Whether decode steps run each block as one GPU batch (class doc); asked each step, as
+        """Whether decode steps run each zig-zag block as one GPU batch (class doc); asked each
+        step, as
         a mapped host layer that the kernels refuse falls back to gathering."""
         return self.kv.decodes_in_place()
 
-    # -- the block schedule ---------------------------------------------------------------
+    # -- the zig-zag block schedule ------------------------------------------------------
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """float32 logits ``[len(seqs), vocab]`` for each sequence's last token."""
@@ -187,27 +190,30 @@ class OffloadRunner(ModelRunner):
         if not is_prefill and self.one_batch_decode:
             gbs = bls
         for b0 in range(0, len(seqs), bls):
-            block, logits = seqs[b0:b0 + bls], None
+            zigzag_block, logits = seqs[b0:b0 + bls], None
             if pg is not None:
-                logits = None if self.timers.enabled else pg.run_block(block)
+                logits = None if self.timers.enabled else pg.run_zigzag_block(zigzag_block)
                 if logits is None:
-                    pg.release()  # the eager block may need the memory the graphs hold
-            out.append(logits if logits is not None else self._run_block(block, gbs, is_prefill))
+                    pg.release()  # the eager zig-zag block may need the memory the graphs hold
+            if logits is None:
+                logits = self._run_zigzag_block(zigzag_block, gbs, is_prefill)
+            out.append(logits)
         return torch.cat(out)
 
-    def _run_block(self, block: list[Sequence], gbs: int, is_prefill: bool) -> torch.Tensor:
+    def _run_zigzag_block(self, zigzag_block: list[Sequence], gbs: int,
+                          is_prefill: bool) -> torch.Tensor:
         steps, lasts = [], []
-        for i in range(0, len(block), gbs):
-            ids, pos, meta = self.prepare(block[i:i + gbs], is_prefill)
+        for i in range(0, len(zigzag_block), gbs):
+            ids, pos, meta = self.prepare(zigzag_block[i:i + gbs], is_prefill)
             steps.append((ids, pos, meta))
             lasts.append(torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1)
-        return self.forward_block(steps, lasts)
+        return self.forward_zigzag_block(steps, lasts)
 
-    def forward_block(self, steps: list[tuple], lasts: list[torch.Tensor]) -> torch.Tensor:
-        """The zig-zag schedule over one block: ``steps`` holds each GPU batch's packed
+    def forward_zigzag_block(self, steps: list[tuple], lasts: list[torch.Tensor]) -> torch.Tensor:
+        """The zig-zag schedule over one zig-zag block: ``steps`` holds each GPU batch's packed
         ``(token_ids, positions, AttentionMetadata)``, ``lasts`` each batch's row index of its
         sequences' last tokens (int64 on the compute device). Returns float32 logits
-        ``[sequences of the block, vocab]``. No host work depends on tensor values, so a
+        ``[sequences of the zig-zag block, vocab]``. No host work depends on tensor values, so a
         CUDA graph can capture it (``prefill_graphs``)."""
         m, cfg, L = self.model, self.model.cfg, self.model.cfg.num_layers
         metas, hs, ropes = [], [], []

@@ -1,6 +1,7 @@
-"""Turning user options into a Policy, and the predicted peak memory per tier printed before a
-model loads (FlexGen's cost model, ``localgen.policy.cost_model``). No torch import here beyond
-what the cost model needs, so the CLI stays light."""
+"""The CLI's offload flags (``--percent``, ``--gpu-batch-size``…) over the saved policy -> a
+``Policy``, and the predicted peak memory per tier printed before a model loads (FlexGen's cost
+model, ``localgen.policy.cost_model``). No torch import here beyond what the cost model needs, so
+the CLI stays light."""
 
 from __future__ import annotations
 
