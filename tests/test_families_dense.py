@@ -26,7 +26,9 @@ from tests.test_engine_vs_hf import hf_greedy
 
 NEW = 14  # phi3's prompt of 20 + 14 crosses its original context of 32: the long factors run
 PROMPT_LENGTHS = (20, 11)
-GGUF_READY = {"qwen3", "qwen3_mqa", "qwen25"}  # archs the GGUF source maps so far
+# llama.cpp's converter writes Mistral as the llama arch without its sliding window (llama.cpp
+# runs such a file with full attention too), so the mistral GGUF is not the windowed model
+GGUF_READY = set(DENSE_FIXTURES) - {"mistral"}
 WINDOWED = {"gemma2", "gemma3", "mistral"}
 PLAIN = {"qwen25"}  # the Llama layer unchanged (its window is off)
 
@@ -166,6 +168,13 @@ def test_qwen2_with_its_window_on_windows_the_later_layers():
     cfg = ModelConfig.from_hf_dict({**R1_DISTILL_QWEN, "use_sliding_window": True,
                                     "max_window_layers": 20})
     assert [cfg.dense.window(i) for i in (19, 20)] == [None, 4096]
+
+
+def test_query_pre_attn_scalar_sets_the_attention_scale():
+    d = json.loads((HERE / "gemma2" / "config.json").read_text())
+    cfg = ModelConfig.from_hf_dict({**d, "query_pre_attn_scalar": 144})
+    assert [dense.layer_spec(cfg, i).scale for i in (0, 1)] == [144 ** -0.5] * 2
+    assert [dense.layer_spec(cfg, i).sliding_window for i in (0, 1)] == [8, None]
 
 
 def test_an_unknown_layer_type_is_refused_in_one_sentence():

@@ -37,6 +37,7 @@ import torch
 from localgen.models.config import CorruptModelError, UnsupportedModelError, unsupported_architecture
 from localgen.models.gguf_experts import is_moe_tensor
 from localgen.models.moe_options import MOE_ARCHITECTURES
+from localgen.models.gguf_dense import ARCH_KEYS, PARTIAL_ROTARY_ARCHS, ROPE_FACTORS, dense_hf_config
 from localgen.models.gguf_names import LAYER_TENSOR_RE, ROPE_FREQS, gguf_to_hf_name
 from localgen.models.gguf_reader import gguf_field
 from localgen.models.gguf_tensors import dequantize_tensor, loadable
@@ -60,6 +61,14 @@ class GGUFArch:
 GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
     "llama": GGUFArch("LlamaForCausalLM", "llama", qk_permuted=True),
     "qwen2": GGUFArch("Qwen2ForCausalLM", "qwen2", qk_permuted=False),
+    # the dense families (gguf_dense): the llama-derived converters permute Q/K
+    "qwen3": GGUFArch("Qwen3ForCausalLM", "qwen3", qk_permuted=False),
+    "phi3": GGUFArch("Phi3ForCausalLM", "phi3", qk_permuted=False),
+    "granite": GGUFArch("GraniteForCausalLM", "granite", qk_permuted=True),
+    "olmo2": GGUFArch("Olmo2ForCausalLM", "olmo2", qk_permuted=False),
+    "smollm3": GGUFArch("SmolLM3ForCausalLM", "smollm3", qk_permuted=True),
+    "gemma2": GGUFArch("Gemma2ForCausalLM", "gemma2", qk_permuted=False),
+    "gemma3": GGUFArch("Gemma3ForCausalLM", "gemma3_text", qk_permuted=False),
     "qwen3moe": GGUFArch("Qwen3MoeForCausalLM", "qwen3_moe", qk_permuted=False),
 }
 # a llama-arch file with experts is Mixtral (llama.cpp's converter writes Mixtral as llama)
@@ -135,7 +144,7 @@ def gguf_hf_config(reader) -> dict[str, Any]:
     n_head = int(_required(reader, arch, "attention.head_count"))
     hidden = int(_required(reader, arch, "embedding_length"))
     n_layers = int(_required(reader, arch, "block_count"))
-    _check_tensors(reader, file, n_layers, moe=bool(g("expert_count", 0)))
+    _check_tensors(reader, file, n_layers, arch, moe=bool(g("expert_count", 0)))
     head_dim = _head_dim(reader, arch, hidden, n_head)
     tensor_names = {t.name for t in reader.tensors}
     vocab_size = g("vocab_size") or len(_vocab(reader)) or _embedding_rows(reader)
@@ -163,6 +172,7 @@ def gguf_hf_config(reader) -> dict[str, Any]:
     scaling = _rope_scaling(reader, arch)
     if scaling is not None:
         d["rope_scaling"] = scaling
+    d.update(dense_hf_config(reader, arch, d))
     factors = _rope_freq_factors(reader, file, head_dim)
     if factors is not None:
         d["rope_freq_factors"] = factors
@@ -222,13 +232,14 @@ def _check_keys(reader, arch: str, file: str) -> None:
     prefix = arch + "."
     for name, (neutral, why) in _NEUTRAL.items():
         value = gguf_field(reader, prefix + name)
-        if value is not None and value != neutral:
+        if value is not None and value != neutral and name not in ARCH_KEYS.get(arch, ()):
             _refuse(file, prefix + name, value, why)
     for key in reader.fields:
         name = key[len(prefix):] if key.startswith(prefix) else None
         if name in _REFUSED:
             _refuse(file, key, gguf_field(reader, key), _REFUSED[name])
-        if name is not None and name not in _READ_KEYS | _INFO_KEYS | _NEUTRAL.keys():
+        if name is not None and name not in _READ_KEYS | _INFO_KEYS | _NEUTRAL.keys() \
+                and name not in ARCH_KEYS.get(arch, ()):
             _refuse(file, key, gguf_field(reader, key), _UNKNOWN)
         if key.startswith("adapter."):
             _refuse(file, key, gguf_field(reader, key), "a LoRA adapter file, not a model")
@@ -276,7 +287,8 @@ def _head_dim(reader, arch: str, hidden: int, n_head: int) -> int:
            "rope.dimension_count": "partial rotary embeddings are not supported"}
     for key, reason in why.items():
         value = gguf_field(reader, f"{arch}.{key}")
-        if value is not None and int(value) != head_dim:
+        partial = key == "rope.dimension_count" and arch in PARTIAL_ROTARY_ARCHS
+        if value is not None and int(value) != head_dim and not partial:
             _refuse(_file_of(reader), f"{arch}.{key}", value, f"head_dim is {head_dim}; {reason}")
     return head_dim
 
@@ -315,13 +327,13 @@ def _rope_freq_factors(reader, file: str, head_dim: int) -> list[float] | None:
     return factors.tolist()
 
 
-def _check_tensors(reader, file: str, n_layers: int, moe: bool = False) -> None:
+def _check_tensors(reader, file: str, n_layers: int, arch: str, moe: bool = False) -> None:
     """Refuse tensors with no place in the layer math (router and expert tensors have one in a
     file with experts) and types `dequantize_tensor` cannot read."""
     for t in reader.tensors:
         m = LAYER_TENSOR_RE.fullmatch(t.name)
         shape = f"[{', '.join(str(int(d)) for d in reversed(t.shape.tolist()))}]"
-        if (t.name != ROPE_FREQS and gguf_to_hf_name(t.name) is None
+        if (t.name not in (ROPE_FREQS, *ROPE_FACTORS) and gguf_to_hf_name(t.name, arch) is None
                 and not (moe and is_moe_tensor(t.name))):
             raise UnsupportedModelError(
                 f"{file}: tensor {t.name} {shape} {t.tensor_type.name}: localgen has no math for "

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 
+from localgen.models.gguf_dense import ARCH_LAYER_NAMES
+
 TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -30,12 +32,14 @@ _NORMS = {"attn_norm", "ffn_norm"}  # RMSNorm gains: a bias there has no place i
 ROPE_FREQS = "rope_freqs.weight"
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """llama.cpp tensor name -> HF parameter name; None for a name with no HF parameter
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+    """llama.cpp tensor name -> HF parameter name in a file of GGUF arch ``arch`` (whose own
+    names, ``gguf_dense.ARCH_LAYER_NAMES``, come first); None for a name with no HF parameter
     (rope_freqs.weight, which goes into the config; `gguf_hf_config` refuses all others)."""
     if name in TOP_NAMES:
         return TOP_NAMES[name]
     m = LAYER_TENSOR_RE.fullmatch(name)
-    if not m or m.group(2) not in LAYER_NAMES or (m.group(2) in _NORMS and m.group(3) == "bias"):
+    names = {**LAYER_NAMES, **ARCH_LAYER_NAMES.get(arch, {})}
+    if not m or m.group(2) not in names or ("norm" in m.group(2) and m.group(3) == "bias"):
         return None
-    return f"model.layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"

@@ -17,6 +17,7 @@ import torch
 from localgen.models.config import ModelConfig
 from localgen.models.gguf_config import GGUF_ARCHITECTURES, gguf_hf_config
 from localgen.models.gguf_experts import moe_tensors
+from localgen.models.gguf_dense import transformers_reads_arch
 from localgen.models.gguf_names import gguf_to_hf_name
 from localgen.models.gguf_open import open_gguf
 from localgen.models.gguf_reader import gguf_field
@@ -43,7 +44,7 @@ class GGUFStore(WeightStore):
         self.hf_config = gguf_hf_config(self.reader)  # raises UnsupportedModelError first
         self._tensors = {}
         for t in self.reader.tensors:
-            hf = gguf_to_hf_name(t.name)
+            hf = gguf_to_hf_name(t.name, self.arch)
             if hf is not None:
                 self._tensors[hf] = t
         self._tensors.update(moe_tensors(self.reader, self.hf_config))  # experts: one per slice
@@ -164,7 +165,8 @@ def convert_gguf_tokenizer(path: str | Path):
     from localgen.models.gguf_reader import stock_reader_replaced
 
     path = Path(path)
-    with stock_reader_replaced():  # transformers parses the whole file's metadata again
+    arch = str(gguf_field(open_gguf(path), "general.architecture"))
+    with stock_reader_replaced(), transformers_reads_arch(arch):  # it parses the metadata again
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if not getattr(tok, "chat_template", None):
         template = gguf_field(open_gguf(path), "tokenizer.chat_template")
