@@ -63,7 +63,7 @@ class RunResult:
     measured_terms: dict = field(default_factory=dict)  # phase -> term -> seconds per layer (per step)
     wall_tokens_per_s: float = 0.0  # generated tokens / wall time incl. the engine between steps
     repeats: list = field(default_factory=list)  # localgen: [prefill s, decode s, wall s] per repeat
-    graphs: dict = field(default_factory=dict)  # localgen: CUDA graphs held at the end, blocks a prefill graph served
+    graphs: dict = field(default_factory=dict)  # localgen: CUDA graphs held at the end, zig-zag blocks a prefill graph served
     predicted: dict = field(default_factory=dict)
     error: str = ""
 
@@ -156,7 +156,8 @@ def run_localgen(cfg, store, policy, batch: int, prompt_len: int, gen_len: int, 
                                                       ("prefill", getattr(runner, "prefill_graphs", None)))
                   if g is not None}
     if "prefill" in res.graphs:
-        res.graphs["prefill_blocks_served"] = runner.prefill_graphs.served
+        served = runner.prefill_graphs.served  # zig-zag blocks; the older key stays for readers
+        res.graphs["prefill_zigzag_blocks_served"] = res.graphs["prefill_blocks_served"] = served
     if torch.cuda.is_available() and str(device).startswith("cuda"):
         res.memory_gib["cuda_max_allocated"] = round(torch.cuda.max_memory_allocated() / GiB, 3)
     timers = llm.engine.model.timers
@@ -449,7 +450,7 @@ def main(argv=None) -> int:
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                     help="each policy and peer batch in its own process (default: on CUDA with several)")
     ap.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=True,
-                    help="replay all-GPU 4-bit prefill blocks as CUDA graphs (EngineConfig.prefill_graphs)")
+                    help="replay all-GPU 4-bit prefill zig-zag blocks as CUDA graphs (EngineConfig.prefill_graphs)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 

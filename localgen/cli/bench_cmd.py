@@ -134,7 +134,7 @@ def offload(
     isolate: Optional[bool] = typer.Option(None, "--isolate/--no-isolate",
                                            help="Each policy and peer batch in its own process.", show_default="on CUDA"),
     prefill_graphs: bool = typer.Option(True, "--prefill-graphs/--no-prefill-graphs",
-                                        help="Replay all-GPU 4-bit prefill blocks as CUDA graphs."),
+                                        help="Replay all-GPU 4-bit prefill zig-zag blocks as CUDA graphs."),
     out: Optional[Path] = typer.Option(None, "--out"),
 ) -> None:
     """Measured vs predicted prefill/decode (ctog/gtoc/dtoc/ctod/compute) under policies, beside accelerate.

@@ -13,7 +13,7 @@ def tune(
     prompt_len: int = typer.Option(512, help="Prompt tokens."),
     gen_len: int = typer.Option(32, help="Generated tokens."),
     compression: str = typer.Option("auto", help="4-bit weights/KV: off, on or auto."),
-    latency_bound: float = typer.Option(None, help="Max seconds for one block (prefill + all tokens)."),
+    latency_bound: float = typer.Option(None, help="Max seconds for one zig-zag block (prefill + all tokens)."),
     tiers: str = typer.Option("any", help="any: the fastest placement over GPU, RAM and disk; fewest: the "
                                           "fewest tiers that hold the model (RAM and disk only if needed)."),
     profile: str = typer.Option(None, help="Profile name (flexgen_t4, h200, cpu_2core) or JSON path.",

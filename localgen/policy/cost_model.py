@@ -1,8 +1,9 @@
 """FlexGen's analytical cost model (Sheng et al. 2023, §4.3 and App. A.3), for any ModelConfig.
 
-Per layer and per block of ``bls`` sequences, prefill and decode each take the max of five terms
-(seconds): ``ctog`` CPU->GPU, ``gtoc`` GPU->CPU, ``dtoc`` disk->CPU, ``ctod`` CPU->disk reads/writes,
-and ``comp`` compute, because the block schedule overlaps them (§4.2). Then
+Per layer and per zig-zag block of ``bls`` sequences (FlexGen §4.1), prefill and decode each take
+the max of five terms (seconds): ``ctog`` CPU->GPU, ``gtoc`` GPU->CPU, ``dtoc`` disk->CPU,
+``ctod`` CPU->disk reads/writes, and ``comp`` compute, because the zig-zag block schedule overlaps
+them (§4.2). Then
 ``T = T_pre * l + T_gen * (n - 1) * l`` and throughput is ``bls * n / T`` tokens/s.
 
 Every term and every peak-memory constraint is *affine* in the 9 placement fractions
@@ -164,15 +165,15 @@ class CostModel:
     ``experimental/cost_model.py``: T_pre = max(ctog + dtoc, gtoc + ctod, comp) (disk->CPU->GPU of
     the same bytes is a chain) and T_gen = ctog + max(gtoc, dtoc, ctod, comp) (weight loads do not
     hide behind decode compute); "paper" is optimistic. On the paper profile the search reproduces
-    Table 2 within 0.84-1.3x and the paper's placements for OPT-175B (no weights on the GPU, ~half in
-    RAM, cache on disk) and roughly for OPT-30B and OPT-6.7B; docs/results/policy_table2.md
-    (``python -m localgen.policy.table2``) has the table and the remaining differences.
+    Table 2 closely, and the paper's placements for OPT-175B (no weights on the GPU, about half in
+    RAM, cache on disk) and roughly for OPT-30B and OPT-6.7B; ``python -m localgen.policy.table2``
+    prints the table and the remaining differences (docs/benchmarks.md).
     ``runtime`` picks whose runtime is priced: "flexgen" (default; the paper's, Table 2) copies an
     uncompressed CPU-held KV cache from pageable memory, dequantizes 4-bit weights before every
     GEMM and attends with bmm. "localgen" keeps that cache pinned and the GPU kernels read and
     write it in place (``runtime/offload/kv.py``), at the pinned bandwidth; its 4-bit GEMMs take
     the GPU's measured dispatch timings (``gemm_times``); its paged-decode kernels read the cache
-    as stored; and a policy whose cache the GPU reads in place decodes a block as one batch
+    as stored; and a policy whose cache the GPU reads in place decodes a zig-zag block as one batch
     (``terms(one_batch=True)``; as CUDA graphs when everything is on the GPU).
     Raises ValueError for an unknown model family, form or runtime.
     """
@@ -480,16 +481,16 @@ class CostModel:
                 else self.total_weight_bytes(compress_weight))
         cache_full = 2 * kv * B * ck * (s + n) * bls * c.num_layers  # all layers, final length
         kv_gbs = 2 * kv * B * ck * (s + n) * gbs  # one layer, one GPU batch, final length
-        kv_bls = kv_gbs * (bls // gbs)  # one layer, the whole block
+        kv_bls = kv_gbs * (bls // gbs)  # one layer, the whole zig-zag block
         deq_buf = wi16 if compress_weight else 0.0
-        # 4-bit KV keeps each running sequence's last block also in fp16 (the recent-block pool of
+        # 4-bit KV keeps each running sequence's last KV block also in fp16 (the recent-block pool of
         # runtime/offload/kv.py: bls rows of POOL_BLOCK_TOKENS per layer, on the cache's tier)
         pool = 2 * kv * B * POOL_BLOCK_TOKENS * bls * c.num_layers if compress_cache else 0.0
         # largest live intermediates of one GPU batch (fp16): qkv projection, attention, MLP
         att_p = gbs * B * (s * (2 * q + 2 * kv) + nh * s * s)
         if compress_cache and self.runtime == "localgen":
             # localgen's 4-bit prefill attention also holds the rotated q/k/v, the 4-bit echo of
-            # k/v and k/v concatenated with each prompt's own blocks in fp (runtime/offload/kv.py
+            # k/v and k/v concatenated with each prompt's own KV blocks in fp (runtime/offload/kv.py
             # _fresh_int4_prefill; scripts/offload_memory.py shows them at a policy's peak)
             att_p += gbs * s * B * (q + 8 * kv)
         ops_p = [gbs * s * B * (h1 + q + 2 * kv), att_p, gbs * s * B * (h1 + n_mlp * h2)]
@@ -506,7 +507,7 @@ class CostModel:
                 extra = {}
                 if i == 1 and cpu_cache_compute:  # attention on GPU only for the GPU part of the cache
                     op, extra = 0.0, dict(cg=att_g)
-                elif one_batch and compress_cache:  # a 4-bit host layer's blocks of the whole step,
+                elif one_batch and compress_cache:  # a 4-bit host layer's KV blocks of the whole step,
                     # copied to the GPU for the int4 kernel (runtime/offload/kv.py TierKV._staged)
                     extra = dict(cc=kv_bls)
                 elif not cpu_cache_compute:  # CPU/disk cache streamed in, double-buffered
@@ -519,11 +520,11 @@ class CostModel:
         # CPU attention (delegation): fp32 scores and the new q/k/v of one GPU batch, plus an fp32 copy of
         # that batch's K and V over the full length (FlexGen pytorch_backend.py
         # init_attention_compute_workspace allocates such fp32 K/V buffers; our runtime gathers the
-        # batch's blocks and attends in fp32)
+        # batch's KV blocks and attends in fp32)
         deleg = (gbs * (4 * nh * (s + n) + B * (2 * q + 2 * kv)) + 2 * 4 * kv * (s + n) * gbs
                  if cpu_cache_compute else 0.0)
         # The CPU cache counts at its full length (s + n) already in prefill: FlexGen pre-allocates each
-        # block's KV buffers for prompt + generation at the start of the block (App. A.2.1 "FlexGen now
+        # zig-zag block's KV buffers for prompt + generation at its start (App. A.2.1 "FlexGen now
         # pre-allocates continuous buffers for all KV cache"), and App. A.3's cpu_home^p has the same
         # 4(s+n)h1*cc*bls*l as gpu_home^p. Counting only the prompt's s here let the LP trade cache for
         # weights in RAM at a ~6% discount (OPT-175B then kept 8% of its cache in RAM and 22% of its weights).
@@ -547,7 +548,7 @@ class CostModel:
         return self.graphs and min(policy.wg, policy.cg, policy.hg) >= 1 - 1e-9
 
     def one_batch_decode(self, policy: Policy) -> bool:
-        """Whether localgen decodes a step's block as one batch (``runtime/offload/runner.py``):
+        """Whether localgen decodes a step's zig-zag block as one batch (``runtime/offload/runner.py``):
         on a GPU, with every cache layer read in place by the GPU's kernels, i.e. on the GPU, or
         (fp or 4-bit, not delegated to the CPU) in pinned host memory; layers placed whole as
         the runtime places them (``Policy.cache_tiers``)."""

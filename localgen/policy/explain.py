@@ -79,7 +79,7 @@ def _differs(best: Policy, alt: Policy) -> str:
             out.append(f"weights {name}" if a > 5e-3 else f"no weights {name}")
             break
     if not out:
-        out.append(f"block {alt.bls}")
+        out.append(f"zig-zag block {alt.bls}")
     return ", ".join(out)
 
 

@@ -182,7 +182,7 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
     throughput drops (FlexGen: ``if throughput < prev_throughput: break``). Explicit ``gbs_choices`` /
     ``nb_choices`` replace those sequences (an explicit nb list is scanned until infeasible, no early stop).
     ``objective="latency"`` (chat): one sequence (gbs = num_gpu_batches = 1), minimum time.
-    ``latency_bound``: seconds for one block to finish prefill + ``gen_len`` tokens.
+    ``latency_bound``: seconds for one zig-zag block to finish prefill + ``gen_len`` tokens.
     ``compression``: 4-bit weights and KV off, on, or whichever is faster ("auto").
     ``form``: the cost model's overlap form (see ``CostModel``); ``mem_fraction``: usable share of
     each capacity (float, or dict per tier; default GPU 0.9, CPU and disk 0.8).
@@ -255,7 +255,7 @@ def _enumerate(cm: CostModel, compression: Compression, gbs_choices: list[int], 
                 terms = _without(cm.terms(gbs, nb, *opts), excluded)
                 sol = _solve_granular(terms, latency_bound, wg_min, counter, off_min)
                 if sol is None:
-                    break  # memory and time only grow with the block size
+                    break  # memory and time only grow with the zig-zag block size
                 feasible_any = True
                 shape = (gbs, nb, opts)
                 here = _as_run(cm, shape, terms, *sol)
@@ -265,7 +265,7 @@ def _enumerate(cm: CostModel, compression: Compression, gbs_choices: list[int], 
                 found += here
                 thr = max((f[0] for f in here), default=0.0)
                 if early_stop and thr < prev:
-                    break  # FlexGen solve(): stop growing the block once throughput drops
+                    break  # FlexGen solve(): stop growing the zig-zag block once throughput drops
                 prev = thr
             if not feasible_any:
                 break  # a larger GPU batch needs more working memory still
@@ -292,7 +292,7 @@ def _as_run(cm: CostModel, shape: tuple, terms: Terms, x: np.ndarray, over: dict
     ``terms``, ranked as the runtime would run them (``CostModel.predict``: one decode batch, or
     CUDA graphs, where the placement allows; the per-GPU-batch LP does not see that). ``[]``
     when the policy as run needs more memory than a tier has (a one-batch decode stages a whole
-    step's 4-bit blocks of a host layer on the GPU)."""
+    step's 4-bit KV blocks of a host layer on the GPU)."""
     pred = cm.predict(_policy(shape, x))
     return [(pred.throughput, shape, terms, x, over)] if pred.fits() else []
 

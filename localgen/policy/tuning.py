@@ -70,7 +70,7 @@ def result_lines(res: SearchResult) -> list[str]:
                     for t in ("gpu", "cpu", "disk") if t in pr.capacity)
     out = [f"Policy: {res.policy.describe()}",
            f"Predicted: {pr.throughput:.3g} tokens/s (prefill {pr.prefill_time:.3g} s, decode {pr.decode_time:.3g} s "
-           f"per block); bottlenecks: prefill {pr.prefill_bottleneck}, decode {pr.decode_bottleneck}",
+           f"per zig-zag block); bottlenecks: prefill {pr.prefill_bottleneck}, decode {pr.decode_bottleneck}",
            f"Peak memory: {mem}"]
     out += [f"  alternative: {a.explain()}" for a in res.alternatives]
     return out

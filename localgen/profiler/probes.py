@@ -157,9 +157,9 @@ def probe_cpu_attention(shape: tuple[int, int, int, int] = ProbeSizes.attn_decod
     attention to the CPU (FlexGen §4.2; ``cpu_attention_case``). Returns K/V bytes read per
     second at 2 bytes an element, which equals the MHA FLOPs the cost model divides by
     ``cpu_flops`` (App. A.3 counts 4 * context * hidden for both). ``dtype``: the cache's, fp16
-    beside a GPU, else float32 (``run_profile`` passes the one its profile implies). A plain bmm
-    at these shapes over-predicted this path 16x on the H200 host (99.7 vs 4.86 GFLOP/s): it is
-    bound by memory, not FLOPs."""
+    beside a GPU, else float32 (``run_profile`` passes the one its profile implies). It is timed
+    as the runtime runs it rather than as a plain bmm, which at these shapes over-predicts it many
+    times over: the path is bound by memory, not FLOPs."""
     import torch
 
     from localgen.hostmem import keep_freed_host_memory
@@ -231,7 +231,7 @@ def probe_int4_attention(shape: tuple[int, int, int, int] = (16, 32, 128, 544), 
     """``HardwareProfile.gpu_int4_attn_bdw``: bytes/s of 4-bit KV the paged int4 decode kernel
     reads (``int4_attention_case``; default Llama-2-7B's 32 heads, 16 sequences of 544 tokens),
     ``calls`` calls in one CUDA graph, each over a cache of its own as a decode step's layers are:
-    one 40 MB case called again would be read partly from the L2 (50 MB on an H100 or H200)."""
+    one case called again would be read partly from the GPU's L2 cache."""
     from localgen.kernels.dispatch import cuda_timer
 
     cases = [int4_attention_case(shape, "cuda") for _ in range(calls)]
@@ -444,7 +444,7 @@ def _assemble(vals: dict, name: str, offload_dir, sizes: ProbeSizes, gpu: bool) 
                mm_flops_gen=f"measured {today} on {where}, [m,k,n]={list(sizes.mm_decode)}",
                bmm_flops=f"measured {today} on {where}, [bh,m,k,n]={list(sizes.bmm_prefill)}",
                bmm_flops_gen=f"measured {today} on {where}, [bh,m,k,n]={list(sizes.bmm_decode)}",
-               cpu_flops=f"measured {today}, the runtime's delegated CPU decode attention (block "
+               cpu_flops=f"measured {today}, the runtime's delegated CPU decode attention (KV block "
                          f"gather + paged reference), [seqs, kv heads, head_dim, context]="
                          f"{list(sizes.attn_decode)}, K/V bytes/s (= MHA FLOP/s)",
                gpu_kernel_floor=f"measured {today}: mean of the small decode kernels "

@@ -15,13 +15,12 @@ import torch.nn.functional as F
 
 from localgen.quant.int4 import Int4Tensor
 
-# Largest M that takes the int4 kernel; above it the dense bf16 GEMM wins (measured on the
-# project's 2-core EPYC: int4 vs bf16 at M=1 22 vs 72 µs, M=16 78 vs 80 µs, M=64 289 vs 168 µs for
-# a 960x576 matrix).
+# Largest M that takes the int4 kernel: the kernel reads a quarter of bf16's bytes, which wins
+# while the GEMM is bound by reading the weight; at larger M the dense bf16 GEMM's compute wins.
 INT4_MAX_M = 8
 
 # the kernel's one overload, bound once: ``torch.ops.aten.X`` resolves an attribute and an
-# overload on every call (~1 µs; a CPU decode step makes 121 of these calls)
+# overload on every call, and a CPU decode step makes one call per matrix of every layer
 _int4_mm = getattr(getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None), "default", None)
 
 
@@ -113,8 +112,8 @@ class Int4Linear:
 
 
 # Largest M for which the output matrix (vocab x hidden, twice the K of a 4-bit matrix when it is
-# 8-bit) takes the int4 kernel (2-core EPYC, 1 thread, 49152x576 Q8_0: M=1 2.4 vs 5.4 ms bf16,
-# M=4 3.3 vs 4.2 ms, M=8 6.7 vs 4.7 ms).
+# 8-bit) takes the int4 kernel: its doubled K narrows the range over which reading fewer bytes
+# wins.
 LM_HEAD_MAX_M = 4
 Q8_0_BLOCK, Q8_0_BYTES = 32, 34  # fp16 d, then 32 int8 codes: value = d * q
 

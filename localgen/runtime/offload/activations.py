@@ -11,10 +11,9 @@ A GPU batch's hidden states ``[tokens, hidden]`` leave the compute device after 
   compute is queued, so it runs under that compute;
 - ``load`` makes the compute stream wait only for that copy.
 
-On the compute stream, OPT-30B 4-bit at 8 x 7 (16 GiB cap, H100) spent ~15 ms of every
-~90 ms prefill layer copying activations with no compute beside it (4.30 s prefill; 3.59 s with
-the side streams, predicted 3.42). With the timers on (each term measured alone), for small
-batches, or off CUDA, the copies run on the compute stream as before.
+On the compute stream these copies would leave the GPU idle for a large share of each prefill
+layer of a big-batch policy. With the timers on (each term measured alone), for small batches,
+or off CUDA, the copies run on the compute stream.
 """
 
 from __future__ import annotations
@@ -26,8 +25,8 @@ import torch
 from localgen.runtime.offload.memory import host_empty
 from localgen.runtime.offload.timers import Timers
 
-# below this many bytes per GPU batch a copy takes less time (~47 GB/s pinned on an H100) than
-# the side streams' events cost the host (~0.1 ms): decode batches copy on the compute stream
+# below this many bytes per GPU batch a pinned copy takes less time than the side streams' events
+# cost the host: decode batches copy on the compute stream
 OVERLAP_MIN_BYTES = 4 << 20
 
 
@@ -52,9 +51,9 @@ class ActivationTier:
     """Pinned buffers (one per GPU batch, grown on demand) and the two copy streams.
 
     Every device tensor is allocated on the compute stream and each side stream waits for the
-    compute stream before using one, so the caching allocator never sees a block shared across
-    streams: no ``record_stream``, whose deferred frees made the allocator hit the 16 GiB cap
-    and synchronize all streams 5-7 times per OPT-30B prefill (184 ms of idle GPU)."""
+    compute stream before using one, so the caching allocator never sees a memory block shared
+    across streams: no ``record_stream``, whose deferred frees can drive the allocator into a
+    memory cap, where it synchronizes all streams and leaves the GPU idle."""
 
     def __init__(self, hg: float, hc: float, device: torch.device, timers: Timers):
         self.hg, self.hc, self.device, self.timers = hg, hc, torch.device(device), timers
@@ -115,7 +114,7 @@ class ActivationTier:
             return a
         h2d = self.streams()[1]
         dev = torch.empty(a.host.shape, dtype=a.host.dtype, device=self.device)  # compute stream's
-        h2d.wait_stream(torch.cuda.current_stream(self.device))  # its block's last users are done
+        h2d.wait_stream(torch.cuda.current_stream(self.device))  # the memory's last users are done
         h2d.wait_event(a.stored)  # the pinned buffer holds the whole batch
         with torch.cuda.stream(h2d):
             dev.copy_(a.host, non_blocking=True)
@@ -149,8 +148,8 @@ class ActivationTier:
 
     def _buffer(self, k: int, x: torch.Tensor) -> torch.Tensor:
         """GPU batch ``k``'s pinned host buffer viewed as ``x``'s shape and dtype; grown when a
-        step needs more (a pageable copy would be synchronous and ~5x slower: OPT-30B 8 x 7
-        prefill, 40 ms a layer against the 7.7 the cost model gives at pinned bandwidth)."""
+        step needs more (a pageable copy would be synchronous and several times slower than the
+        pinned bandwidth the cost model prices)."""
         nbytes = x.numel() * x.element_size()
         buf = self.host.get(k)
         if buf is None or buf.numel() < nbytes:

@@ -1,5 +1,5 @@
 """Layer weights placed on GPU / pinned CPU / disk at layer granularity, streamed to the compute
-device in the order of the block schedule (FlexGen §4.2).
+device in the order of the zig-zag block schedule (FlexGen §4.1-4.2).
 
 Each layer's tensors (4-bit packed when the policy compresses weights, FlexGen §5) sit in one
 flat byte buffer, so one copy moves a layer: a resident buffer on the compute device ("gpu"), a
@@ -245,9 +245,9 @@ def compress_layer(w: dict[str, torch.Tensor], pre: dict[str, Int4Tensor] | None
 
 
 def quantize_columns(t: torch.Tensor, group_size: int, device: torch.device) -> Int4Tensor:
-    """``quantize(t.float(), group_size, dim=0)`` computed on ``device`` a block of at most
+    """``quantize(t.float(), group_size, dim=0)`` computed on ``device`` a chunk of at most
     ``QUANT_CHUNK`` elements at a time: the groups run down the columns, so columns quantize
-    independently and the blocks' codes concatenate. Building a GPU-heavy 4-bit policy under a
+    independently and the chunks' codes concatenate. Building a GPU-heavy 4-bit policy under a
     GPU cap then never holds a layer, or even a matrix, there in float32 (OPT-30B's fc1: 0.8 GB,
     its quantization temporaries several times that)."""
     step = max(1, QUANT_CHUNK // max(1, t.shape[0]))
