@@ -50,7 +50,7 @@ from localgen.fileio import atomic_write_text
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-# Reassociation lets reductions vectorize (1.6x on the decode kernel); not -ffast-math, whose
+# Reassociation lets reductions vectorize (the decode kernel's dot products); not -ffast-math, whose
 # startup code would flush denormals for the whole process.
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-fno-math-errno",
          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")

@@ -1,9 +1,8 @@
 """Dequantization of an int4 group-format weight to a dense matrix in one Triton launch: the first
 half of the "torch" path of the GEMM dispatch (``dispatch``, FlashDecoding++ §5: above M2 a
-prefill's GEMM runs as dequantize + cuBLAS). The pure-torch ``quant_ref.dequantize_weight`` takes
-~480 us for a [4096, 4096] weight on an H100 (six passes over a float32 copy), more than cuBLAS
-needs for the GEMM itself at M = 2048; this kernel reads the codes and scales once and writes the
-dense weight once.
+prefill's GEMM runs as dequantize + cuBLAS). The pure-torch ``quant_ref.dequantize_weight`` makes
+six passes over a float32 copy, which can take longer than cuBLAS needs for the GEMM itself; this
+kernel reads the codes and scales once and writes the dense weight once.
 
 Both layouts of ``quant_ref.QuantizedWeight``: ``dim`` 0 (FlexGen, groups and nibble pairs along
 N) and ``dim`` 1 (GGUF Q4_1 as imported, along K). Element ``(n, k)``: code ``c`` from byte

@@ -11,9 +11,9 @@ number of tokens in the step). Profiled offline, each ``[N, K]`` gets two inflec
 measures it, ``route`` is the whole routing decision (a pure function of device type, M, [N, K],
 weight layout and table) and ``Int4Linear`` calls what it picks. Shapes the table lacks use
 ``DEFAULT_POINTS`` (M1=16: one 16-row tile of the flat kernel; M2=2048: the 64-row tiled kernel
-below that, dequantize + cuBLAS above; on the H100 the kernels beat dequantize + cuBLAS up to
-M ~1000-7000 for every measured shape, ``profiles/gemm_h100_*.json``). Off CUDA every M takes
-the reference twin (dequantize + ``torch.matmul``).
+below that, dequantize + cuBLAS above, where the dequantization's fixed cost is small against
+the GEMM; the shipped tables are in ``profiles/gemm_*.json``). Off CUDA every M takes the
+reference twin (dequantize + ``torch.matmul``).
 
 Both int4 weight layouts run in the Triton kernel: FlexGen's g=64 along the output channels
 (``group_dim`` 0) and GGUF Q4_1's g=32 along the input channels (``group_dim`` 1, see
@@ -82,9 +82,8 @@ def _extrapolated_crossover(timings: dict[int, dict[str, float]], ms: list[int])
     """Where cuBLAS would overtake the Triton kernels past the largest M measured: lines through
     the last two Ms of the faster kernel and of "torch" (a kernel's time grows with M at its
     tensor-core rate, "torch"'s fixed dequantization cost does not), ``NO_LIMIT`` when they do
-    not meet. The H100 table of 2026-11-23 measured no crossover up to M=1024 (a prefill is
-    thousands of tokens): [4096, 4096] "tiled" 98 -> 190 us from M=512 to 1024, "torch"
-    493 -> 515, meeting near M=3400."""
+    not meet. A sweep that stops at M=1024 may see no crossover while a prefill runs thousands of
+    tokens: the extrapolation places M2 where the two lines would meet."""
     if len(ms) < 2 or any("torch" not in timings[m] for m in ms[-2:]):
         return NO_LIMIT
     a, b = ms[-2], ms[-1]
@@ -253,8 +252,8 @@ def cuda_timer(fns: Callable[[], object] | list[Callable[[], object]], warmup: i
     """Median GPU seconds of one call: ``fns`` (one callable or several, e.g. the same GEMM over
     different weights) captured once each in a CUDA graph whose replays are timed by CUDA events,
     divided by the number of calls. A graph times the kernels, not the Python that launches them
-    (eager event timing of one call measured ~60 µs of launch overhead for every shape and M on an
-    H100); callables over weights that together exceed the L2 cache time HBM reads, as a model's
+    (eager event timing of one call would add the launch overhead, alike for every shape and M);
+    callables over weights that together exceed the L2 cache time HBM reads, as a model's
     consecutive layers do."""
     fns = fns if isinstance(fns, list) else [fns]
     side = torch.cuda.Stream()

@@ -18,13 +18,10 @@ one scale group loads each packed byte once and splits it into the even-row (low
 odd-row (high nibble) code tiles, with one ``[BLOCK_K]`` scale/min vector for the whole tile;
 on the GPU the nibbles become 16-bit floats by bit tricks (no int->float conversions), the K
 tile is cut into slices that the warps share, and K slices across programs (``split_k``) are
-summed in the kernel. Measured on an H100 (CUDA-graph replays over weights rotated past L2,
-M = 1 / 16, fp16; the previous kernel in brackets): [4096, 4096] 9.2 / 9.4 us (34),
-[11008, 4096] 17 / 18 (78), [22016, 4096] 27 / 28 (145), [4096, 11008] 18 / 19 (80); bf16
-11 / 22 / 40 / 22. A plain read of the 8.4 MB of codes of [4096, 4096] measured 4.9 us at
-best, so the kernel is within 2x of the bandwidth floor; it is bound by each SM's instruction
-issue (dequantization, operand moves), not by bytes in flight. The GGUF layout (and FlexGen
-tiles that do not fit one scale group) take the general kernel ``_flat_gemm_int4``.
+summed in the kernel. The kernel is bound by each SM's instruction issue (dequantization,
+operand moves) rather than by bytes in flight, so these cut instructions per byte of weight. The
+GGUF layout (and FlexGen tiles that do not fit one scale group) take the general kernel
+``_flat_gemm_int4``.
 """
 
 from __future__ import annotations
@@ -45,8 +42,18 @@ INTERPRETER_SMS = 132
 
 
 # The FlexGen kernel adds a bias in its store; LOCALGEN_INT4_BIAS_EPILOGUE=0 keeps the separate
-# add (an A/B switch for scripts/offload_gpu_runs.sh opt30b_bias_ab), read once at import.
+# add (to compare the two on a model), read once at import.
 BIAS_IN_STORE = os.environ.get("LOCALGEN_INT4_BIAS_EPILOGUE", "1") != "0"
+
+
+@triton.jit
+def _tile_rows(pid_m, pid_n, M, R, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """A program's rows of x (tile ``pid_m`` of ``M``) and of W's output rows (tile ``pid_n`` of
+    ``R``: output channels, or byte rows of the FlexGen layout): each as offsets, mask and int64
+    offsets."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = pid_n * BLOCK_R + tl.arange(0, BLOCK_R)
+    return offs_m, offs_m < M, offs_m.to(tl.int64), offs_r, offs_r < R, offs_r.to(tl.int64)
 
 
 @triton.jit
@@ -61,12 +68,8 @@ def _flat_gemm_int4(x_ptr, wp_ptr, ws_ptr, wz_ptr, y_ptr, M, N, K,
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    offs_m64 = offs_m.to(tl.int64)
-    offs_n64 = offs_n.to(tl.int64)
+    offs_m, m_mask, offs_m64, offs_n, n_mask, offs_n64 = _tile_rows(pid_m, pid_n, M, N, BLOCK_M,
+                                                                     BLOCK_N)
     if GROUP_K:  # GGUF: codes paired and grouped along K, one row per output channel
         p_rows = offs_n64 * stride_pn
         s_rows = offs_n64 * stride_sn
@@ -152,7 +155,8 @@ def _codes(byte, DOT_DTYPE: tl.constexpr, FAST: tl.constexpr):
 def _dequant(code, sc, mn, DOT_DTYPE: tl.constexpr, FAST: tl.constexpr, IEEE: tl.constexpr):
     """``code * scale + min`` as the dot operand. fp16 on the GPU: one fp16 FMA (one rounding, as
     the fp32 result cast to fp16); bf16: in fp32, then cast (a bf16 FMA on bf16-rounded scales
-    measured 2.5x the error); IEEE (fp32 x, the bf16 interpreter path): fp32 kept."""
+    would add their rounding to the error); IEEE (fp32 x, the bf16 interpreter path): fp32
+    kept."""
     if FAST and DOT_DTYPE == tl.float16:
         w = code * sc + mn
     elif IEEE:
@@ -184,12 +188,8 @@ def _flat_gemm_int4_pairs(x_ptr, wp_ptr, ws_ptr, wz_ptr, y_ptr, part_ptr, cnt_pt
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_p = pid_n * HALF + tl.arange(0, HALF)
-    m_mask = offs_m < M
-    p_mask = offs_p < N // 2
-    offs_m64 = offs_m.to(tl.int64)
-    offs_p64 = offs_p.to(tl.int64)
+    offs_m, m_mask, offs_m64, offs_p, p_mask, offs_p64 = _tile_rows(pid_m, pid_n, M, N // 2,
+                                                                     BLOCK_M, HALF)
     s_off = ((pid_n * BLOCK_N) // GROUP).to(tl.int64) * stride_sn  # the tile's scale/min row
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
@@ -298,8 +298,7 @@ def flat_gemm_int4(x: torch.Tensor, w: QuantizedWeight, *, block_m: int = 16,
         num_stages = num_stages or cfg["num_stages"]
         slices = max(1, min(slices, block_k // 16))  # each slice a K >= 16 dot
     else:
-        # 16-row tiles: twice the programs of 32 (GGUF Q4_1 on an H100, split_k 1: [4096, 4096]
-        # 474 us at 64 rows, 252 at 32, 133 at 16; [11008, 4096] 977 / 714 / 378)
+        # 16-row tiles: twice the programs of 32, so a decode GEMM fills the GPU without K slices
         block_n, block_k, num_stages = block_n or 16, block_k or 64, num_stages or 3
     split_k = max(1, int(split_k))
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
@@ -337,12 +336,11 @@ def flat_gemm_int4(x: torch.Tensor, w: QuantizedWeight, *, block_m: int = 16,
 
 def _pairs_config(n: int, block_m: int, group: int, dtype: torch.dtype,
                   device: torch.device) -> dict:
-    """FlexGen kernel defaults, from an H100 sweep (M = 1/16 and 64/128; the kernel is bound by
+    """FlexGen kernel defaults, from a GPU sweep over M = 1/16 and 64/128 (the kernel is bound by
     each SM's instruction issue once every SM has a tile): 32-row tiles (16 byte rows) over
     512 K columns in 4 slices, 3 stages; fp16: 64-row tiles once 32-row ones are more than about
-    four per SM ([22016, 4096]: 27 against 32 us; bf16, with its fp32 dequantization, measured
-    40 against 45 the other way); the 64-row M tile: 256 K columns, 2 stages (its x tile is 4x
-    larger)."""
+    four per SM (bf16, with its fp32 dequantization, keeps 32); the 64-row M tile: 256 K
+    columns, 2 stages (its x tile is 4x larger)."""
     block_n = PAIRS_BLOCK_N
     sms = num_sms(device, INTERPRETER_SMS)
     if dtype == torch.float16 and n > 4 * PAIRS_BLOCK_N * sms and group % 64 == 0:
@@ -357,8 +355,8 @@ def choose_split_k(m: int, n: int, k: int, num_sms: int, block_m: int = 16, bloc
     """K slices so a flat GEMM fills the GPU: only while the ``[N/block_n, M/block_m]`` tiles
     leave SMs idle, up to about one program per SM, each slice keeping at least
     ``min_k_per_split`` of K. The FlexGen kernel is bound by each SM's instruction issue, not by
-    programs in flight: on an H100, 2 slices of [4096, 4096] (128 tiles) measured 10.4 us against
-    9.2 unsplit, while [4096, 11008] gained (17.8 against 18.6 us)."""
+    programs in flight, so a split pays (partials, the combine) only where K is long: a short K
+    of 4096 stays unsplit by default, a long one gains."""
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     if tiles >= num_sms:
         return 1

@@ -2,9 +2,9 @@
 ``paged_attention_ref.write_kv`` (two ``index_copy_`` launches).
 
 One program per new token writes that token's ``[num_kv_heads, head_dim]`` K row and V row at
-its flat slot ``block_id * block_size + offset`` (PagedAttention §4.1 layout, DESIGN.md). At
-batch-1 decode the two ``index_copy_`` kernels per layer were ~3% of a Llama-2-7B step on an H200
-(scripts/decode_profile.py); this is one small kernel instead of two. ``write_kv_int4`` does the
+its flat slot ``block_id * block_size + offset`` (PagedAttention §4.1 layout). At batch-1 decode
+the two ``index_copy_`` kernels per layer are a visible share of a step's launches; this is one
+small kernel instead of two. ``write_kv_int4`` does the
 same for a 4-bit cache, quantizing in registers (the twin of ``quant_ref.write_kv_int4``).
 """
 
@@ -192,8 +192,8 @@ def write_kv_int4(k_cache: QuantizedKV, v_cache: QuantizedKV, k: torch.Tensor, v
 
 def _heads_per_program(num_tokens: int, kv_heads: int, programs: int = 1024) -> int:
     """KV heads one program quantizes: all of a token's when there are tokens enough to fill the
-    GPU (prefill), fewer when there are not (a decode step's 16 tokens of Llama-2-7B's 32 heads
-    were 16 programs on 132 SMs; at one head each, 512)."""
+    GPU (prefill), fewer when there are not (a decode step's 16 tokens of 32 heads each would be
+    16 programs for a GPU of over a hundred SMs; at one head each, 512)."""
     per = triton.next_power_of_2(kv_heads)
     while per > 1 and num_tokens * -(-kv_heads // per) < programs:
         per //= 2

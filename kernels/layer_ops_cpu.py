@@ -4,9 +4,8 @@ residual add + RMSNorm, and rotary embedding (Su et al. 2021, rotate-half layout
 place followed by the K/V cache write. The C follows torch's bf16 roundings op by op: the
 rotary embedding, the K/V write and the residual sum equal the torch ops bit for bit; the norms
 sum their squares in another order than torch, so a rare element lands one or two bf16 steps
-from torch's (tests/test_cpu_kernels.py). On a decode step's single 576-feature row a norm runs
-2.2-2.4x and the rotary + K/V write 3.8-4.0x faster than the torch ops
-(``scripts/cpu_decode_kernels_bench.py``, 2-core EPYC).
+from torch's (tests/test_cpu_kernels.py). On a decode step's single row one C call replaces the
+several torch ops (and their dispatch overheads) of each step.
 
 Reference twins: ``weight * F.rms_norm(x.float(), ...).to(x.dtype)`` for the norms;
 ``torch.addcmul(x * cos, rotate_half(x), sin)`` and ``index_copy_`` for ``rope_store``.

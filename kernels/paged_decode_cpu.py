@@ -20,7 +20,8 @@ from . import cpu_build
 # Context tokens below which a split costs more in its partial and combine than it saves.
 MIN_SPLIT_TOKENS = 128
 # K rows (tokens x KV heads, all sequences) below which one thread is faster than a parallel
-# region, whose fork and join cost a few µs and, on a loaded machine, a wait for a time slice.
+# region, whose fork and join cost more than the work and, on a loaded machine, a wait for a
+# time slice.
 MIN_PARALLEL_ROWS = 512
 MAX_GROUP, MAX_DIM = 16, 256  # the C kernel's stack buffers
 

@@ -25,8 +25,8 @@ GROUP_SIZE = 64
 def quantize_int4(x: torch.Tensor, group_size: int = GROUP_SIZE, dim: int = -1
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (packed uint8, scale fp16, min fp16); ``x.shape[dim]`` must be even. Works on a
-    ``[.., ngroups, group_size, ..]`` view of ``x`` along ``dim`` (no move to the last axis: a
-    [4096, 4096] weight grouped along dim 0 quantizes ~4x faster on the project's CPU)."""
+    ``[.., ngroups, group_size, ..]`` view of ``x`` along ``dim`` (no move to the last axis, which
+    would copy the whole weight)."""
     dim = dim % x.dim()
     n = x.shape[dim]
     if n % 2:
@@ -58,8 +58,7 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor,
     """Inverse of ``quantize_int4`` (up to the quantization error): ``q * scale + min`` in float32,
     then ``dtype``. The nibbles are interleaved in place along ``dim`` and the groups viewed as
     ``[..., ngroups, group_size, ...]``, so scale/min broadcast without being repeated and nothing
-    is moved to the last axis (a [4096, 4096] weight grouped along dim 0: 144 -> ~30 ms on the
-    project's 2-core CPU)."""
+    is moved to the last axis (no copy of the whole weight)."""
     dim = dim % packed.dim()
     codes = torch.stack([packed & 15, packed >> 4], dim=dim + 1).flatten(dim, dim + 1)
     n, ng = codes.shape[dim], scale.shape[dim]

@@ -62,7 +62,8 @@ typedef struct {
 
 /* Prefetch the row at element offset `off` (d elements of `elt` bytes) into cache: a row is read
  * right after its load is issued, so without this a cold cache (the step's weights evicted the
- * layer's K/V) leaves only a few misses in flight and the loop runs at a few GB/s. */
+ * layer's K/V) leaves only a few misses in flight and the loop runs far below the memory's
+ * bandwidth. */
 static inline void prefetch_row(const void *base, int64_t off, int bytes, int elt) {
     const char *p = (const char *)base + off * elt;
     for (int b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
