@@ -110,14 +110,24 @@ def test_windowed_fixtures_depend_on_their_window(reference, name):
 OFFLOAD = Policy(gbs=1, num_gpu_batches=2, wg=0, wc=1, wd=0, cg=0, cc=1, cd=0, hg=0, hc=1)
 
 
-def _offloaded(name: str, tmp_path) -> LLM:
-    return LLM.load(_path(name, "hf"), device="cpu", dtype="float32", kv_cache_memory=1 << 22,
+def _offloaded(name: str, tmp_path, source: str = "hf") -> LLM:
+    return LLM.load(_path(name, source), device="cpu", dtype="float32", kv_cache_memory=1 << 22,
                     block_size=4, policy=OFFLOAD.validate(), offload_dir=str(tmp_path / "off"))
 
 
-@pytest.mark.parametrize("name", [n for n in DENSE_FIXTURES if n not in WINDOWED])
-def test_offload_runtime_gives_the_same_tokens(reference, tmp_path, name):
-    assert _greedy(_offloaded(name, tmp_path)) == reference(name)[1]
+@pytest.mark.parametrize("name,source", [c for c in CASES if c[0] not in WINDOWED])
+def test_offload_runtime_gives_the_same_tokens(reference, tmp_path, name, source):
+    assert _greedy(_offloaded(name, tmp_path, source)) == reference(name)[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name,source", CASES)
+def test_gpu_greedy_tokens_equal_transformers(reference, name, source):
+    """The CUDA path (Triton paged attention for plain layers, the reference backend for
+    windowed or soft-capped ones) in float32 gives transformers' tokens."""
+    llm = LLM.load(_path(name, source), device="cuda", dtype="float32", kv_cache_memory=1 << 24,
+                   block_size=16)
+    assert _greedy(llm) == reference(name)[1]
 
 
 @pytest.mark.parametrize("name", sorted(WINDOWED))
