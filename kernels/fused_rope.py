@@ -20,20 +20,16 @@ Outputs are NEW contiguous tensors by default; pass ``inplace=True`` to write in
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from .triton_common import interpreting
 
 try:  # accurate float32 sin/cos on CUDA (tl.sin/tl.cos may lower to approximate instructions)
     from triton.language.extra import libdevice as _libdevice
 except Exception:  # pragma: no cover
     _libdevice = None
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def rope_qk_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -109,7 +105,7 @@ def _launch(q, k, pos, inv, cos, sin, inplace, from_pos):
         return qo, ko
     half = d // 2
     sc_t = 0 if from_pos else cos.stride(0)
-    libdev = from_pos and _libdevice is not None and not _interpreting() and q.is_cuda
+    libdev = from_pos and _libdevice is not None and not interpreting() and q.is_cuda
     work = (hq + hk) * d
     num_warps = 1 if work <= 1024 else 2 if work <= 4096 else 4
     _rope_kernel[(n,)](

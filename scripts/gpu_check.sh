@@ -24,7 +24,7 @@ fi
 export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 
 modules=()
-for m in tests/test_kernels.py tests/test_fused_kernels.py tests/test_gguf_gemm_triton.py \
+for m in tests/test_kernels.py tests/test_decode_modes.py tests/test_fused_kernels.py tests/test_gguf_gemm_triton.py \
     tests/test_int4_dispatch.py tests/test_kv_rotation.py tests/test_offload.py \
     tests/test_profiler.py tests/test_attention*.py; do
   [ -f "$m" ] && modules+=("$m")
