@@ -187,6 +187,12 @@ def test_query_pre_attn_scalar_sets_the_attention_scale():
     assert [dense.layer_spec(cfg, i).sliding_window for i in (0, 1)] == [8, None]
 
 
+def test_bidirectional_attention_is_refused_in_one_sentence():
+    d = json.loads((HERE / "gemma3" / "config.json").read_text())
+    with pytest.raises(UnsupportedModelError, match="Gemma3ForCausalLM: use_bidirectional_attention"):
+        ModelConfig.from_hf_dict({**d, "use_bidirectional_attention": True})
+
+
 def test_an_unknown_layer_type_is_refused_in_one_sentence():
     d = json.loads((HERE / "gemma2" / "config.json").read_text())
     d["layer_types"] = ["chunked_attention", "full_attention"]

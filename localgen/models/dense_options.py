@@ -100,6 +100,9 @@ def dense_options(arch: str, d: Mapping[str, Any], num_layers: int, head_dim: in
     """The ``DenseOptions`` of HF class ``arch`` from its ``config.json`` dict ``d``.
 
     Raises DenseConfigError naming a setting that changes the math and is not implemented."""
+    if d.get("use_bidirectional_attention"):
+        raise DenseConfigError("use_bidirectional_attention = true: localgen runs causal "
+                               "decoders only")
     hidden = int(d["hidden_size"])
     opts: dict[str, Any] = dict(layout=LAYOUTS.get(arch, "llama"), qk_norm=QK_NORM.get(arch, ""))
     if arch == "GraniteForCausalLM":
