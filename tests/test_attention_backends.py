@@ -258,6 +258,24 @@ def test_runner_binds_one_backend_and_checks_every_layer(monkeypatch):
         ModelRunner(model, SimpleNamespace(views=[layer, layer], block_size=BS))
 
 
+def test_graphed_runner_decodes_a_windowed_model_eagerly(monkeypatch):
+    """The reference computes a window per sequence from host-side lengths, which a replayed graph
+    would freeze: such a model's decode steps run eagerly (``decode`` gives None)."""
+    from localgen.runtime.cuda_graphs import GraphedModelRunner
+
+    monkeypatch.setattr("localgen.kernels.cpu_build.build_all", lambda: None)
+
+    def runner(**window):
+        model = SimpleNamespace(cfg=SimpleNamespace(num_layers=1, head_dim=D, **window), device=CPU,
+                                dtype=torch.float32)
+        kv = SimpleNamespace(views=[paged_view(8)], block_size=BS, scratch_block=7)
+        return GraphedModelRunner(model, kv, 4, 64, capture=False)
+
+    assert runner().replays
+    windowed = runner(sliding_window=4)
+    assert not windowed.replays and windowed.decode([SimpleNamespace()]) is None
+
+
 # ---- sliding window, soft-capping and sinks in the reference ----------------------------------
 
 def hand_attention(q, keys, vals, first, scale, window=None, cap=None, sinks=None):

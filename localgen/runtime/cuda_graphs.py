@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from localgen.attention.spec import layer_specs
 from localgen.kv.attention import AttentionMetadata, pool_slot
 from localgen.kv.cache import PagedKVCache
 from localgen.models.model import CausalLM
@@ -63,12 +64,15 @@ class GraphedModelRunner(ModelRunner):
     """ModelRunner whose decode steps replay CUDA graphs (captured lazily per bucket pair).
 
     A cache with a recent-block pool (``runtime.offload.kv.TieredKVCache``) gives each step's pool
-    rows (``graph_pool_rows``) and may refuse a step, which then runs eagerly. ``capture=False``
-    runs the static steps without capturing them."""
+    rows (``graph_pool_rows``) and may refuse a step, which then runs eagerly. A model with a
+    layer beyond plain causal attention (``AttentionSpec.plain``: its window, softcap or sinks
+    are computed per sequence from host-side lengths) decodes eagerly. ``capture=False`` runs the
+    static steps without capturing them."""
 
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, max_num_seqs: int,
                  max_model_len: int, capture: bool = True):
         super().__init__(model, kv_cache)
+        self.replays = all(spec.plain for spec in layer_specs(model.cfg))
         self.batch_buckets = [b for b in BATCH_BUCKETS if b < max_num_seqs] + [max_num_seqs]
         self.ctx_buckets = context_buckets(max_model_len)
         self.graphs: dict[tuple[int, int], _Graph] = {}
@@ -85,7 +89,9 @@ class GraphedModelRunner(ModelRunner):
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """float32 logits ``[len(seqs), vocab]`` of a decode step replayed from its graph; None
-        when the cache wants this step run eagerly."""
+        when the cache wants this step run eagerly, or the model's attention does."""
+        if not self.replays:
+            return None
         g = self.graph_for(seqs)
         if not self._fill(g, seqs):
             return None
