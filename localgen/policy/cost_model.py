@@ -508,7 +508,7 @@ class CostModel:
                 if i == 1 and cpu_cache_compute:  # attention on GPU only for the GPU part of the cache
                     op, extra = 0.0, dict(cg=att_g)
                 elif one_batch and compress_cache:  # a 4-bit host layer's KV blocks of the whole step,
-                    # copied to the GPU for the int4 kernel (runtime/offload/kv.py TierKV._staged)
+                    # copied to the GPU for the int4 kernel (runtime/offload/tier_backends.py Int4KernelTierLayer._staged)
                     extra = dict(cc=kv_bls)
                 elif not cpu_cache_compute:  # CPU/disk cache streamed in, double-buffered
                     extra = dict(cc=2 * kv_gbs, cd=2 * kv_gbs)
