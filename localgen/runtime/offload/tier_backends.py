@@ -107,8 +107,8 @@ class Int4KernelTierLayer(TierLayer):
         """A decode step's 4-bit blocks of this (host-mapped) layer copied to the GPU, one DMA
         per tensor over the range from the first to the last block the step reads, and the
         block tables shifted onto the copy. Read in place, the kernel crosses PCIe in 64-byte
-        rows and 4-byte scales, well below the link's rate; a copy moves them at that rate. The pool (each sequence's own block in fp) stays
-        mapped, and the K/V write stays in place."""
+        rows and 4-byte scales, well below the link's rate; a copy moves them at that rate. The
+        pool (each sequence's own block in fp) stays mapped, and the K/V write stays in place."""
         plan = self._plan(meta)
         lo, hi = plan.block_range
         tables = plan.tables_from(lo, meta.block_tables)
