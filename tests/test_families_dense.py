@@ -151,6 +151,50 @@ def test_chat_template_the_model_ships(name, source):
     assert text == want
 
 
+def _q8_0_copy(src, dst) -> None:
+    """``src`` GGUF rewritten with its 2-D weights in Q8_0 blocks (norms and vectors as they are),
+    every metadata key kept: the quantized form of a converted file, made without llama.cpp."""
+    import gguf
+
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents())
+    for key, f in r.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            w.add_key_value(key, f.contents(), f.types[0],
+                            f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype("float32")
+        if data.ndim == 2 and "norm" not in t.name and data.shape[-1] % 32 == 0:
+            q = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(t.name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(t.name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("name", ["phi3", "gemma2", "qwen3"])
+def test_quantized_gguf_runs_its_blocks_as_the_expanded_weights(tmp_path, monkeypatch, name):
+    """Q8_0 matrices kept in their blocks (Phi-3's fused qkv and gate_up as stored, the others
+    fused at load) give the tokens of the same file expanded to float32; float32 activations
+    make the two the same arithmetic."""
+    from localgen.quant.gguf_blocks import PackedGGUFWeight
+
+    _q8_0_copy(HERE / f"{name}.gguf", tmp_path / "q8.gguf")
+    monkeypatch.setenv("LOCALGEN_GGUF_ACTIVATIONS", "f32")
+    runs = []
+    for packed in ("1", "0"):
+        monkeypatch.setenv("LOCALGEN_GGUF_PACKED", packed)
+        llm = LLM.load(str(tmp_path / "q8.gguf"), device="cpu", dtype="float32",
+                       kv_cache_memory=1 << 22, block_size=4)
+        kinds = {type(v) for v in llm.engine.model.layers[0].values()}
+        assert (PackedGGUFWeight in kinds) == (packed == "1")
+        runs.append(_greedy(llm))
+    assert runs[0] == runs[1]
+
+
 # Config shapes of the Qwen2.5 and DeepSeek-R1 distill checkpoints (their config.json keys that
 # matter): they run on the plain Llama layer.
 R1_DISTILL_QWEN = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=3584,
