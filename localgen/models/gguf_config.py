@@ -22,6 +22,10 @@ load (UnsupportedModelError naming the file, the key or tensor and its value). A
   N < block_count, and rope_freqs.weight: llama.cpp's form of llama3 RoPE scaling, head_dim/2
   divisors of the inverse frequencies, applied as `ModelConfig.rope_freq_factors`; in a file
   with experts, blk.N.ffn_gate_inp (the router) and blk.N.ffn_{gate,up,down}_exps (`gguf_experts`).
+- for the dense families' archs (qwen3, phi3, granite, olmo2, smollm3, gemma2, gemma3), their own
+  keys and tensor names (`gguf_dense.ARCH_KEYS`, `ARCH_LAYER_NAMES`: q/k norms, post-norms, Phi-3's
+  fused attn_qkv and ffn_up, its rope_factors_long/short, a rope.dimension_count below head_dim),
+  read by `gguf_dense.dense_hf_config` with llama.cpp's per-arch defaults.
 
 The architectures localgen reads are the one table `GGUF_ARCHITECTURES`.
 Format: ggml's docs/gguf.md; key and tensor names: gguf-py's constants.py.
