@@ -70,7 +70,7 @@ def test_a_folder_without_a_model(tmp_path):
 
 def test_an_unsupported_architecture(unsupported_gguf):
     _check(_run(["generate", "hi", "--model", str(unsupported_gguf)]), 1, "mamba.gguf", "'mamba'",
-           supported_list(), "GGUF archs llama, ")
+           supported_list(), "(GGUF archs ", " llama, ")
 
 
 @pytest.mark.parametrize("config", [{"architectures": ["MambaForCausalLM"], "model_type": "mamba"},

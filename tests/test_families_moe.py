@@ -81,16 +81,43 @@ def test_prefill_logits_match_transformers(name, source):
     torch.testing.assert_close(got.reshape(-1)[-want.numel():], want, atol=LOGITS_ATOL, rtol=0)
 
 
-def _variant_dir(tmp_path: Path, **overrides) -> Path:
-    """A Qwen3-MoE model made in the test (fixture qwen3moe_top2 with ``overrides``)."""
+def _variant_dir(tmp_path: Path, base=MOE_FIXTURES["qwen3moe_top2"], **overrides) -> Path:
+    """A model made in the test: ``base`` (a fixture's (model_type, config, template)) with
+    ``overrides``, saved as make_fixtures saves its fixtures."""
     from tests.fixtures.families import make_fixtures as mf
 
-    kind, kw, template = MOE_FIXTURES["qwen3moe_top2"]
-    mf.FIXTURES["qwen3moe_variant"] = (kind, dict(kw, **overrides), template)
+    kind, kw, template = base
+    mf.FIXTURES["variant"] = (kind, dict(kw, **overrides), template)
     try:
-        return mf.write_hf("qwen3moe_variant", tmp_path)
+        return mf.write_hf("variant", tmp_path)
     finally:
-        del mf.FIXTURES["qwen3moe_variant"]
+        del mf.FIXTURES["variant"]
+
+
+# gpt-oss (made in the test: its GGUF is refused, so there is no converted fixture): sinks,
+# biased attention and experts, sliding layers with a window shorter than the prompts, YaRN
+GPT_OSS = ("gpt_oss", dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+                           sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                           tie_word_embeddings=False,
+                           rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0,
+                                                beta_slow=1.0, truncate=False, rope_theta=150000.0,
+                                                original_max_position_embeddings=64)), "chatml")
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_gpt_oss_from_the_hf_dir(tmp_path, top_k):
+    path = _variant_dir(tmp_path, GPT_OSS, num_experts_per_tok=top_k)
+    llm = load(path)
+    cfg = llm.engine.model.cfg
+    assert cfg.moe.layout == "gpt_oss" and cfg.dense.attention_sinks
+    assert cfg.dense.window(0) == 8 and cfg.dense.window(1) is None
+    assert_greedy_equal(llm, hf_model("", path))
+    prompt = prompts(5, lengths=(21,))[0]
+    with torch.no_grad():
+        want = hf_model("", path)(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(prefill_logits(load(path), prompt), want, atol=LOGITS_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -264,16 +291,6 @@ def test_the_offload_runtime_refuses_moe_in_one_sentence():
     assert msg.count(". ") == 0 and "\n" not in msg
 
 
-def test_gpt_oss_is_refused_in_one_sentence_naming_it(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"}))
-    with pytest.raises(UnsupportedModelError) as e:
-        resolve_model(tmp_path)
-    msg = str(e.value)
-    assert "'GptOssForCausalLM'" in msg and "Mixtral" in msg and "Qwen3Moe" in msg
-    assert "\n" not in msg
-
-
 def test_a_gpt_oss_gguf_is_refused_in_one_sentence_naming_it(tmp_path):
     import gguf
 
@@ -286,10 +303,30 @@ def test_a_gpt_oss_gguf_is_refused_in_one_sentence_naming_it(tmp_path):
     with pytest.raises(UnsupportedModelError) as e:
         resolve_model(tmp_path / "oss.gguf")
     msg = str(e.value)
-    assert "unsupported GGUF architecture 'gpt-oss'" in msg and "Mixtral" in msg and "qwen3moe" in msg
+    assert msg.startswith(f"{tmp_path / 'oss.gguf'}: GGUF architecture 'gpt-oss' is not supported")
+    assert "Hugging Face directory" in msg and msg.count(". ") == 0 and "\n" not in msg
 
 
 def test_moe_settings_without_math_are_refused():
     d = json.loads((FIXTURES / "mixtral_top2" / "config.json").read_text())
     with pytest.raises(UnsupportedModelError, match="num_experts_per_tok = 5 with 4 experts"):
         ModelConfig.from_hf_dict(dict(d, num_experts_per_tok=5))
+
+
+@pytest.mark.parametrize("truncate", [True, False])
+@pytest.mark.parametrize("mscale", [None, (1.0, 0.5)])
+def test_yarn_frequencies_and_attention_factor_equal_transformers(truncate, mscale):
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from localgen.models.rope import attention_factor, inv_frequencies
+
+    rp = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=truncate,
+              original_max_position_embeddings=4096, rope_theta=150000.0)
+    if mscale:
+        rp.update(mscale=mscale[0], mscale_all_dim=mscale[1])
+    hf = GptOssConfig(head_dim=64, rope_parameters=rp, max_position_embeddings=131072)
+    want_inv, want_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    cfg = ModelConfig.from_hf_dict(hf.to_dict())
+    torch.testing.assert_close(inv_frequencies(cfg), want_inv.float(), atol=0, rtol=1e-6)
+    assert attention_factor(cfg) == pytest.approx(want_factor, rel=1e-12)

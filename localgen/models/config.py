@@ -30,6 +30,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     # the Llama layer with a mixture-of-experts MLP (models/moe.py)
     "MixtralForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "llama",
+    "GptOssForCausalLM": "llama",
     "OPTForCausalLM": "opt",
 }
 SUPPORTED_MODEL_TYPES: dict[str, str] = {
@@ -45,6 +46,7 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "gemma3_text": "Gemma3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "opt": "OPTForCausalLM",
 }
 

@@ -1,5 +1,6 @@
 """The Llama layer with the departures of the dense families (``ModelConfig.dense``): Qwen3,
-Phi-3/Phi-4, Granite 3, OLMo 2, SmolLM3, Gemma 2/3, and Mistral with a sliding window.
+Phi-3/Phi-4, Granite 3, OLMo 2, SmolLM3, Gemma 2/3, Mistral with a sliding window, and the
+attention of gpt-oss (learned sink logits per head; its experts are ``moe``'s).
 
 A family module like ``llama``: the model picks it for a Llama-family config whose
 ``DenseOptions`` are not plain (``model.family_of``). Its ``rope`` argument is the layer's
@@ -17,6 +18,7 @@ o -> [post-attention norm] -> residual (x ``residual_multiplier``) -> [pre-MLP n
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -66,6 +68,8 @@ def layer_weight_names(cfg: ModelConfig, i: int) -> dict[str, str]:
     names.update({k: f"{v}.weight" for k, v in _NORMS[layout].items()})
     if cfg.dense.qk_norm:
         names.update(q_norm=f"{_ATTN}q_norm.weight", k_norm=f"{_ATTN}k_norm.weight")
+    if cfg.dense.attention_sinks:
+        names["sinks"] = f"{_ATTN}sinks"
     return moe_layer_names(cfg.moe, i, {k: f"model.layers.{i}.{v}" for k, v in names.items()})
 
 
@@ -145,7 +149,10 @@ def layer(cfg: ModelConfig, w: dict, h: torch.Tensor, rope: LayerRope, kv: Layer
     q, k = _qk_normed(cfg, w, q, k)
     if rope.cos_sin is not None:
         q, k = _rotated(cfg, q, *rope.cos_sin), _rotated(cfg, k, *rope.cos_sin)
-    attn = kv.attend(q, k, v, meta, layer_spec(cfg, rope.index))
+    spec = layer_spec(cfg, rope.index)
+    if "sinks" in w:  # the layer's own learned sink logits
+        spec = dataclasses.replace(spec, sinks=w["sinks"])
+    attn = kv.attend(q, k, v, meta, spec)
     del q, k, v
     h = _residual(cfg, w, h, linear(attn.reshape(n, cfg.q_size), w["o"], w.get("o_bias")),
                   "attn_out_norm")

@@ -55,6 +55,8 @@ class DenseOptions:
         config's rope_scaling then applies to the full layers only); None = one base.
     rope_layers: per layer whether it applies RoPE (SmolLM3's ``no_rope_layers``); empty = all.
     partial_rotary_factor: share of head_dim that RoPE turns (the first dimensions; Phi).
+    attention_sinks: each layer holds ``self_attn.sinks``, one learned logit per head added to
+        its softmax denominator (gpt-oss).
     """
 
     layout: str = "llama"
@@ -72,6 +74,7 @@ class DenseOptions:
     rope_local_theta: float | None = None
     rope_layers: tuple[bool, ...] = ()
     partial_rotary_factor: float = 1.0
+    attention_sinks: bool = False
 
     @property
     def plain(self) -> bool:
@@ -118,6 +121,8 @@ def dense_options(arch: str, d: Mapping[str, Any], num_layers: int, head_dim: in
                     attn_logit_softcap=d.get("attn_logit_softcapping") or None)
     if "norm_offset" in d.get("localgen", {}):  # a GGUF whose converter folded the offset in
         opts["norm_offset"] = float(d["localgen"]["norm_offset"])
+    if arch == "GptOssForCausalLM":
+        opts["attention_sinks"] = True
     if arch == "SmolLM3ForCausalLM" and d.get("no_rope_layers"):
         opts["rope_layers"] = tuple(bool(x) for x in d["no_rope_layers"])
         _check_len("no_rope_layers", opts["rope_layers"], num_layers)

@@ -203,6 +203,11 @@ def _moe_config(reader, arch: str, hf_arch: str) -> dict[str, Any]:
 
 def _arch(reader) -> str:
     arch = str(gguf_field(reader, "general.architecture"))
+    if arch == "gpt-oss":  # the HF directory runs; llama.cpp's file is another layout
+        raise UnsupportedModelError(
+            f"{_file_of(reader)}: GGUF architecture 'gpt-oss' is not supported (its MXFP4 experts, "
+            f"sinks and biases have no GGUF mapping in localgen); run gpt-oss from its Hugging "
+            f"Face directory")
     if arch not in GGUF_ARCHITECTURES:
         raise unsupported_architecture(f"GGUF architecture {arch!r}", _file_of(reader),
                                        f" (GGUF archs {', '.join(sorted(GGUF_ARCHITECTURES))})")

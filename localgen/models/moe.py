@@ -11,8 +11,10 @@ matmul.
 
 Routing, as each family's ``transformers`` router computes it (the tests' reference):
 Mixtral takes the softmax over the top-k router logits (Jiang et al., *Mixtral of Experts*,
-2024, §2.1); Qwen3-MoE takes the softmax over all experts, then the top k, divided by their sum
-when ``norm_topk_prob``. Weights are computed in float32.
+2024, §2.1), as gpt-oss does over its biased router logits; Qwen3-MoE takes the softmax over
+all experts, then the top k, divided by their sum when ``norm_topk_prob``. Weights are computed
+in float32. gpt-oss's experts are stacked tensors with biases and a clamped SwiGLU
+(``MoEOptions.swiglu_limit``), run from the stacked weights by expert index.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ def is_moe(w: dict) -> bool:
     return "router" in w
 
 
-def route(moe: MoEOptions, router: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def route(moe: MoEOptions, router: torch.Tensor, x: torch.Tensor,
+          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing of ``x`` ``[n, hidden]``: float32 weights ``[n, top_k]`` and expert ids
-    ``[n, top_k]`` (int64), by the family's rule (module docstring)."""
-    logits = linear(x, router).float()
+    ``[n, top_k]`` (int64), by the family's rule (module docstring); ``bias`` ``[num_experts]``
+    is added to the router logits (gpt-oss)."""
+    logits = linear(x, router, bias).float()
     if moe.routing == TOPK_SOFTMAX:
         top, experts = logits.topk(moe.top_k, dim=-1)
         return top.softmax(dim=-1), experts
@@ -49,6 +53,16 @@ def fuse_experts(moe: MoEOptions, w: dict) -> None:
     GEMM per expert for both; ``fuse.fuse_rows`` leaves apart what it cannot stack)."""
     for e in range(moe.num_experts):
         fuse_rows(w, expert_short(e, "gate_up"), (expert_short(e, "gate"), expert_short(e, "up")))
+
+
+def _stacked_expert(moe: MoEOptions, w: dict, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert ``e`` of gpt-oss's stacked weights on its tokens ``x`` ``[m, hidden]``: biased
+    gate/up (interleaved columns), the clamped SwiGLU of ``MoEOptions``, biased down."""
+    gate_up = torch.addmm(w["experts_gate_up_bias"][e], x, w["experts_gate_up"][e])
+    limit = moe.swiglu_limit
+    gate, up = gate_up[:, ::2].clamp(max=limit), gate_up[:, 1::2].clamp(-limit, limit)
+    glu = gate * torch.sigmoid(gate * moe.swiglu_alpha)
+    return torch.addmm(w["experts_down_bias"][e], (up + 1) * glu, w["experts_down"][e])
 
 
 def _expert(act, w: dict, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -67,7 +81,7 @@ def moe_mlp(cfg: ModelConfig, w: dict, x: torch.Tensor, act) -> torch.Tensor:
     and per expert ``expert.{e}.gate_up`` ``[2 * expert_size, hidden]`` (or ``.gate`` and
     ``.up``) and ``expert.{e}.down`` ``[hidden, expert_size]``."""
     moe = cfg.moe
-    weights, experts = route(moe, w["router"], x)
+    weights, experts = route(moe, w["router"], x, w.get("router_bias"))
     flat = experts.flatten()
     order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, tokens in order
     counts = torch.bincount(flat, minlength=moe.num_experts).tolist()
@@ -78,7 +92,8 @@ def moe_mlp(cfg: ModelConfig, w: dict, x: torch.Tensor, act) -> torch.Tensor:
         if count == 0:
             continue
         rows = tokens[start:start + count]
-        y = _expert(act, w, e, x.index_select(0, rows))
+        xe = x.index_select(0, rows)
+        y = _stacked_expert(moe, w, e, xe) if moe.swiglu_limit is not None else _expert(act, w, e, xe)
         out.index_add_(0, rows, (y * pair_weights[start:start + count, None]).to(x.dtype))
         start += count
     return out

@@ -1,5 +1,5 @@
-"""Mixture-of-experts settings (``MoEOptions``) of Mixtral and Qwen3-MoE, read from a Hugging
-Face ``config.json`` dict, and the weight names of an MoE layer.
+"""Mixture-of-experts settings (``MoEOptions``) of Mixtral, Qwen3-MoE and gpt-oss, read from a
+Hugging Face ``config.json`` dict, and the weight names of an MoE layer.
 
 Torch-free, so a config is checked without importing the math (`moe` holds it). Sources: the
 ``transformers`` modeling code of each class (``MixtralSparseMoeBlock``,
@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 # HF class -> weight-name layout of its MoE block (`_LAYOUTS`)
-MOE_ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
+MOE_ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe",
+                     "GptOssForCausalLM": "gpt_oss"}
 # layout -> (router, expert prefix, {short: HF matrix name}) under ``model.layers.{i}.``
 _LAYOUTS = {
     "mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts",
@@ -21,6 +22,12 @@ _LAYOUTS = {
     "qwen3_moe": ("mlp.gate", "mlp.experts",
                   {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
 }
+# gpt-oss stores each layer's experts stacked, in ``x @ W`` orientation, with biases: short ->
+# name under ``model.layers.{i}.mlp.`` (gate_up: ``[E, hidden, 2 * expert_size]``, gate and up
+# interleaved along the last dim; down: ``[E, expert_size, hidden]``)
+_STACKED = {"router": "router.weight", "router_bias": "router.bias",
+            "experts_gate_up": "experts.gate_up_proj", "experts_gate_up_bias": "experts.gate_up_proj_bias",
+            "experts_down": "experts.down_proj", "experts_down_bias": "experts.down_proj_bias"}
 # the dense MLP's shorts an MoE layer replaces (llama._LAYER)
 _DENSE_MLP = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
 TOPK_SOFTMAX, SOFTMAX_TOPK = "topk_softmax", "softmax_topk"
@@ -46,6 +53,9 @@ class MoEOptions:
     layout: weight-name layout (``mixtral`` or ``qwen3_moe``).
     dense_layers: layers whose MLP is dense (Qwen3-MoE's ``mlp_only_layers`` and
         ``decoder_sparse_step``); they use the config's ``intermediate_size``.
+    swiglu_limit / swiglu_alpha: gpt-oss's expert activation, ``(clamp(up, ±limit) + 1) *
+        g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``; None = the family's plain
+        ``act(gate) * up``.
     """
 
     num_experts: int
@@ -55,6 +65,8 @@ class MoEOptions:
     norm_topk_prob: bool
     layout: str
     dense_layers: tuple[int, ...] = ()
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
 
     def is_moe_layer(self, i: int) -> bool:
         return i not in self.dense_layers
@@ -78,6 +90,10 @@ def moe_options(arch: str, d: Mapping[str, Any], num_layers: int) -> MoEOptions 
                              "between 1 and all of the experts")
     if layout == "mixtral":
         return MoEOptions(n, k, int(d["intermediate_size"]), TOPK_SOFTMAX, True, layout)
+    if layout == "gpt_oss":
+        return MoEOptions(n, k, int(d["intermediate_size"]), TOPK_SOFTMAX, True, layout,
+                          swiglu_limit=float(d.get("swiglu_limit", 7.0)),
+                          swiglu_alpha=float(d.get("swiglu_alpha", 1.702)))
     step = int(d.get("decoder_sparse_step", 1) or 1)
     only = {int(i) for i in d.get("mlp_only_layers") or ()}
     dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
@@ -110,6 +126,8 @@ def moe_layer_names(moe: MoEOptions | None, i: int, names: dict[str, str]) -> di
     if moe is None or not moe.is_moe_layer(i):
         return names
     out = {k: v for k, v in names.items() if k not in _DENSE_MLP}
+    if moe.layout == "gpt_oss":
+        return {**out, **{k: f"model.layers.{i}.mlp.{v}" for k, v in _STACKED.items()}}
     out["router"] = router_name(moe, i)
     for e in range(moe.num_experts):
         out.update({expert_short(e, s): expert_name(moe, i, e, s) for s in ("gate", "up", "down")})

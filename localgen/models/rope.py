@@ -1,5 +1,5 @@
 """Rotary position embeddings (RoFormer), Hugging Face's rotate-half layout, with the
-``linear`` and ``llama3`` frequency scalings (Llama 3.1 report, §3: "RoPE scaling") and
+``linear``, ``llama3`` (Llama 3.1 report, §3: "RoPE scaling"), LongRoPE and YaRN scalings and
 per-frequency divisors (a GGUF's ``rope_freqs`` tensor: llama.cpp's ``ggml_rope_ext``
 ``freq_factors``, where pair i turns by ``pos * theta**(-2i/d) / factors[i]``)."""
 
@@ -12,7 +12,7 @@ import torch
 
 from localgen.models.config import ModelConfig, UnsupportedModelError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -53,6 +53,8 @@ def _scaled(cfg: ModelConfig) -> torch.Tensor:
         return inv / float(scaling["factor"])
     if rtype == "llama3":
         return _llama3_scaling(inv, scaling)
+    if rtype == "yarn":
+        return _yarn_scaling(cfg, inv, scaling)
     raise UnsupportedModelError(
         f"rope_type {rtype!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
@@ -148,6 +150,8 @@ def attention_factor(cfg: ModelConfig) -> float:
     """LongRoPE's multiplier of cos and sin: the config's ``attention_factor``, else
     ``sqrt(1 + ln(s) / ln(L0))`` with ``s = max_position_embeddings / L0`` (1 when s <= 1)."""
     s = cfg.rope_scaling or {}
+    if s.get("rope_type") == "yarn":
+        return _yarn_attention_factor(s)
     if s.get("rope_type") != "longrope":
         return 1.0
     if s.get("attention_factor") is not None:
@@ -155,6 +159,42 @@ def attention_factor(cfg: ModelConfig) -> float:
     orig = original_max_positions(cfg)
     factor = float(s.get("factor") or cfg.max_position_embeddings / orig)
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+
+
+# ---- YaRN (Peng et al., "YaRN: Efficient Context Window Extension of LLMs", ICLR 2024, §3.2-3.4)
+
+
+def _yarn_scaling(cfg: ModelConfig, inv: torch.Tensor, s: dict) -> torch.Tensor:
+    """YaRN's "NTK-by-parts" frequencies: dimensions that turn more than ``beta_fast`` times over
+    the original context keep their frequency, those turning fewer than ``beta_slow`` times are
+    divided by ``factor``, a linear ramp between (``truncate`` rounds the ramp's ends outward)."""
+    factor, d, base = float(s["factor"]), rotary_dim(cfg), cfg.rope_theta
+    orig = float(s.get("original_max_position_embeddings") or original_max_positions(cfg))
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over orig
+        return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(float(s.get("beta_fast") or 32)), dim_of(float(s.get("beta_slow") or 1))
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    return inv / factor * ramp + inv * (1 - ramp)
+
+
+def _yarn_attention_factor(s: dict) -> float:
+    """YaRN's multiplier of cos and sin: ``attention_factor``, else ``0.1 ln(factor) + 1``
+    (with ``mscale`` / ``mscale_all_dim``: the ratio of two such terms)."""
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = float(s["factor"])
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return mscale(float(s["mscale"])) / mscale(float(s["mscale_all_dim"]))
+    return mscale(1.0)
 
 
 # ---- per-layer rotary tables (the dense families) ---------------------------------------------
@@ -196,7 +236,7 @@ def model_rope(cfg: ModelConfig):
     if cfg.family != "llama":
         return None
     return inv_frequencies(cfg) if cfg.dense.plain and rotary_dim(cfg) == cfg.head_dim \
-        and (cfg.rope_scaling or {}).get("rope_type") != "longrope" else layer_ropes(cfg)
+        and (cfg.rope_scaling or {}).get("rope_type") not in ("longrope", "yarn") else layer_ropes(cfg)
 
 
 @dataclass(frozen=True)
