@@ -20,7 +20,6 @@ in float32. gpt-oss's experts are stacked tensors with biases and a clamped SwiG
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from localgen.models.config import ModelConfig
 from localgen.models.fuse import fuse_rows
@@ -79,7 +78,8 @@ def moe_mlp(cfg: ModelConfig, w: dict, x: torch.Tensor, act) -> torch.Tensor:
     """The MoE block on the normed hidden states ``x`` ``[n, hidden]`` -> ``[n, hidden]`` in
     x's dtype; ``act`` is the gate's activation. ``w`` holds ``router`` ``[num_experts, hidden]``
     and per expert ``expert.{e}.gate_up`` ``[2 * expert_size, hidden]`` (or ``.gate`` and
-    ``.up``) and ``expert.{e}.down`` ``[hidden, expert_size]``."""
+    ``.up``) and ``expert.{e}.down`` ``[hidden, expert_size]``; gpt-oss's holds its stacked
+    ``experts_*`` tensors and biases instead (``moe_options._STACKED``)."""
     moe = cfg.moe
     weights, experts = route(moe, w["router"], x, w.get("router_bias"))
     flat = experts.flatten()
