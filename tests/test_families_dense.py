@@ -151,6 +151,49 @@ def test_chat_template_the_model_ships(name, source):
     assert text == want
 
 
+def test_a_model_sliding_in_every_layer_holds_only_its_window_of_kv(reference):
+    """Mistral's window of 8 with 4-token KV blocks: once decoding, the sequence holds the blocks
+    its window touches (at most 3) and the placeholder, however long it grows, and still decodes
+    transformers' tokens (20-token prompt, 40 new ones). Gemma 2 keeps everything (its full
+    layers read the whole context)."""
+    from transformers import AutoModelForCausalLM
+
+    assert ModelConfig.from_hf_dict(json.loads((HERE / "gemma2" / "config.json").read_text())
+                                    ).dense.kv_window(2) is None
+    llm = LLM.load(_path("mistral", "hf"), device="cpu", dtype="float32", kv_cache_memory=1 << 22,
+                   block_size=4)
+    bm, p = llm.engine.block_manager, _prompts()[0]
+    llm.add_request(Request(prompt_token_ids=p, sampling=SamplingParams(
+        temperature=0.0, max_tokens=40, ignore_eos=True)))
+    held, out = [], None
+    while llm.has_unfinished():
+        for o in llm.step():
+            out = o.token_ids
+        held.append(bm.num_blocks - bm.num_free_blocks)
+    assert held[0] == 5 and max(held[1:-1]) <= 8 // 4 + 2  # prefill: all 20 tokens' blocks
+    hf = AutoModelForCausalLM.from_pretrained(HERE / "mistral", dtype=torch.float32).eval()
+    assert out == hf_greedy(hf, p, 40)
+
+
+def test_blocks_behind_the_window_are_given_back_and_stay_reusable():
+    from localgen.kv.block_manager import BlockManager
+
+    bm = BlockManager(16, block_size=4, sliding_window=8)
+    tokens = list(range(10, 30))  # 20 tokens: 5 blocks
+    table, _ = bm.allocate(tokens)
+    first = table[:2]
+    tokens.append(30)
+    bm.append(table, tokens)  # 21 tokens: the query at 20 sees 13..20, so blocks 0-2 go
+    placeholder = table[0]
+    assert table[:3] == [placeholder] * 3 and placeholder not in first
+    assert bm.num_free_blocks == 16 - 4  # blocks 3, 4, 5 and the placeholder held
+    other, cached = bm.allocate(tokens[:9] + [99])  # blocks 0-1 kept their contents and hashes
+    assert other[:2] == first and cached == 8
+    bm.free(table)
+    bm.free(other)
+    assert bm.num_free_blocks == 15  # all but the placeholder
+
+
 def _q8_0_copy(src, dst) -> None:
     """``src`` GGUF rewritten with its 2-D weights in Q8_0 blocks (norms and vectors as they are),
     every metadata key kept: the quantized form of a converted file, made without llama.cpp."""

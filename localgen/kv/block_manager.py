@@ -5,6 +5,11 @@ block is identified by a hash chained over all tokens up to its end, so two sequ
 prefix (a system prompt, a chat history) share those blocks (vLLM automatic prefix caching; LightLLM
 TokenAttention, FineInfer report §3.4). Freed blocks keep their contents and hash until reused, in
 least-recently-freed order, so a finished conversation's prefix stays reusable while memory allows.
+
+With a ``sliding_window`` (a model whose every layer attends within it: Mistral, Jiang et al. 2023
+§2), a decoding sequence gives back the blocks no later query can see: their table entries then
+point at one shared placeholder block, which attention masks out, so the table keeps its
+position-to-block layout and a sequence holds about ``window / block_size + 1`` blocks.
 """
 
 from __future__ import annotations
@@ -33,10 +38,13 @@ def chain_hash(prev_hash: int | None, tokens: Sequence[int]) -> int:
 class BlockManager:
     """Owns ``num_blocks`` KV blocks of ``block_size`` tokens each."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self._placeholder: int | None = None  # the block released table entries point at
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -133,12 +141,33 @@ class BlockManager:
             prev = self.blocks[table[idx - 1]].hash if idx else None
             if idx == 0 or prev is not None:
                 self._register(self.blocks[table[idx]], prev, token_ids[idx * bs:n])
+        if self.sliding_window is not None:
+            self._release_behind_window(table, n)
+
+    def _release_behind_window(self, table: list[int], num_tokens: int) -> None:
+        """Give back the blocks whose every position is before the window of the query at
+        ``num_tokens - 1`` (and so of every later query); their entries point at the placeholder."""
+        behind = max(0, num_tokens - self.sliding_window) // self.block_size
+        gone = [j for j in range(behind) if table[j] != self._placeholder]
+        if not gone:
+            return
+        if self._placeholder is None:
+            if not self.free_ids:
+                return  # taken on a later step, once a block is free
+            self._placeholder = self._take_free().block_id
+        for j in gone:
+            self._unref(table[j])
+            table[j] = self._placeholder
 
     def free(self, table: list[int]) -> None:
         """Release a sequence's blocks; cached contents stay reusable until the block is taken."""
         for bid in reversed(table):  # tail blocks first: they are the least likely to be shared
-            block = self.blocks[bid]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_ids[bid] = None
+            if bid != self._placeholder:
+                self._unref(bid)
         table.clear()
+
+    def _unref(self, bid: int) -> None:
+        block = self.blocks[bid]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_ids[bid] = None

@@ -87,6 +87,13 @@ class DenseOptions:
             return False
         return self.layer_types[i] == SLIDING if self.layer_types else True
 
+    def kv_window(self, num_layers: int) -> int | None:
+        """The window when every one of ``num_layers`` layers slides (the KV blocks behind it can
+        be given back), else None."""
+        if self.sliding_window is None or not all(map(self.is_sliding, range(num_layers))):
+            return None
+        return self.sliding_window
+
     def window(self, i: int) -> int | None:
         """Layer ``i``'s sliding window in tokens, None for a full-attention layer."""
         return self.sliding_window if self.is_sliding(i) else None

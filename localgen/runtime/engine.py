@@ -76,7 +76,10 @@ class Engine:
                                                  self.max_model_len)
             else:
                 self.runner = ModelRunner(model, self.kv_cache)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # a model whose every layer slides gives back the KV blocks behind its window
+        dense = getattr(mcfg, "dense", None)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          dense.kv_window(mcfg.num_layers) if dense else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    max(config.max_num_batched_tokens, config.block_size))
         self.eos_token_ids = frozenset(eos_token_ids)
