@@ -1,6 +1,7 @@
 """HardwareProfile round trips, shipped profiles, and the probes on a CPU-only machine."""
 
 import dataclasses
+import os
 
 import pytest
 import torch

@@ -101,7 +101,7 @@ def fuse_weights(cfg: ModelConfig, w: dict) -> dict:
     fuse_qkv(w)
     if "gate_bias" not in w:
         fuse_rows(w, "gate_up", ("gate", "up"))
-    if cfg.moe is not None:
+    if moe.is_moe(w):
         moe.fuse_experts(cfg.moe, w)
     return w
 
