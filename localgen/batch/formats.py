@@ -292,6 +292,15 @@ def _read_messages(value: Any, fname: str) -> list[dict[str, Any]]:
     return out
 
 
+def _typed_field(obj: dict, name: str, kind: str, where: str) -> Any:
+    """``obj[name]``, or None when absent; ValueError naming ``where + name`` when its JSON type
+    is not ``kind`` (a key of ``_KIND_WORDS``)."""
+    v = obj.get(name)
+    if v is not None and not _type_ok(v, kind):
+        raise ValueError(f"{where}{name}: must be {_KIND_WORDS[kind]}, got {_tname(v)} {json.dumps(v)}")
+    return v
+
+
 def _tname(v: Any) -> str:
     return {
         dict: "an object",
@@ -349,12 +358,9 @@ def _parse_native(obj: dict[str, Any], line_no: int) -> Job:
         else:
             job.messages = _read_messages(obj["messages"], "messages")
         for name, kind in _NATIVE_SAMPLING.items():
-            v = obj.get(name)
-            if v is None:
-                continue
-            if not _type_ok(v, kind):
-                raise ValueError(f"{name}: must be {_KIND_WORDS[kind]}, got {_tname(v)} {json.dumps(v)}")
-            job.sampling[name] = v
+            v = _typed_field(obj, name, kind, "")
+            if v is not None:
+                job.sampling[name] = v
         _check_sampling(job.sampling, "")
         pr = obj.get("priority")
         if pr is not None:
@@ -426,13 +432,10 @@ def _parse_openai(obj: dict[str, Any], line_no: int) -> Job:
             raise ValueError(f"body.n: only n=1 is supported, got {json.dumps(n)}")
         names: dict[str, str] = {}
         for bname, (sname, kind) in _OPENAI_SAMPLING.items():
-            v = body.get(bname)
-            if v is None:
-                continue
-            if not _type_ok(v, kind):
-                raise ValueError(f"body.{bname}: must be {_KIND_WORDS[kind]}, got {_tname(v)} {json.dumps(v)}")
-            job.sampling[sname] = v
-            names[sname] = bname
+            v = _typed_field(body, bname, kind, "body.")
+            if v is not None:
+                job.sampling[sname] = v
+                names[sname] = bname
         try:
             SamplingParams(**job.sampling).validate()
         except ValueError as e:  # name the body field, not ours: "max_tokens=0 ..." -> "body.max_completion_tokens=0 ..."

@@ -60,19 +60,19 @@ def create_app(service: EngineService, config: ServerConfig) -> FastAPI:
         gen.check_model(model_id)
         return _model_card(model_id)
 
-    @api.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = await _read(request, ChatCompletionRequest, config.max_body_bytes)
-        prep = await gen.prepare_chat(body)
+    async def generate(request: Request, schema: type, prepare) -> Response:
+        body = await _read(request, schema, config.max_body_bytes)
+        prep = await prepare(body)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await _respond(request, gen, prep, body.stream, include_usage, body.model, text)
 
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, ChatCompletionRequest, gen.prepare_chat)
+
     @api.post("/v1/completions")
     async def completions(request: Request):
-        body = await _read(request, CompletionRequest, config.max_body_bytes)
-        prep = await gen.prepare_completion(body)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await _respond(request, gen, prep, body.stream, include_usage, body.model, text)
+        return await generate(request, CompletionRequest, gen.prepare_completion)
 
     app.include_router(api)
     return app
