@@ -144,7 +144,7 @@ def _kv_meta(n, kv_heads, d, dtype):
 @pytest.mark.parametrize("act,fused_weights", [("silu", True), ("silu", False), ("gelu_pytorch_tanh", True)])
 def test_llama_fused_path_matches_torch_path(act, fused_weights):
     """The model wiring: forward_layers (carried residual, RotaryPositions) and layer's fused branch
-    vs the torch layer path, in float32 on CPU under the interpreter."""
+    vs the torch layer path, in float32 (on CPU under the interpreter)."""
     from localgen.models import llama
     from localgen.models.rope import RotaryPositions, rope_cos_sin
 
@@ -157,15 +157,20 @@ def test_llama_fused_path_matches_torch_path(act, fused_weights):
     inv = _inv_freq(cfg.head_dim)
     cs = rope_cos_sin(inv, pos, dtype)
 
+    gw = {"norm": ws[0]["post_norm"], "embed": torch.randn(50, 96)}
     want = h0
-    for w in ws:  # torch path (CPU: fused_enabled is False)
-        want = llama.layer(cfg, w, want, cs, *_kv_meta(n, 2, cfg.head_dim, dtype))
+    orig = llama.fused_enabled
+    llama.fused_enabled = lambda h: False  # the torch path, on a GPU too
+    try:
+        for w in ws:
+            want = llama.layer(cfg, w, want, cs, *_kv_meta(n, 2, cfg.head_dim, dtype))
+        want_lg = llama.logits(cfg, gw, want)
+    finally:
+        llama.fused_enabled = orig
     kvs = [_kv_meta(n, 2, cfg.head_dim, dtype) for _ in ws]
     got = llama.forward_layers(cfg, ws, h0, RotaryPositions(pos, inv), [kv for kv, _ in kvs], kvs[0][1])
     assert rel_err(got, want.double()) < 1e-5
     # layer()'s fused branch with (cos, sin) tables, as the offload runner calls it
-    gw = {"norm": ws[0]["post_norm"], "embed": torch.randn(50, 96)}
-    orig = llama.fused_enabled
     llama.fused_enabled = lambda h: True
     try:
         got2 = h0
@@ -175,4 +180,4 @@ def test_llama_fused_path_matches_torch_path(act, fused_weights):
     finally:
         llama.fused_enabled = orig
     assert rel_err(got2, want.double()) < 1e-5
-    assert rel_err(lg, llama.logits(cfg, gw, want).double()) < 1e-5
+    assert rel_err(lg, want_lg.double()) < 1e-5

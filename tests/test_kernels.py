@@ -424,6 +424,11 @@ def test_streamed_weight_dequantized_in_row_slices(seed, dim, group, monkeypatch
 def test_call_site_observer_and_cpu_path(seed):
     """On the CPU the call site gives the reference twin's values (through the C decode kernel
     where it builds: within float32 rounding); the score observer sees every call."""
+    with torch.device("cpu"):  # the CPU backend, whatever device the module's kernels run on
+        _check_cpu_call_site()
+
+
+def _check_cpu_call_site():
     from localgen.kv import attention as att
     k_cache, v_cache = torch.zeros(4, BS, 2, 64), torch.zeros(4, BS, 2, 64)
     kv = att.LayerKV(k_cache, v_cache)

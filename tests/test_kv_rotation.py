@@ -14,6 +14,7 @@ from localgen.models.config import ModelConfig  # noqa: E402
 from localgen.runtime.offload import kv as offload_kv  # noqa: E402
 from localgen.runtime.offload.kv import TieredKVCache, kv_rotation  # noqa: E402
 from localgen.runtime.offload.timers import Timers  # noqa: E402
+from tests.conftest import KERNEL_DEVICE  # noqa: E402
 from tests.tiny_models import make_config  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -25,6 +26,9 @@ def int4_path(request, monkeypatch):
     int4 paged decode reading the own block from the pool) that a CUDA cache takes."""
     if request.param == "kernels":
         pytest.importorskip("triton")
+        if KERNEL_DEVICE.type == "cuda":  # CPU tensors cannot reach compiled kernels
+            pytest.skip("drives the CUDA route with CPU tensors under the interpreter; compiled, "
+                        "test_cuda_gather_and_cpu_delegation_paths_agree covers it")
         monkeypatch.setattr(offload_kv, "INT4_KERNEL_DEVICES", ("cuda", "cpu"))
     return request.param
 
