@@ -11,8 +11,19 @@ import torch  # noqa: E402
 
 from localgen.api import LLM, Request, SamplingParams  # noqa: E402
 from localgen.policy import Policy  # noqa: E402
+from tests.conftest import KERNEL_DEVICE  # noqa: E402
 from tests.test_engine_vs_hf import run_staggered  # noqa: E402
 from tests.tiny_models import VARIANTS, make_hf_model  # noqa: E402
+
+
+def interpreted_cuda_route(twin: str):
+    """Skip a test that sends CPU tensors down the CUDA route (``INT4_KERNEL_DEVICES`` or
+    ``fused_enabled`` widened to the CPU) when the Triton kernels are compiled: they cannot read
+    CPU tensors there, and ``twin`` (in scripts/offload_selftest.py) runs that route on the GPU."""
+    return pytest.mark.skipif(KERNEL_DEVICE.type == "cuda",
+                              reason=f"CPU tensors on the CUDA route run only under the Triton "
+                                     f"interpreter; on a GPU offload_selftest.py's {twin} covers it")
+
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 KV = 1 << 22
@@ -258,6 +269,7 @@ def test_compressed_logits_close(dirs):
     assert (top2 == res["plain"].argmax(-1)[:, None]).any(-1).all()
 
 
+@interpreted_cuda_route("kv4_gpu_kernels")
 def test_int4_kernel_path_gives_the_reference_tokens(dirs, monkeypatch):
     """A 4-bit cache on the compute device (rotated, own blocks in the pool) as a CUDA run takes
     it (Triton quantize-and-write and int4 paged decode, here under TRITON_INTERPRET=1) gives the
@@ -278,6 +290,7 @@ def test_int4_kernel_path_gives_the_reference_tokens(dirs, monkeypatch):
     assert runs["kernels"] == runs["reference"]
 
 
+@interpreted_cuda_route("kv4_cpu_kernels")
 def test_int4_host_cache_staged_for_the_kernel_gives_the_same_tokens(dirs, monkeypatch):
     """A 4-bit cache in pinned host memory under a GPU (``Int4KernelTierLayer._host_mapped``): the kernels
     write it and its fp pool in place, and each decode step copies the range of blocks it reads
@@ -307,6 +320,7 @@ def test_int4_host_cache_staged_for_the_kernel_gives_the_same_tokens(dirs, monke
     assert staged and any(lo > 0 for lo, _ in staged)  # copies that start past block 0
 
 
+@interpreted_cuda_route("kv4_gpu_kernels and w4_kv4_gpu_kernels (decode graphs)")
 @pytest.mark.parametrize("compress", [False, True])
 def test_graph_decode_gives_the_eager_tokens(dirs, monkeypatch, compress):
     """A policy with everything on the GPU tier decodes through the CUDA-graph runner (all of a
@@ -354,6 +368,7 @@ def _graphed(llm: LLM, replays: list, monkeypatch, prefill: bool):
     return pg
 
 
+@interpreted_cuda_route("w4_kv4_prefill_graphs")
 @pytest.mark.parametrize("pool", [True, False], ids=["pool", "no_pool"])
 def test_graph_prefill_gives_the_eager_tokens_and_cache(dirs, monkeypatch, pool):
     """Whole-prompt prefill blocks of a 4-bit all-GPU-tier policy through the static graph path
@@ -404,6 +419,7 @@ def test_graph_prefill_gives_the_eager_tokens_and_cache(dirs, monkeypatch, pool)
     assert pg.seen[(4, 9)] == 2 and pg.seen[(4, 8)] == 2
 
 
+@interpreted_cuda_route("placements (fused layers on every CUDA run)")
 @pytest.mark.parametrize("name", ["all_gpu_tier", "cpu_attention", "int4"])
 def test_fused_layers_give_the_torch_tokens(dirs, monkeypatch, name):
     """The offload schedule's layers through the fused Triton kernels (add+RMSNorm, rope from
@@ -572,15 +588,15 @@ def test_side_store_room_check(monkeypatch):
 
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 def test_block_dequantization_kernel_matches_reference(head_dim):
-    """Gathered 4-bit K/V blocks through the Triton dequantizer (TRITON_INTERPRET=1 here) equal
+    """Gathered 4-bit K/V blocks through the Triton dequantizer (on the kernels' device) equal
     ``dequantize_int4`` to the last bit of fp16, including head_dim 80's short last group."""
     pytest.importorskip("triton")
     from localgen.kernels.quant_ref import dequantize_int4, quantize_int4
     from localgen.runtime.offload.tier_layer import _dequantize_blocks
 
-    x = torch.randn(5, 4, 2, head_dim) * 3
+    x = torch.randn(5, 4, 2, head_dim, device=KERNEL_DEVICE) * 3
     p, s, z = quantize_int4(x, 64, dim=-1)
-    ids = torch.tensor([3, 0, 4])
+    ids = torch.tensor([3, 0, 4], device=KERNEL_DEVICE)
     got = _dequantize_blocks(p[ids], s[ids], z[ids], torch.float16)
     want = dequantize_int4(p[ids], s[ids], z[ids], 64, dim=-1, dtype=torch.float16)
     assert got.shape == (3, 4, 2, head_dim)
