@@ -9,6 +9,7 @@ import torch
 from localgen.profiler.hardware import (HardwareProfile, ProfileNotFoundError, load_profile,
                                         shipped_profile_names)
 from localgen.profiler import probes
+from tests.conftest import KERNEL_DEVICE
 
 
 @pytest.fixture(autouse=True)
@@ -126,14 +127,15 @@ def test_cpu_only_profile_takes_cpu_flops_from_the_attention_probe(tmp_path, mon
 
 
 def test_gpu_kernel_probes_time_the_runtime_kernels(monkeypatch):
-    """The two probes for localgen's own GPU kernels, run on the CPU under TRITON_INTERPRET=1
-    with the graph timer replaced: the floor is the replay time over the kernels it holds (three
+    """The two probes for localgen's own GPU kernels, run on the kernels' device (the CPU under
+    TRITON_INTERPRET=1, else the GPU) with the graph timer replaced: the floor is the replay time over the kernels it holds (three
     a round), the int4 rate the codes + scale/min bytes the calls read over their time."""
     pytest.importorskip("triton")
-    fns = probes.small_kernel_case("cpu", tokens=3, hidden=64, inter=96, kv_heads=2, head_dim=64)
+    dev = str(KERNEL_DEVICE)
+    fns = probes.small_kernel_case(dev, tokens=3, hidden=64, inter=96, kv_heads=2, head_dim=64)
     for f in fns:  # each kernel runs at these sizes
         f()
-    call, nbytes = probes.int4_attention_case((2, 2, 64, 40), "cpu")
+    call, nbytes = probes.int4_attention_case((2, 2, 64, 40), dev)
     out = call()
     assert out.shape == (2, 2, 64) and torch.isfinite(out).all()
     assert nbytes == 2 * 2 * 40 * 2 * (32 + 4)  # K and V: 32 code bytes + scale and min a token
