@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import Callable
 
 import numpy as np
 import torch
@@ -145,12 +146,8 @@ def _matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int, scalar: bool
     entry = lib.lg_gguf_matmul_f32 if f32 else lib.lg_gguf_matmul
     rc = entry(x.data_ptr(), m, k, raw.data_ptr(), n, raw.stride(0), qtype, y.data_ptr(),
                threads, m_tile, n_chunk, int(scalar))
-    if rc == -3:
-        raise MemoryError(f"gguf_cpu: no memory for the quantized activations of x "
-                          f"{tuple(x.shape)}")
     if rc:
-        raise ValueError(f"gguf_cpu: the kernel rejected x {tuple(x.shape)}, raw "
-                         f"{tuple(raw.shape)} {Q(qtype).name} (code {rc})")
+        _raise(rc, x, raw, qtype)
     return y
 
 
@@ -172,6 +169,52 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     (naming them), MemoryError when the activation buffer cannot be allocated.
     """
     return _matmul(x, raw, qtype, k, activations=activations)
+
+
+def product(raw: torch.Tensor, qtype: int, k: int,
+            activations: str = "q8") -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``matmul`` bound to one weight: a function ``x -> x @ W.T`` (``[m, k]`` -> float32
+    ``[m, n]``, the same values as ``matmul``) that checks, looks up and plans what it can once,
+    for callers that multiply the same matrix many times (a decode step's matrices). x must be on
+    the CPU; other dtypes and strides are converted. None where ``matmul`` would return None.
+    Raises ValueError as ``matmul`` (here for raw's shape; at a call for x's)."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+    qtype = int(qtype)
+    lib = _lib() if qtype in SUPPORTED else None
+    if lib is None:
+        return None
+    _check(torch.empty((0, k)), raw, qtype, k)
+    f32 = activations == "f32"
+    wrow = _layout(qtype, k)[0]
+    xrow = 4 * k if f32 else _layout(qtype, k)[1]
+    entry = lib.lg_gguf_matmul_f32 if f32 else lib.lg_gguf_matmul
+    n = raw.shape[0]
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.to(torch.float32).contiguous()
+        if x.dim() != 2 or x.shape[1] != k or not x.is_cpu or x.shape[0] == 0 or n == 0:
+            return _matmul(x, raw, qtype, k, activations=activations)  # says what is wrong
+        m = x.shape[0]
+        y = torch.empty((m, n), dtype=torch.float32)
+        threads, m_tile, n_chunk = _plan(m, n, k, qtype, wrow, xrow)
+        rc = entry(x.data_ptr(), m, k, raw.data_ptr(), n, raw.stride(0), qtype, y.data_ptr(),
+                   threads, m_tile, n_chunk, 0)
+        if rc:
+            _raise(rc, x, raw, qtype)
+        return y
+
+    return run
+
+
+def _raise(rc: int, x: torch.Tensor, raw: torch.Tensor, qtype: int) -> None:
+    """The error for the kernel's return code ``rc`` (nonzero)."""
+    if rc == -3:
+        raise MemoryError(f"gguf_cpu: no memory for the quantized activations of x "
+                          f"{tuple(x.shape)}")
+    raise ValueError(f"gguf_cpu: the kernel rejected x {tuple(x.shape)}, raw "
+                     f"{tuple(raw.shape)} {Q(qtype).name} (code {rc})")
 
 
 def dequantize(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor | None:

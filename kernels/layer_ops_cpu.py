@@ -1,7 +1,8 @@
 """A Llama decode layer's elementwise steps on the CPU, one C call each
 (``csrc/layer_ops_cpu.c``): RMSNorm (Zhang & Sennrich 2019) with float32 statistics,
 residual add + RMSNorm, and rotary embedding (Su et al. 2021, rotate-half layout) of q and k in
-place followed by the K/V cache write. The C follows torch's bf16 roundings op by op: the
+place followed by the K/V cache write, for float32 or bf16 rows. The C follows torch's float32
+and bf16 roundings op by op: the
 rotary embedding, the K/V write and the residual sum equal the torch ops bit for bit; the norms
 sum their squares in another order than torch, so a rare element lands one or two bf16 steps
 from torch's (tests/test_cpu_kernels.py). On a decode step's single row one C call replaces the
@@ -22,8 +23,8 @@ from . import cpu_build
 _i64, _int, _p, _f = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
     "lg_rms_norm": [_p, _i64, _p, _p, _int, _int, _f, _int, _int],
-    "lg_add_rms_norm": [_p, _p, _p, _p, _p, _int, _int, _f],
-    "lg_rope_store": [_p, _i64, _p, _p, _p, _p, _p, _int, _int, _int, _int],
+    "lg_add_rms_norm": [_p, _p, _p, _p, _p, _int, _int, _f, _int],
+    "lg_rope_store": [_p, _i64, _p, _p, _p, _p, _p, _int, _int, _int, _int, _int],
 }
 
 
@@ -46,11 +47,11 @@ def supports_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def supports_rope(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pair: torch.Tensor,
                   slots: torch.Tensor) -> bool:
-    """What ``rope_store`` takes: bf16 ``y`` rows with unit stride, contiguous bf16 tables and
-    cache, contiguous int64 slots, and the library built."""
-    bf16 = torch.bfloat16
-    return (y.dtype == bf16 and cos.dtype == bf16 and sin.dtype == bf16 and pair.dtype == bf16
-            and y.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()
+    """What ``rope_store`` takes: fp32 or bf16 ``y`` rows with unit stride, contiguous tables
+    and cache of y's dtype, contiguous int64 slots, and the library built."""
+    dt = y.dtype
+    return (dt in cpu_build.DTYPE_CODES and cos.dtype == dt and sin.dtype == dt
+            and pair.dtype == dt and y.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()
             and pair.is_contiguous() and slots.dtype == torch.int64 and slots.is_contiguous()
             and _lib() is not None)
 
@@ -67,24 +68,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(h + delta, rms_norm(h + delta) * weight)``; all bf16, h and delta contiguous
-    ``[rows, n]``, weight ``[n]``. The sum is written over ``delta``, which is returned."""
+    """``(h + delta, rms_norm(h + delta) * weight)``; all of one dtype, fp32 or bf16
+    (``supports_norm``), h and delta contiguous ``[rows, n]``, weight ``[n]``. The sum is
+    written over ``delta``, which is returned."""
     rows, n = h.shape
     y = torch.empty((rows, n), dtype=h.dtype)
     _lib().lg_add_rms_norm(h.data_ptr(), delta.data_ptr(), weight.data_ptr(), delta.data_ptr(),
-                           y.data_ptr(), rows, n, eps)
+                           y.data_ptr(), rows, n, eps, cpu_build.DTYPE_CODES[h.dtype])
     return delta, y
 
 
 def rope_store(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pair: torch.Tensor,
                slots: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-    """Rotate the q and k parts of ``y`` ``[rows, (num_heads + 2 num_kv_heads) head_dim]`` (bf16,
-    unit stride along a row) in place by ``cos``, ``sin`` ``[rows, head_dim]`` (bf16,
-    contiguous; ``supports_rope``), then
+    """Rotate the q and k parts of ``y`` ``[rows, (num_heads + 2 num_kv_heads) head_dim]`` (fp32
+    or bf16, unit stride along a row) in place by ``cos``, ``sin`` ``[rows, head_dim]`` (y's
+    dtype, contiguous; ``supports_rope``), then
     write each row's k and v to flat cache slot ``slots[row]`` (int64) of ``pair``
     ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (contiguous)."""
     half_planes = pair.shape[1] * pair.shape[2] * num_kv_heads * head_dim
     k_ptr = pair.data_ptr()
     _lib().lg_rope_store(y.data_ptr(), y.stride(0), cos.data_ptr(), sin.data_ptr(), k_ptr,
-                         k_ptr + 2 * half_planes, slots.data_ptr(), y.shape[0], num_heads,
-                         num_kv_heads, head_dim)
+                         k_ptr + pair.element_size() * half_planes, slots.data_ptr(), y.shape[0],
+                         num_heads, num_kv_heads, head_dim, cpu_build.DTYPE_CODES[y.dtype])

@@ -4,8 +4,9 @@
  *   lg_add_rms_norm  h' = h + delta, then y = w * h' / rms(h')
  *   lg_rope_store    rotate q and k in place (rotate-half, GPT-NeoX layout) and write k, v into
  *                    the paged cache at their slots
- * Values follow torch's bf16 semantics step by step (float32 arithmetic, a rounding to bf16
- * after each op torch would round after): the rotary embedding, the K/V write and the residual
+ * Rows are float32 or bf16. bf16 values follow torch's bf16 semantics step by step (float32
+ * arithmetic, a rounding to bf16 after each op torch would round after); float32 values round
+ * where torch's do (its addcmul's fused multiply-add included): the rotary embedding, the K/V write and the residual
  * sum equal torch's bit for bit (kernels/cpu_build.py compiles this file without FMA contraction
  * for that); the norms sum their squares in another order than torch, which can move a rare
  * element by a bf16 step or two. RMSNorm keeps
@@ -71,43 +72,85 @@ int lg_rms_norm(const void *x, int64_t x_stride, const void *w, void *y, int row
     return 0;
 }
 
-/* h_out = h + delta, then y = rms_norm(h_out) * w; all [rows, n] contiguous bf16 (the CPU decode
- * layer's dtype), w [n]. h_out may be delta (each element is read before it is written). */
-int lg_add_rms_norm(const uint16_t *h, const uint16_t *delta, const uint16_t *w, uint16_t *h_out,
-                    uint16_t *y, int rows, int n, float eps) {
+/* h_out = h + delta, then y = rms_norm(h_out) * w; all [rows, n] contiguous of one dtype (0
+ * float32, 1 bf16), w [n]. h_out may be delta (each element is read before it is written).
+ * Returns 0, or -1 for another dtype. */
+int lg_add_rms_norm(const void *h, const void *delta, const void *w, void *h_out, void *y,
+                    int rows, int n, float eps, int dtype) {
+    if (dtype != DT_F32 && dtype != DT_BF16) return -1;
     for (int r = 0; r < rows; r++) {
         const int64_t at = (int64_t)r * n;
-        for (int j = 0; j < n; j++) h_out[at + j] = to_bf(bf(h[at + j]) + bf(delta[at + j]));
-        norm_row(h_out + at, w, y + at, n, eps, DT_BF16);
+        if (dtype == DT_BF16) {
+            const uint16_t *hb = (const uint16_t *)h + at, *db = (const uint16_t *)delta + at;
+            uint16_t *ob = (uint16_t *)h_out + at;
+            for (int j = 0; j < n; j++) ob[j] = to_bf(bf(hb[j]) + bf(db[j]));
+            norm_row(ob, w, (uint16_t *)y + at, n, eps, DT_BF16);
+        } else {
+            const float *hf = (const float *)h + at, *df = (const float *)delta + at;
+            float *of = (float *)h_out + at;
+            for (int j = 0; j < n; j++) of[j] = hf[j] + df[j];
+            norm_row(of, w, (float *)y + at, n, eps, DT_F32);
+        }
     }
     return 0;
 }
 
-/* y [rows, (hq + 2 hk) d] with row stride y_stride: each row holds q (hq heads), k (hk), v (hk)
- * of one token, bf16. Rotates q and k in place: x cos + rotate_half(x) sin with cos, sin
- * [rows, d] (rotate_half(x) = (-x2, x1) for the halves x1, x2), rounded as torch's
- * addcmul(x * cos, rotate_half(x), sin) rounds. Then writes k and v of row r to cache slot
- * slots[r]: k_cache, v_cache each [slots, hk, d] contiguous. */
-int lg_rope_store(uint16_t *y, int64_t y_stride, const uint16_t *cos, const uint16_t *sin,
-                  uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots, int rows, int hq,
-                  int hk, int d) {
-    const int half = d / 2;
+/* One head x [d] rotated in place by cos c, sin s [d]: x cos + rotate_half(x) sin, the
+ * rotate_half(x) = (-x2, x1) for the halves x1, x2, rounded as torch's
+ * addcmul(x * cos, rotate_half(x), sin) rounds in each dtype (bf16: after the product and after
+ * the sum; float32: ADDCMUL below). */
+static void rope_head_bf16(uint16_t *x, const uint16_t *c, const uint16_t *s, int half) {
+    for (int j = 0; j < half; j++) {
+        float x1 = bf(x[j]), x2 = bf(x[j + half]);
+        float a = rbf(x1 * bf(c[j])) + x2 * -bf(s[j]);
+        float b = rbf(x2 * bf(c[j + half])) + x1 * bf(s[j + half]);
+        x[j] = to_bf(a);
+        x[j + half] = to_bf(b);
+    }
+}
+
+/* torch's float32 addcmul is one fused multiply-add a lane where the CPU has FMA (its AVX2 and
+ * AVX-512 kernels, which it picks on such CPUs; -march=native defines __FMA__ there), a
+ * multiply then an add elsewhere. */
+#ifdef __FMA__
+#define ADDCMUL(acc, t, u) fmaf((t), (u), (acc))
+#else
+#define ADDCMUL(acc, t, u) ((acc) + (t) * (u))
+#endif
+
+static void rope_head_f32(float *x, const float *c, const float *s, int half) {
+    for (int j = 0; j < half; j++) {
+        float x1 = x[j], x2 = x[j + half];
+        float a = ADDCMUL(x1 * c[j], x2, -s[j]);
+        float b = ADDCMUL(x2 * c[j + half], x1, s[j + half]);
+        x[j] = a;
+        x[j + half] = b;
+    }
+}
+
+/* y [rows, (hq + 2 hk) d] with row stride y_stride (elements): each row holds q (hq heads),
+ * k (hk), v (hk) of one token, of one dtype (0 float32, 1 bf16). Rotates q and k in place by
+ * cos, sin [rows, d] (rope_head_*). Then writes k and v of row r to cache slot slots[r]:
+ * k_cache, v_cache each [slots, hk, d] contiguous. Returns 0, or -1 for another dtype. */
+int lg_rope_store(void *y, int64_t y_stride, const void *cos, const void *sin, void *k_cache,
+                  void *v_cache, const int64_t *slots, int rows, int hq, int hk, int d,
+                  int dtype) {
+    if (dtype != DT_F32 && dtype != DT_BF16) return -1;
+    const int half = d / 2, elt = dtype == DT_BF16 ? 2 : 4;
     for (int r = 0; r < rows; r++) {
-        uint16_t *yr = y + r * y_stride;
-        const uint16_t *c = cos + (int64_t)r * d, *s = sin + (int64_t)r * d;
+        char *yr = (char *)y + r * y_stride * elt;
+        const char *c = (const char *)cos + (int64_t)r * d * elt;
+        const char *s = (const char *)sin + (int64_t)r * d * elt;
         for (int h = 0; h < hq + hk; h++) {
-            uint16_t *x = yr + (int64_t)h * d;
-            for (int j = 0; j < half; j++) {
-                float x1 = bf(x[j]), x2 = bf(x[j + half]);
-                float a = rbf(x1 * bf(c[j])) + x2 * -bf(s[j]);
-                float b = rbf(x2 * bf(c[j + half])) + x1 * bf(s[j + half]);
-                x[j] = to_bf(a);
-                x[j + half] = to_bf(b);
-            }
+            char *x = yr + (int64_t)h * d * elt;
+            if (dtype == DT_BF16)
+                rope_head_bf16((uint16_t *)x, (const uint16_t *)c, (const uint16_t *)s, half);
+            else
+                rope_head_f32((float *)x, (const float *)c, (const float *)s, half);
         }
-        const int64_t row = (int64_t)hk * d, at = slots[r] * row;
-        memcpy(k_cache + at, yr + (int64_t)hq * d, row * 2);
-        memcpy(v_cache + at, yr + (int64_t)(hq + hk) * d, row * 2);
+        const int64_t row = (int64_t)hk * d * elt, at = slots[r] * row;
+        memcpy((char *)k_cache + at, yr + (int64_t)hq * d * elt, row);
+        memcpy((char *)v_cache + at, yr + (int64_t)(hq + hk) * d * elt, row);
     }
     return 0;
 }

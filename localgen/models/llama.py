@@ -28,6 +28,7 @@ from localgen.models.moe_options import EXPERT_SHORTS, moe_layer_names
 from localgen.models.rope import RotaryPositions, _signed_sin, apply_rope
 from localgen.quant import embedding, linear
 from localgen.quant.cpu_int4 import Int4Linear
+from localgen.quant.gguf_blocks import gguf_decode_products
 
 _fused_mods = None  # (fused_norm, fused_rope, fused_act) once imported; False when unavailable
 
@@ -163,32 +164,41 @@ def mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
 
 
 def _cpu_decode_mats(cfg: ModelConfig, w: dict, h: torch.Tensor, kv: LayerKV):
-    """The four int4 matrices (qkv, o, gate_up, down) when ``_cpu_decode_layer`` can run this
-    layer's decode step (bf16 int4 layer without biases, SiLU MLP, a plain paged cache with K
-    and V in one tensor, no score observer), else None."""
-    mats = (w.get("qkv"), w.get("o"), w.get("gate_up"), w.get("down"))
-    n = h.shape[0]
-    if (h.dtype != torch.bfloat16 or cfg.activation not in ("silu", "swish")
-            or any(type(m) is not Int4Linear or m.max_m < n or m.repeat_input != 1 for m in mats)
-            or any(k in w for k in ("qkv_bias", "o_bias", "down_bias"))
+    """The four matrix products (qkv, o, gate_up, down), each ``x -> x @ W.T`` in x's dtype,
+    when ``_cpu_decode_layer`` can run this layer's decode step, else None. It can for a layer
+    without biases, with a SiLU MLP and a plain paged cache holding K and V in one tensor of h's
+    dtype (no score observer), whose matrices are either all int4 (bf16 activations) or all
+    GGUF blocks (``PackedGGUFWeight``; float32 or bf16 activations; q/k/v may stay three
+    matrices where their types differ)."""
+    if (cfg.activation not in ("silu", "swish") or "gate_up" not in w or moe.is_moe(w)
+            or any(k in w for k in ("qkv_bias", "q_bias", "k_bias", "v_bias", "o_bias",
+                                    "down_bias"))
             or not kv.fuses_cpu_decode(h.dtype)):
         return None
-    return mats
+    mats = (w.get("qkv"), w.get("o"), w["gate_up"], w.get("down"))
+    n = h.shape[0]
+    if h.dtype == torch.bfloat16 and all(
+            type(m) is Int4Linear and m.max_m >= n and m.repeat_input == 1 for m in mats):
+        return tuple(m.small for m in mats)
+    if h.dtype in (torch.float32, torch.bfloat16):
+        qkv = mats[0] if mats[0] is not None else (w.get("q"), w.get("k"), w.get("v"))
+        return gguf_decode_products(qkv, mats[1:])
+    return None
 
 
 def _cpu_decode_layer(cfg: ModelConfig, w: dict, mats: tuple, h: torch.Tensor,
                       rope: tuple[torch.Tensor, torch.Tensor], kv: LayerKV,
                       meta: AttentionMetadata) -> torch.Tensor:
-    """``layer`` for a CPU decode step of an int4 layer: the same values (bit-identical output)
-    with fewer ops and less Python between them. The int4 kernel is called directly; where the
-    C layer ops are built (``localgen.kernels.layer_ops_cpu``) the norms, the rotary embedding
-    with the K/V write, and the residual add are one C call each, as is attention
-    (the bound backend's ``decode``); the torch twin of each is ``_torch_rope_store`` and the two-op
-    add + ``rms_norm``."""
+    """``layer`` for a CPU decode step of an int4 or GGUF-block layer (``_cpu_decode_mats``): the
+    same values (bit-identical output) with fewer ops and less Python between them. The matrix
+    kernels are called directly; where the C layer ops are built
+    (``localgen.kernels.layer_ops_cpu``) the norms, the rotary embedding with the K/V write, and
+    the residual add are one C call each, as is attention (the bound backend's ``decode``); the
+    torch twin of each is ``_torch_rope_store`` and the two-op add + ``rms_norm``."""
     qkv, o, gate_up, down = mats
     n, hq, hk, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     eps = cfg.norm_eps
-    y = qkv.small(rms_norm(h, w["input_norm"], eps))
+    y = qkv(rms_norm(h, w["input_norm"], eps))
     cos, sin = rope
     fused = cpu_ops.supports_rope(y, cos, sin, kv.pair, meta.slot_mapping)
     if fused:
@@ -196,15 +206,15 @@ def _cpu_decode_layer(cfg: ModelConfig, w: dict, mats: tuple, h: torch.Tensor,
     else:
         _torch_rope_store(y, cos, sin, kv, meta, hq, hk, d)
     attn = kv.attend_written(y[:, :hq * d].view(n, hq, d), meta, default_spec(d))
-    delta = o.small(attn.view(n, hq * d))
+    delta = o(attn.view(n, hq * d))
     if fused:
         h, x = cpu_ops.add_rms_norm(h, delta, w["post_norm"], eps)
     else:
         h = h + delta
         x = rms_norm(h, w["post_norm"], eps)
-    gu = gate_up.small(x)
+    gu = gate_up(x)
     inter = gu.shape[1] // 2
-    return h + down.small(F.silu(gu[:, :inter]).mul_(gu[:, inter:]))
+    return h + down(F.silu(gu[:, :inter]).mul_(gu[:, inter:]))
 
 
 def _torch_rope_store(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV,

@@ -327,6 +327,7 @@ class PackedGGUFWeight:
             raise ValueError(f"{self.qtype.name} {out_features}x{in_features} needs uint8 rows "
                              f"{want}, got {raw.dtype} {tuple(raw.shape)}")
         self.raw, self.shape = raw, (out_features, in_features)
+        self._cpu_products: dict = {}  # activations -> gguf_cpu.product bound to raw
 
     def __repr__(self) -> str:
         return f"PackedGGUFWeight({self.qtype.name}, shape={self.shape}, device={self.device})"
@@ -377,3 +378,43 @@ class PackedGGUFWeight:
             return None
         raw = torch.cat([p.raw for p in parts])
         return PackedGGUFWeight(raw, first.qtype, (raw.shape[0], first.shape[1]))
+
+
+def _cpu_product(w: PackedGGUFWeight, mod, activations: str):
+    """``x -> w(x)`` through the C kernel for a CPU decode step (x float32 or bf16, no bias),
+    made once per weight and activation mode; None where the kernel does not serve w."""
+    fn = w._cpu_products.get(activations)
+    if fn is None:
+        out = mod.product(w.raw, int(w.qtype), w.shape[1], activations)
+        if out is None:
+            return None
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            return out(x).to(x.dtype)
+
+        w._cpu_products[activations] = fn
+    return fn
+
+
+def gguf_decode_products(qkv, rest: Sequence) -> tuple | None:
+    """The matrix products of a CPU decode layer, each ``x -> w(x)`` (the same values as
+    calling the weight), for ``qkv``: one fused ``PackedGGUFWeight`` or a (q, k, v) tuple of them
+    (their outputs concatenated along features), and each weight of ``rest``. None unless every
+    weight is a ``PackedGGUFWeight`` on the CPU that the compiled kernel serves
+    (``LOCALGEN_GGUF_CPU_KERNEL`` not 0). Raises ValueError for a bad
+    ``LOCALGEN_GGUF_ACTIVATIONS``."""
+    parts = qkv if isinstance(qkv, tuple) else (qkv,)
+    mats = (*parts, *rest)
+    if not all(type(m) is PackedGGUFWeight and m.raw.is_cpu for m in mats):
+        return None
+    mod = _cpu_kernel_module()
+    if mod is None:
+        return None
+    act = cpu_activations()
+    prods = [_cpu_product(m, mod, act) for m in mats]
+    if any(p is None for p in prods):
+        return None
+    if len(parts) == 1:
+        return tuple(prods)
+    q, k, v = prods[:3]
+    return (lambda x: torch.cat((q(x), k(x), v(x)), dim=1), *prods[3:])
