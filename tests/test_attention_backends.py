@@ -135,11 +135,12 @@ def test_paged_triton_backend_matches_the_reference(case):
 
 
 def tier_layer(cls, compress: bool, device=CPU, cpu_compute=False, **kw):
-    """Layer 0 of a one-tier CPU cache, rebuilt as ``cls`` over the same tensors."""
+    """Layer 0 of a one-tier host-memory cache computed on ``device`` (pinned under a CUDA
+    device), rebuilt as ``cls`` over the same tensors."""
     cfg = ModelConfig.from_hf_dict({**make_config("llama3").to_dict(), "head_dim": D,
                                     "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS})
-    cache = TieredKVCache(cfg, 64, BS, torch.float32, CPU, ["cpu"] * cfg.num_layers, compress, False,
-                          None, Timers(CPU), **kw)
+    cache = TieredKVCache(cfg, 64, BS, torch.float32, device, ["cpu"] * cfg.num_layers, compress, False,
+                          None, Timers(device), **kw)
     first = cache.views[0]
     return cls(first.t, "cpu", compress, device, torch.float32, cpu_compute, first.timers,
                first.rot, first.recent)
@@ -149,12 +150,16 @@ def tier_layer(cls, compress: bool, device=CPU, cpu_compute=False, **kw):
 @pytest.mark.parametrize("cls", [TierLayer, CpuAttentionTierLayer, MappedHostTierLayer])
 def test_fp_tier_backends_match_the_reference(case, cls):
     """The uncompressed tiered backends (gathered blocks, CPU-computed decode, GPU kernels over
-    mapped host memory: under the Triton interpreter on the CPU) give the reference's values."""
+    mapped host memory: over pinned host tensors from the GPU where the kernels are compiled,
+    under the Triton interpreter on the CPU) give the reference's values."""
+    device = CPU
     if cls is MappedHostTierLayer:
         pytest.importorskip("triton")
-    layer = tier_layer(cls, compress=False)
+        device = KERNEL_DEVICE
+    layer = tier_layer(cls, compress=False, device=device)
+    assert layer.t["k"].device.type == "cpu" and layer.t["k"].is_pinned() == (device.type == "cuda")
     spec = AttentionSpec(D ** -0.5)
-    got = run(lambda q, k, v, meta: layer.attend(q, k, v, meta, spec), Steps(**case))
+    got = run(lambda q, k, v, meta: layer.attend(q, k, v, meta, spec), Steps(**case, device=device))
     for a, b in zip(got, reference_outputs(case)):
         torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
     if cls is MappedHostTierLayer:
@@ -167,6 +172,9 @@ def test_int4_kernel_tier_backend_matches_the_gather_path(case, recent_blocks, m
     """The Triton int4 backend (quantize-and-write, int4 paged decode) against the torch gather
     path over the same 4-bit format, with and without the fp pool of each sequence's own block."""
     pytest.importorskip("triton")
+    if KERNEL_DEVICE.type == "cuda":  # the layers hold CPU tensors, which compiled kernels cannot read
+        pytest.skip("CPU tensors on the int4 kernel route run only under the Triton interpreter; on a "
+                    "GPU offload_selftest.py's kv4_cpu_kernels and kv4_gpu_kernels cover it")
     spec = AttentionSpec(D ** -0.5)
     outs = {}
     for cls in (TierLayer, Int4KernelTierLayer):
