@@ -12,6 +12,7 @@ reasons in docs/ARCHITECTURE.md "Layers and imports".
 from __future__ import annotations
 
 import ast
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -245,3 +246,44 @@ def test_no_module_over_600_lines(path):
         assert rel.startswith("kernels/"), "only kernel modules may be long"
         return
     assert n <= MAX_LINES, f"{rel} has {n} lines (at most {MAX_LINES}; split it by responsibility)"
+
+
+# ---- the documents name only what exists ---------------------------------------------------------
+
+DOCS = ("docs/ARCHITECTURE.md", "README.md")
+# a backquoted path into one of the repository's own folders, e.g. `localgen/runtime/engine.py`
+_DOC_PATH = re.compile(r"`((?:localgen|kernels|tui|tests|scripts|docs)/[^`\s]*)`")
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def doc_paths(text: str) -> list[str]:
+    """The repository paths a Markdown text names in backquotes (an ``#anchor`` dropped)."""
+    return [m.group(1).split("#")[0] for m in _DOC_PATH.finditer(text)]
+
+
+def local_links(text: str) -> list[str]:
+    """The targets of a Markdown text's links that are neither URLs nor in-page anchors."""
+    return [t for t in _LINK.findall(text) if not re.match(r"[a-z]+:|#", t)]
+
+
+def test_doc_paths_and_links_are_read_from_markdown():
+    text = "see `localgen/api.py`, `tests/x.py#case`, `localgen generate` and [a](../b.md), [c](#d)"
+    assert doc_paths(text) == ["localgen/api.py", "tests/x.py"]
+    assert local_links(text + " [e](https://example.org/f)") == ["../b.md"]
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_path_a_document_names_exists(doc):
+    text = (ROOT / doc).read_text()
+    missing = sorted({p for p in doc_paths(text) if not (ROOT / p).exists()})
+    assert doc_paths(text), f"{doc} names no path: the pattern no longer reads it"
+    assert not missing, f"{doc} names paths that do not exist: {missing}"
+
+
+def test_readme_links_only_files_inside_the_repository():
+    base = ROOT / "README.md"
+    links = local_links(base.read_text())
+    outside = [t for t in links if ROOT not in (base.parent / t).resolve().parents]
+    missing = [t for t in links if not (base.parent / t.split("#")[0]).exists()]
+    assert not outside, f"README.md links files outside the repository: {outside}"
+    assert not missing, f"README.md links files that do not exist: {missing}"
