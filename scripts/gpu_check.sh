@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # On a CUDA machine: the kernel, attention and offload test modules with the Triton kernels
-# compiled (no interpreter: tests/conftest.py sets it only where there is no GPU), then
-# scripts/gpu_selftest.py and scripts/offload_selftest.py. One command for a before/after check:
+# compiled (no interpreter: tests/conftest.py sets it only where there is no GPU), the model
+# test modules' CUDA runs, then scripts/gpu_selftest.py and scripts/offload_selftest.py. One
+# command for a before/after check:
 #
-#   scripts/gpu_check.sh [PART] [OUT]   # PART: all (default), tests, selftest or offload;
+#   scripts/gpu_check.sh [PART] [OUT]   # PART: all (default), tests, models, selftest or offload;
 #                                       # logs to OUT/gpu_check_PART.log when OUT is given
 #
 # The whole check can outlast one ten-minute device call; the parts fit one each.
@@ -23,14 +24,19 @@ fi
 [ -e localgen/profiles ] || ln -s ../profiles localgen/profiles
 export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 
-modules=()
-for m in tests/test_kernels.py tests/test_decode_modes.py tests/test_fused_kernels.py tests/test_gguf_gemm_triton.py \
-    tests/test_int4_dispatch.py tests/test_kv_rotation.py tests/test_offload.py \
-    tests/test_profiler.py tests/test_attention*.py; do
-  [ -f "$m" ] && modules+=("$m")
-done
+present() {  # the arguments whose file exists (a node id names its module before "::")
+  local m
+  for m in "$@"; do [ -f "${m%%::*}" ] && echo "$m"; done
+}
+mapfile -t modules < <(present tests/test_kernels.py tests/test_decode_modes.py tests/test_fused_kernels.py \
+  tests/test_gguf_gemm_triton.py tests/test_int4_dispatch.py tests/test_kv_rotation.py tests/test_offload.py \
+  tests/test_profiler.py tests/test_attention*.py)
+# whole models on the GPU against transformers; of the families modules only the CUDA tests
+mapfile -t models < <(present tests/test_engine_vs_hf.py tests/test_gguf_packed.py tests/test_gguf_offload.py \
+  tests/test_families_dense.py::test_gpu_greedy_tokens_equal_transformers \
+  tests/test_families_moe.py::test_greedy_tokens_on_cuda_equal_transformers)
 part=${1:-all}
-case "$part" in all|tests|selftest|offload) ;; *) echo "unknown part: $part" >&2; exit 2 ;; esac
+case "$part" in all|tests|models|selftest|offload) ;; *) echo "unknown part: $part" >&2; exit 2 ;; esac
 log=${2:+$2/gpu_check_$part.log}
 want() { [ "$part" = all ] || [ "$part" = "$1" ]; }
 failed=0
@@ -45,6 +51,7 @@ step() {
 (
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   want tests && step python3 -m pytest -q -p no:cacheprovider "${modules[@]}"
+  want models && step python3 -m pytest -q -p no:cacheprovider "${models[@]}"
   want selftest && step python3 scripts/gpu_selftest.py
   want offload && step python3 scripts/offload_selftest.py
   echo "== failed steps: $failed"
