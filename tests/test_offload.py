@@ -320,8 +320,8 @@ def test_int4_host_cache_staged_for_the_kernel_gives_the_same_tokens(dirs, monke
     assert staged and any(lo > 0 for lo, _ in staged)  # copies that start past block 0
 
 
-@interpreted_cuda_route("kv4_gpu_kernels and w4_kv4_gpu_kernels (decode graphs)")
-@pytest.mark.parametrize("compress", [False, True])
+@pytest.mark.parametrize("compress", [False, pytest.param(True, marks=interpreted_cuda_route(
+    "kv4_gpu_kernels and w4_kv4_gpu_kernels (decode graphs)"))])
 def test_graph_decode_gives_the_eager_tokens(dirs, monkeypatch, compress):
     """A policy with everything on the GPU tier decodes through the CUDA-graph runner (all of a
     step's sequences in one static batch, padded to its bucket, 4-bit pool rows assigned on the
