@@ -1,6 +1,6 @@
 """HardwareProfile: the measured (or published) speeds and capacities the policy cost model reads.
 
-Units: bandwidths in bytes/s, compute in FLOP/s, capacities in bytes (DESIGN.md "Shapes and units").
+Units: bandwidths in bytes/s, compute in FLOP/s, capacities in bytes.
 Field names follow FlexGen (Sheng et al. 2023, §4.3 and App. A.3): ``ctog_bdw`` is CPU->GPU,
 ``gtoc_bdw`` GPU->CPU, ``dtoc_bdw`` disk->CPU, ``ctod_bdw`` CPU->disk.
 """
