@@ -383,7 +383,8 @@ class PackedGGUFWeight:
 def _cpu_product(w: PackedGGUFWeight, mod, activations: str):
     """``x -> w(x)`` through the C kernel for a CPU decode step (x float32 or bf16, no bias),
     made once per weight and activation mode; None where the kernel does not serve w."""
-    fn = w._cpu_products.get(activations)
+    cache = w.__dict__.setdefault("_cpu_products", {})  # also for a copy made without __init__
+    fn = cache.get(activations)
     if fn is None:
         out = mod.product(w.raw, int(w.qtype), w.shape[1], activations)
         if out is None:
@@ -392,7 +393,7 @@ def _cpu_product(w: PackedGGUFWeight, mod, activations: str):
         def fn(x: torch.Tensor) -> torch.Tensor:
             return out(x).to(x.dtype)
 
-        w._cpu_products[activations] = fn
+        cache[activations] = fn
     return fn
 
 
