@@ -115,7 +115,7 @@ def _offloaded(name: str, tmp_path, source: str = "hf") -> LLM:
                     block_size=4, policy=OFFLOAD.validate(), offload_dir=str(tmp_path / "off"))
 
 
-@pytest.mark.parametrize("name,source", [c for c in CASES if c[0] not in WINDOWED])
+@pytest.mark.parametrize("name,source", CASES)
 def test_offload_runtime_gives_the_same_tokens(reference, tmp_path, name, source):
     assert _greedy(_offloaded(name, tmp_path, source)) == reference(name)[1]
 
@@ -128,16 +128,6 @@ def test_gpu_greedy_tokens_equal_transformers(reference, name, source):
     llm = LLM.load(_path(name, source), device="cuda", dtype="float32", kv_cache_memory=1 << 24,
                    block_size=16)
     assert _greedy(llm) == reference(name)[1]
-
-
-@pytest.mark.parametrize("name", sorted(WINDOWED))
-def test_offload_runtime_refuses_windows_it_does_not_compute(tmp_path, name):
-    """The tiered KV cache's attention has no sliding window yet: the load says so."""
-    from localgen.attention.base import UnsupportedAttention
-
-    with pytest.raises(UnsupportedAttention, match="sliding-window attention.* not supported by "
-                                                   "the tiered"):
-        _offloaded(name, tmp_path)
 
 
 @pytest.mark.parametrize("name,source", [("qwen3", "hf"), ("qwen3", "gguf"), ("phi3", "hf")])

@@ -28,22 +28,30 @@ class TorchReferenceBackend(AttentionBackend):
         if spec.plain:
             return ref.paged_prefill_attention(q, kv.k_cache, kv.v_cache, meta.block_tables,
                                                meta.context_lens_list, meta.query_lens, spec.scale)
-        return _per_sequence(q, kv, meta, spec)
+        return per_sequence_attention(q, kv.k_cache, kv.v_cache, meta.block_tables,
+                                      meta.context_lens_list, meta.query_lens, spec)
 
     def decode(self, kv: LayerKV, q, k, v, meta: AttentionMetadata, spec: AttentionSpec):
         if spec.plain:
             return ref.paged_decode_attention(q, kv.k_cache, kv.v_cache, meta.block_tables,
                                               meta.context_lens, spec.scale)
-        return _per_sequence(q, kv, meta, spec)
+        return per_sequence_attention(q, kv.k_cache, kv.v_cache, meta.block_tables,
+                                      meta.context_lens_list, meta.query_lens, spec)
 
 
-def _per_sequence(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
-                  spec: AttentionSpec) -> torch.Tensor:
-    """Each sequence's queries over its gathered context through ``spec_attention``."""
+def per_sequence_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: list[int], query_lens: list[int],
+                           spec: AttentionSpec) -> torch.Tensor:
+    """Each sequence's packed queries (q ``[num_tokens, num_heads, head_dim]``, ``query_lens[i]``
+    of them, the last ones of its ``context_lens[i]`` positions) over its context gathered from
+    the paged ``k_cache``/``v_cache`` (``[num_blocks, block_size, num_kv_heads, head_dim]``)
+    through ``block_tables`` ``[num_seqs, max_blocks]``, with ``spec_attention``; q's shape and
+    dtype. Any backend whose K/V can be brought into the plain paged layout computes every spec
+    feature through this one function."""
     out, start = torch.empty_like(q), 0
-    for i, (ctx, ql) in enumerate(zip(meta.context_lens_list, meta.query_lens)):
-        keys = ref.gather_kv(kv.k_cache, meta.block_tables[i], ctx)
-        vals = ref.gather_kv(kv.v_cache, meta.block_tables[i], ctx)
+    for i, (ctx, ql) in enumerate(zip(context_lens, query_lens)):
+        keys = ref.gather_kv(k_cache, block_tables[i], ctx)
+        vals = ref.gather_kv(v_cache, block_tables[i], ctx)
         out[start:start + ql] = spec_attention(q[start:start + ql], keys, vals, ctx - ql, spec)
         start += ql
     return out

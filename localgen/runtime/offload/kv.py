@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from localgen.attention.metadata import LayerKV
+from localgen.attention.spec import AttentionSpec
 from localgen.attention.triton import triton_kernels
 from localgen.kernels.quant_ref import GROUP_SIZE
 from localgen.models.config import ModelConfig
@@ -124,21 +125,26 @@ def prefill_temp_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 def build_tier_layer(tensors: dict[str, torch.Tensor], tier: str, compress: bool,
                      compute_device: torch.device, dtype: torch.dtype, cpu_compute: bool,
                      timers: Timers, rotation: torch.Tensor | None = None,
-                     recent: RecentIndex | None = None, prefill_temp_per_token: int = 0) -> TierLayer:
+                     recent: RecentIndex | None = None, prefill_temp_per_token: int = 0,
+                     spec: AttentionSpec | None = None) -> TierLayer:
     """The attention backend of one tiered layer (its own KV view), from its placement, format and
     the compute device (module docstring): the Triton int4 kernels for a 4-bit cache they reach
     (the compute device's own memory, or pinned host memory under a GPU that computes the
     attention itself); GPU kernels in place over a pinned fp host cache; CPU-computed decode for
-    a cache off the GPU when the policy delegates attention; else the gather path."""
+    a cache off the GPU when the policy delegates attention; else the gather path. A ``spec``
+    beyond plain causal attention (a window, softcap or sinks; None = plain) skips the kernels
+    that read the cache in place, which compute plain attention only: the gather path and
+    CPU-computed decode compute every spec."""
     device = resolve_device(compute_device)
     key = tensors["k#packed" if compress else "k"]
     gpu_reads_host = (tier == "cpu" and not cpu_compute and device.type == "cuda" and key.is_pinned())
     cls = TierLayer
-    if compress:
+    plain = spec is None or spec.plain
+    if compress and plain:
         if (device.type in INT4_KERNEL_DEVICES and (key.device == device or gpu_reads_host)
                 and triton_kernels() is not None):
             cls = Int4KernelTierLayer
-    elif gpu_reads_host and triton_kernels() is not None:
+    elif gpu_reads_host and plain and triton_kernels() is not None:
         cls = MappedHostTierLayer
     if cls is TierLayer and cpu_compute and tier != "gpu" and device.type != "cpu":
         cls = CpuAttentionTierLayer
@@ -160,6 +166,8 @@ class TieredKVCache:
     float rounding, so it is off there unless asked for); ``recent_blocks`` (default
     ``DEFAULT_RECENT_BLOCKS``; 0 = off) is the per-layer capacity of the fp pool of each sequence's
     last block, one block per concurrently running sequence (the runner passes ``max_num_seqs``).
+    ``specs``: each layer's ``AttentionSpec`` (None: plain), which picks a tier layer that
+    computes it (``build_tier_layer``).
     ``nbytes``/``bytes_on`` count the pools at full capacity. Raises ValueError when a layer goes
     to disk and no ``offload_dir`` is given.
     """
@@ -167,7 +175,7 @@ class TieredKVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, tiers: list[str], compress: bool, cpu_compute: bool,
                  offload_dir: str | os.PathLike | None, timers: Timers, rotate: bool | None = None,
-                 recent_blocks: int | None = None):
+                 recent_blocks: int | None = None, specs: list[AttentionSpec] | None = None):
         self.num_blocks, self.block_size, self.tiers = num_blocks, block_size, list(tiers)
         self.device = resolve_device(device)
         # one block past the allocator's range: padded rows of a CUDA-graph batch write there
@@ -188,6 +196,7 @@ class TieredKVCache:
         self.rotate = compress if rotate is None else rotate
         rot = kv_rotation(cfg.head_dim) if self.rotate else None
         temp = prefill_temp_bytes_per_token(cfg, dtype)
+        specs = specs if specs is not None else [None] * len(self.tiers)
         for i, tier in enumerate(self.tiers):
             if tier == "gpu":
                 buf = torch.zeros(lay.nbytes, dtype=torch.uint8, device=self.device)
@@ -205,7 +214,7 @@ class TieredKVCache:
                 self.views.append(LayerKV(t["k"], t["v"]))
             else:
                 self.views.append(build_tier_layer(t, tier, compress, self.device, dtype, cpu_compute,
-                                                   timers, rot, self.recent, temp))
+                                                   timers, rot, self.recent, temp, specs[i]))
 
     def graphable(self) -> bool:
         """Whether a decode step can be replayed as a CUDA graph: every layer on the GPU tier and,

@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from localgen.attention.spec import layer_specs
 from localgen.hostmem import keep_freed_host_memory
 from localgen.kv.cache import free_memory_bytes
 from localgen.models.config import ModelConfig, UnsupportedModelError
@@ -279,7 +280,7 @@ def build_offload(cfg: ModelConfig, store, dtype: torch.dtype, device: torch.dev
         kv = TieredKVCache(cfg, n, engine_config.block_size, dtype, device,
                            policy.cache_tiers(cfg.num_layers),
                            policy.compress_cache, policy.cpu_cache_compute, offload_dir, model.timers,
-                           recent_blocks=engine_config.max_num_seqs)
+                           recent_blocks=engine_config.max_num_seqs, specs=layer_specs(cfg))
         graphs = None
         if engine_config.cuda_graphs and model.layers.all_on("gpu") and policy.hg >= 1 and kv.graphable():
             graphs = GraphedModelRunner(model, kv, engine_config.max_num_seqs, max_model_len)

@@ -26,14 +26,13 @@ from localgen.runtime.offload.tier_layer import TierLayer
 
 class CpuAttentionTierLayer(TierLayer):
     """A layer on the CPU or disk tier under a GPU, with the policy's ``cpu_cache_compute``:
-    decode gathers the step's blocks on the CPU and attends there (multi-threaded torch);
-    prefill runs on the GPU as in ``TierLayer``."""
+    decode gathers the step's blocks on the CPU and attends there (multi-threaded torch, every
+    spec as in ``TierLayer``); prefill runs on the GPU as in ``TierLayer``."""
 
     name = "tiered, CPU-computed decode"
 
-    def decode(self, kv, q, k, v, meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
-        self._store(k, v, meta.slot_mapping)
-        return self._gathered(q, k, v, meta, spec.scale, torch.device("cpu"))
+    def _decode_device(self) -> torch.device:
+        return torch.device("cpu")
 
 
 class Int4KernelTierLayer(TierLayer):
@@ -50,6 +49,9 @@ class Int4KernelTierLayer(TierLayer):
 
     def reads_in_place(self) -> bool:
         return True
+
+    def supports(self, spec: AttentionSpec) -> bool:
+        return spec.plain  # the int4 kernel has no window, softcap or sinks
 
     def _host_mapped(self) -> bool:
         return self.store_device != self.device
@@ -139,6 +141,9 @@ class MappedHostTierLayer(TierLayer):
 
     def reads_in_place(self) -> bool:
         return self.mapped
+
+    def supports(self, spec: AttentionSpec) -> bool:
+        return spec.plain  # the Triton paged kernels have no window, softcap or sinks
 
     def prefill(self, kv, q, k, v, meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
         out = self._in_place(q, k, v, meta, spec.scale)

@@ -15,6 +15,7 @@ import torch
 from localgen.attention.base import AttentionBackend, unsupported
 from localgen.attention.metadata import AttentionMetadata
 from localgen.attention.prefill import fresh_prefill_attention
+from localgen.attention.reference import per_sequence_attention
 from localgen.attention.spec import AttentionSpec
 from localgen.attention.triton import triton_kernels
 from localgen.kernels import paged_attention_ref as ref
@@ -105,6 +106,12 @@ class TierLayer(RecentPoolAttention, AttentionBackend):
         """The models' call (a tiered layer is its own KV view): ``forward`` over this layer."""
         return self.forward(self, q, k, v, meta, spec)
 
+    def supports(self, spec: AttentionSpec) -> bool:
+        """Every spec: a window, softcap or sinks run through the reference backend's masking
+        over the gathered blocks (``_spec_attention``); subclasses whose kernels read the cache
+        in place compute plain attention only."""
+        return True
+
     def fuses_cpu_decode(self, dtype: torch.dtype) -> bool:
         """Never: the fused CPU decode layer writes a plain paged cache."""
         return False
@@ -117,14 +124,21 @@ class TierLayer(RecentPoolAttention, AttentionBackend):
                 spec: AttentionSpec) -> torch.Tensor:
         """Write k/v, then attention of q ``[num_tokens, num_heads, head_dim]`` over the cache;
         returns ``[num_tokens, num_heads, head_dim]`` on the compute device. ``prefill`` and
-        ``decode`` store the step's K/V themselves (how depends on the path). Raises
-        ``UnsupportedAttention`` for a spec beyond plain causal attention."""
-        if not spec.plain:
+        ``decode`` store the step's K/V themselves (how depends on the path). A spec beyond plain
+        causal attention stores them and attends over the gathered blocks. Raises
+        ``UnsupportedAttention`` for a spec this layer's class does not compute (``supports``)."""
+        if not self.supports(spec):
             raise unsupported(self, spec, self.device)
         if self.rot is not None:
             k, v = _rotate(k, self.rot), _rotate(v, self.rot)
-            q = _rotate(q, self.rot).to(q.dtype)  # (qR)(kR)^T = qk^T
-        if meta.is_prefill:
+            q = _rotate(q, self.rot).to(q.dtype)  # (qR)(kR)^T = qk^T: windows and caps unchanged
+        if not spec.plain:
+            # the fresh-prefill shortcuts and the recent-block pool compute plain attention only;
+            # a windowed layer reads every block from the cache (4-bit ones included)
+            self._store(k, v, meta.slot_mapping)
+            out = self._gathered(q, k, v, meta, spec,
+                                 self.device if meta.is_prefill else self._decode_device())
+        elif meta.is_prefill:
             out = self.prefill(self, q, k, v, meta, spec)
         else:
             out = self.decode(self, q, k, v, meta, spec)
@@ -144,16 +158,22 @@ class TierLayer(RecentPoolAttention, AttentionBackend):
             # (FlexGen's prefill attends on the GPU before storing the cache off it)
             with self.timers.section("compute"):
                 return fresh_prefill_attention(q, k, v, meta.query_lens, spec.scale)
-        return self._gathered(q, k, v, meta, spec.scale, self.device)
+        return self._gathered(q, k, v, meta, spec, self.device)
 
     def decode(self, kv, q, k, v, meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
         self._store(k, v, meta.slot_mapping)
-        return self._gathered(q, k, v, meta, spec.scale, self.device)
+        return self._gathered(q, k, v, meta, spec, self._decode_device())
 
-    def _gathered(self, q, k, v, meta: AttentionMetadata, scale: float,
+    def _decode_device(self) -> torch.device:
+        """Where decode attends over the gathered blocks: the compute device."""
+        return self.device
+
+    def _gathered(self, q, k, v, meta: AttentionMetadata, spec: AttentionSpec,
                   where: torch.device) -> torch.Tensor:
         """Attention over the step's blocks gathered (dequantized) onto ``where``; the output on
-        the compute device."""
+        the compute device. A spec beyond plain attention goes through the reference backend's
+        ``per_sequence_attention`` (one implementation of window, softcap and sinks)."""
+        scale = spec.scale
         plan = self._plan(meta)
         ids = plan.ids_on(self.store_device)
         kc, vc = self._blocks("k", ids, where), self._blocks("v", ids, where)
@@ -162,7 +182,10 @@ class TierLayer(RecentPoolAttention, AttentionBackend):
             with self.timers.section("gtoc"):
                 q = q.to(where)
         with self.timers.section("compute"):
-            if self.recent_blocks:
+            if not spec.plain:
+                out = per_sequence_attention(q, kc, vc, plan.local_on(where),
+                                             meta.context_lens_list, meta.query_lens, spec)
+            elif self.recent_blocks:
                 out = self._attend_recent(q, k, v, kc, vc, plan, meta, scale, where)
             elif meta.is_prefill:
                 out = ref.paged_prefill_attention(q, kc, vc, plan.local_on(where),
