@@ -141,7 +141,9 @@ def test_rms_norms_match_torch(rows, n):
     """bf16 RMSNorm and residual add + RMSNorm against the torch expressions (Hugging Face
     LlamaRMSNorm's two roundings): the mean of squares is summed in another order than torch's,
     so a rare normalized element may round one bf16 step apart, which the weight's multiply and
-    rounding can widen to two, never more; the residual sum is exact;
+    rounding can widen to two, never more (a row's scale is shared by all its elements: where it
+    differs in its last bit, a few percent of that row can round apart, so the bound on their
+    share allows for one such row); the residual sum is exact;
     fp32 (a strided view) within float32 rounding."""
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     x, delta = (torch.randn(rows, n, generator=gen).bfloat16() * 3 for _ in range(2))
@@ -153,7 +155,7 @@ def test_rms_norms_match_torch(rows, n):
     for got, expect in ((ops.rms_norm(x, w, 1e-5), want(x)),
                         ops.add_rms_norm(x, d := delta.clone(), w, 1e-5)[1:] + (want(x + delta),)):
         ulps = bf16_ulps(got, expect)
-        assert ulps.max() <= 2 and (ulps > 0).float().mean() < 0.01
+        assert ulps.max() <= 2 and (ulps > 0).float().mean() < 0.05
     assert torch.equal(d, x + delta)  # the sum, written over delta
     xf, wf = x.float(), w.float()
     got = ops.rms_norm(xf[:, : n // 2], wf[: n // 2], 1e-6)  # a strided view of the rows
