@@ -220,7 +220,7 @@ def test_backends_refuse_a_spec_they_do_not_compute():
     view.backend = CpuBackend()
     with pytest.raises(UnsupportedAttention, match="logit soft-capping .* on cpu"):
         view.attend(q, k, v, meta, capped)
-    layer = tier_layer(TierLayer, compress=False)
+    layer = tier_layer(Int4KernelTierLayer, compress=True)  # the gather path computes it
     with pytest.raises(UnsupportedAttention, match="logit soft-capping .* tiered .* on cpu"):
         layer.attend(q, k, v, meta, capped)
 
@@ -261,7 +261,9 @@ def test_runner_binds_one_backend_and_checks_every_layer(monkeypatch):
     cfg.sliding_window = 4  # a windowed family: the reference backend computes it
     assert type(ModelRunner(model, SimpleNamespace(views=[paged_view(8)], block_size=BS)).attention) \
         is TorchReferenceBackend
-    layer = tier_layer(TierLayer, compress=False)  # a tiered layer cannot: refused at build
+    gathered = tier_layer(TierLayer, compress=False)  # the gather path computes it
+    ModelRunner(model, SimpleNamespace(views=[gathered, gathered], block_size=BS))
+    layer = tier_layer(Int4KernelTierLayer, compress=True)  # in-place kernels cannot: refused at build
     with pytest.raises(UnsupportedAttention, match="sliding-window attention"):
         ModelRunner(model, SimpleNamespace(views=[layer, layer], block_size=BS))
 
