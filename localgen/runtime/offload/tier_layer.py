@@ -107,9 +107,9 @@ class TierLayer(RecentPoolAttention, AttentionBackend):
         return self.forward(self, q, k, v, meta, spec)
 
     def supports(self, spec: AttentionSpec) -> bool:
-        """Every spec: a window, softcap or sinks run through the reference backend's masking
-        over the gathered blocks (``_spec_attention``); subclasses whose kernels read the cache
-        in place compute plain attention only."""
+        """Every spec: a window, softcap or sinks run through the reference backend's
+        ``per_sequence_attention`` over the gathered blocks (``_gathered``); subclasses whose
+        kernels read the cache in place compute plain attention only."""
         return True
 
     def fuses_cpu_decode(self, dtype: torch.dtype) -> bool:
