@@ -64,7 +64,7 @@ def layer_weight_names(cfg: ModelConfig, i: int) -> dict[str, str]:
     if layout == "phi3":
         names = {k: f"{v}.weight" for k, v in _PHI3_MATS.items()}
     else:
-        names = {k: v for k, v in llama._LAYER.items() if "norm" not in k}
+        names = {k: v for k, v in llama.LAYER_WEIGHTS.items() if "norm" not in k}
     names.update({k: f"{v}.weight" for k, v in _NORMS[layout].items()})
     if cfg.dense.qk_norm:
         names.update(q_norm=f"{_ATTN}q_norm.weight", k_norm=f"{_ATTN}k_norm.weight")

@@ -51,7 +51,9 @@ def fused_enabled(h: torch.Tensor) -> bool:
     """Whether the fused Triton elementwise kernels serve tensors like ``h`` (CUDA + triton)."""
     return h.is_cuda and bool(_fused())
 
-_LAYER = {
+
+# a decoder layer's short weight names -> the Hugging Face checkpoint's names under model.layers.{i}
+LAYER_WEIGHTS = {
     "input_norm": "input_layernorm.weight",
     "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight",
     "v": "self_attn.v_proj.weight", "o": "self_attn.o_proj.weight",
@@ -69,7 +71,7 @@ PACKABLE = {"q", "k", "v", "o", "gate", "up", "down", "embed", "lm_head"} | EXPE
 
 def layer_weight_names(cfg: ModelConfig, i: int) -> dict[str, str]:
     """Short name -> Hugging Face parameter name for layer ``i`` (biases are optional)."""
-    return moe_layer_names(cfg.moe, i, {k: f"model.layers.{i}.{v}" for k, v in _LAYER.items()})
+    return moe_layer_names(cfg.moe, i, {k: f"model.layers.{i}.{v}" for k, v in LAYER_WEIGHTS.items()})
 
 
 def global_weight_names(cfg: ModelConfig) -> dict[str, str]:

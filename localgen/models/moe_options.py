@@ -28,7 +28,7 @@ _LAYOUTS = {
 _STACKED = {"router": "router.weight", "router_bias": "router.bias",
             "experts_gate_up": "experts.gate_up_proj", "experts_gate_up_bias": "experts.gate_up_proj_bias",
             "experts_down": "experts.down_proj", "experts_down_bias": "experts.down_proj_bias"}
-# the dense MLP's shorts an MoE layer replaces (llama._LAYER)
+# the dense MLP's shorts an MoE layer replaces (llama.LAYER_WEIGHTS)
 _DENSE_MLP = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
 TOPK_SOFTMAX, SOFTMAX_TOPK = "topk_softmax", "softmax_topk"
 # experts whose matrices may stay in GGUF blocks (a family's PACKABLE is a fixed set of shorts):
