@@ -168,8 +168,8 @@ def _stream(llm: Any, req: Any, term: "batch_cmd.SigtermAsInterrupt") -> None:
     try:
         llm.add_request(req)
     except PromptTooLongError as e:
-        ctx = getattr(llm, "max_model_len", None)
-        typer.echo(f"error: prompt too long for the model's context{f' ({ctx} tokens)' if ctx else ''}: {e}", err=True)
+        typer.echo(f"error: prompt too long for the model's context ({llm.max_model_len} tokens): {e}",
+                   err=True)
         raise typer.Exit(1)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
