@@ -145,8 +145,7 @@ def batch(
             except KeyboardInterrupt:
                 err.print("[yellow]interrupted[/] while loading the model; nothing was written.")
                 raise typer.Exit(term.exit_status) from None
-            ctx = getattr(llm, "max_model_len", None)
-            err.print(f"model {getattr(llm, 'model_name', '?')}" + (f", context {ctx} tokens" if ctx else ""))
+            err.print(f"model {llm.model_name}, context {llm.max_model_len} tokens")
             run = dict(limit=limit, max_tokens=max_tokens, default_sampling=defaults, raw_prompts=raw,
                        max_in_flight=2 * max_num_seqs, output_lock=lock)
             summary, interrupted = _run_with_progress(llm, input, output, run, err if progress_bar else None)
