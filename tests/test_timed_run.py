@@ -18,13 +18,15 @@ TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 320, "hidden_size":
 
 
 def _outputs(engine: Engine, batch: int, prompt_len: int, gen_len: int) -> list[list[int]]:
-    add_random_requests(engine, batch, prompt_len, gen_len, seed=3)
+    # in the order added: the ids come from a process-wide counter ("req-9" < "req-10" but not
+    # as strings), so sorting them would depend on how many requests earlier tests made
+    order = add_random_requests(engine, batch, prompt_len, gen_len, seed=3)
     done = {}
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = list(out.token_ids)
-    return [done[k] for k in sorted(done, key=lambda k: int(k) if k.isdigit() else k)]
+    return [done[k] for k in order]
 
 
 def test_the_offloaded_engine_generates_what_the_resident_one_does():

@@ -56,15 +56,17 @@ def build_engine(cfg: ModelConfig, policy: Policy, batch: int, prompt_len: int, 
 
 
 def add_random_requests(engine: Engine, batch: int, prompt_len: int, gen_len: int,
-                        seed: int = 0) -> None:
+                        seed: int = 0) -> list[str]:
     """``batch`` greedy requests of ``prompt_len`` random prompt ids (drawn with ``seed``), EOS
-    ignored, so each generates exactly ``gen_len`` tokens."""
+    ignored, so each generates exactly ``gen_len`` tokens -> their request ids, in the order added."""
     g = torch.Generator().manual_seed(seed)
     sp = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
     vocab = engine.model.cfg.vocab_size
+    added = []
     for _ in range(batch):
         ids = torch.randint(10, vocab - 10, (prompt_len,), generator=g).tolist()
-        engine.add_request(Request(prompt_token_ids=ids, sampling=sp))
+        added.append(engine.add_request(Request(prompt_token_ids=ids, sampling=sp)))
+    return added
 
 
 def timed_generation(engine: Engine, batch: int, prompt_len: int, gen_len: int,
