@@ -11,6 +11,9 @@
 # machine is still warm. Writes OUT/NAME.log (everything printed) and OUT/NAME.json (the
 # benchmarks' results by run). Needs torch, triton and transformers; gguf, pytest and platformdirs from
 # wheels on PYTHONPATH when the machine lacks them.
+#
+# STEPS=offload,decode (a comma list of selftest, offload_selftest, decode, decode_gguf, offload;
+# default all) runs only those checks, for a before/after of one benchmark inside one call.
 set -uo pipefail
 name=$1
 out=$(cd "$2" && pwd)
@@ -23,6 +26,7 @@ if [ -n "$tar_file" ]; then
   rm -rf "$tree" && mkdir -p "$tree" && tar -xf "$tar_file" -C "$tree" || exit 1
 fi
 site=${PYTHONPATH:-}
+STEPS=${STEPS:-selftest,offload_selftest,decode,decode_gguf,offload}
 
 run_tree() {  # NAME DIR: every check of one tree, each in its own process
   local name=$1 tree=$2 tmp=/tmp/gpu_compare/$1
@@ -31,15 +35,19 @@ run_tree() {  # NAME DIR: every check of one tree, each in its own process
   # kernels/ and profiles/ install under the localgen namespace; a bare checkout links them there
   ln -sfn ../kernels localgen/kernels && ln -sfn ../profiles localgen/profiles
   export PYTHONPATH="$tree${site:+:$site}"
-  mkdir -p "$(dirname "$gguf")"; [ -f "$gguf" ] || python3 scripts/random_gguf.py 1b "$gguf"
+  local -A cmd=(
+    [selftest]="python3 scripts/gpu_selftest.py"
+    [offload_selftest]="python3 scripts/offload_selftest.py"
+    [decode]="python3 -m localgen.bench.decode_bench --model llama-2-7b --batches 1,16 --prompt-len 128 --gen-len 64 --dtype fp16 --no-hf --repeat 3 --out $tmp/decode_fp16.json"
+    [decode_gguf]="python3 -m localgen.bench.decode_bench --model $gguf --batches 1,16 --prompt-len 128 --gen-len 64 --dtype bf16 --no-hf --repeat 3 --out $tmp/decode_gguf.json"
+    [offload]="python3 -m localgen.bench.offload_bench --preset llama-2-7b --gpu-memory 6GiB --gen-len 16 --peer-batches '' --policy 8,2,26,74,0,100,100,0 --policy 4,4,100,0,100,0,33,67,w4,kv4 --out $tmp/offload.json")
   local step
-  for step in "python3 scripts/gpu_selftest.py" "python3 scripts/offload_selftest.py" \
-      "python3 -m localgen.bench.decode_bench --model llama-2-7b --batches 1,16 --prompt-len 128 --gen-len 64 --dtype fp16 --no-hf --repeat 3 --out $tmp/decode_fp16.json" \
-      "python3 -m localgen.bench.decode_bench --model $gguf --batches 1,16 --prompt-len 128 --gen-len 64 --dtype bf16 --no-hf --repeat 3 --out $tmp/decode_gguf.json" \
-      "python3 -m localgen.bench.offload_bench --preset llama-2-7b --gpu-memory 6GiB --gen-len 16 --peer-batches '' --policy 8,2,26,74,0,100,100,0 --policy 4,4,100,0,100,0,33,67,w4,kv4 --out $tmp/offload.json"; do
-    echo "== $name: $step"
+  for step in ${STEPS//,/ }; do
+    [ -n "${cmd[$step]:-}" ] || { echo "== $name: unknown step $step"; continue; }
+    [ "$step" = decode_gguf ] && { mkdir -p "$(dirname "$gguf")"; [ -f "$gguf" ] || python3 scripts/random_gguf.py 1b "$gguf"; }
+    echo "== $name: ${cmd[$step]}"
     local t0=$SECONDS
-    eval "timeout 420 $step"
+    eval "timeout 420 ${cmd[$step]}"
     echo "== $name: exit $? after $((SECONDS - t0)) s"
   done
   python3 - "$tmp" "$out/$name.json" <<'EOF'
