@@ -1,4 +1,5 @@
-"""Pure-torch paged attention: the reference twin of the Triton kernels, and the CPU path.
+"""Pure-torch paged attention: the reference twin of the Triton kernels (with their sliding
+window, logit soft-cap and sinks: ``feature_attention``), and the CPU path.
 
 The KV cache of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``;
 a sequence's tokens live in the blocks its block table lists, in order (PagedAttention, §4.1).
@@ -81,3 +82,57 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         outs.append(o.transpose(0, 1))
         start += ql
     return torch.cat(outs, dim=0)
+
+
+def feature_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, first: int,
+                      scale: float, sliding_window: int | None = None,
+                      logit_softcap: float | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """One sequence's queries q ``[n, num_heads, head_dim]`` at positions ``first .. first+n-1``
+    over its keys/values ``[ctx, num_kv_heads, head_dim]`` (positions ``0 .. ctx-1``), causal,
+    in float32 arithmetic; returned in q's dtype. GQA: query head h reads KV head ``h // (num_heads
+    // num_kv_heads)``.
+
+    ``sliding_window``: a query at p sees keys ``p - sliding_window + 1 .. p`` (Mistral, Jiang et
+    al. 2023 §2; transformers' convention). ``logit_softcap``: scores ``c * tanh(s / c)`` before
+    the masks (Gemma 2, Team Gemma 2024 §2). ``sinks``: ``[num_heads]`` logits, head h's softmax
+    denominator gains ``exp(sinks[h])`` with no value attached (gpt-oss). None: off."""
+    n, num_heads, _ = q.shape
+    ctx, kv_heads = keys.shape[:2]
+    group = num_heads // kv_heads
+    k = keys.float().repeat_interleave(group, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if logit_softcap is not None:
+        s = logit_softcap * torch.tanh(s / logit_softcap)
+    qpos = torch.arange(first, first + n, device=q.device)[:, None]
+    kpos = torch.arange(ctx, device=q.device)[None, :]
+    visible = kpos <= qpos
+    if sliding_window is not None:
+        visible &= kpos > qpos - sliding_window
+    s = s.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(s.device, torch.float32)[:, None, None].expand(num_heads, n, 1)
+        s = torch.cat([s, sink], dim=-1)
+    p = torch.softmax(s, dim=-1)[..., :ctx]
+    out = torch.einsum("hqk,khd->qhd", p, vals.float().repeat_interleave(group, dim=1))
+    return out.to(q.dtype)
+
+
+def paged_feature_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, context_lens: list[int],
+                            query_lens: list[int], scale: float,
+                            sliding_window: int | None = None, logit_softcap: float | None = None,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """``feature_attention`` of each sequence's packed queries (q ``[num_tokens, num_heads,
+    head_dim]``, ``query_lens[i]`` of them, the last ones of its ``context_lens[i]`` positions)
+    over its context gathered from the paged caches through ``block_tables``: the twin of the
+    Triton prefill and decode kernels with their window, soft-cap and sinks. q's shape and
+    dtype."""
+    out, start = torch.empty_like(q), 0
+    for i, (ctx, ql) in enumerate(zip(context_lens, query_lens)):
+        keys = gather_kv(k_cache, block_tables[i], ctx)
+        vals = gather_kv(v_cache, block_tables[i], ctx)
+        out[start:start + ql] = feature_attention(q[start:start + ql], keys, vals, ctx - ql, scale,
+                                                  sliding_window, logit_softcap, sinks)
+        start += ql
+    return out

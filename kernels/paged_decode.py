@@ -31,24 +31,30 @@ recompute path alike.
 All arithmetic is float32 in registers; tensor-core dots take the cache dtype (bf16/fp16) with a
 float32 accumulator. Offsets into the caches are int64 (caches beyond 2^31 elements).
 
+A sliding window, a logit soft-cap and sink logits (``score_features``) are constexpr switches
+of the same kernels: a windowed query's splits share the keys from its window's first one on,
+the cap applies to every tile's scores, and the sink terms join the denominators where a row
+is normalized (stage 1's single pass, the combine, the recompute).
+
 The kernel's compile-time switches are named by ``DecodeModes`` (softmax, cache format, own
-KV block, single pass or split, fused combine), its launch arguments packed in one place
-(``_DecodeArgs``); the tile-level functions are in ``paged_decode_tiles``, the launch
-parameters by shape in ``decode_splits``.
+KV block, single pass or split, fused combine, score features), its launch arguments packed
+in one place (``decode_args.DecodeArgs``); the tile-level functions are in
+``paged_decode_tiles``, the launch parameters by shape in ``decode_splits``.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from .decode_args import (DecodeModes, checked_inputs, flags_buffer, int4_geometry,
+                          pack_args)
 from .decode_splits import (choose_num_splits, config_splits, decode_config,  # noqa: F401
                             wave_span)
 from .paged_decode_tiles import at_kv_head, attend_ctx, load_q, own_start, store_rows
 from .quant_ref import QuantizedKV
+from .score_features import ScoreFeatures, sinks_arg, window_start, with_sink, with_sink_max
 from .triton_common import LOG2E, dot_dtype, ieee_dots, pow2, tickets
 
 # Safe ranges of ``x - phi`` for the asynchronized softmax, by the dtype p is cast to for the P@V
@@ -74,19 +80,22 @@ def _flag_unsafe(row_max, phi2, lo2, hi2, h_mask, flag_row_ptr, heads):
 
 
 @triton.jit
-def _recompute_rows(q, q_odd, bt_row_ptr, ctx, own_row, own_lo, cache, pool, cache_strides,
-                    pool_strides, qk_scale, phi2, offs_d, d_mask, out_ptr, out_rows, h_mask,
+def _recompute_rows(q, q_odd, bt_row_ptr, lo, ctx, own_row, own_lo, cache, pool, cache_strides,
+                    pool_strides, qk_scale, phi2, sinks_ptr, heads, offs_d, d_mask, out_ptr,
+                    out_rows, h_mask,
                     HEAD_DIM: tl.constexpr, BS: tl.constexpr, BLOCK_H: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
                     HALF_D: tl.constexpr, NG: tl.constexpr, NG_P: tl.constexpr,
                     HG: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
-                    OWN_FP: tl.constexpr, OWN_N: tl.constexpr):
-    """The head group's rows by the synchronized online softmax over the whole context, one
-    program (FlashDecoding++ §3's fallback), stored to ``out``."""
+                    OWN_FP: tl.constexpr, OWN_N: tl.constexpr, SOFTCAP2: tl.constexpr,
+                    SINKS: tl.constexpr):
+    """The head group's rows by the synchronized online softmax over the visible context
+    ``[lo, ctx)``, one program (FlashDecoding++ §3's fallback), stored to ``out``."""
     r_acc, r_acc_o, r_l, r_m = attend_ctx(
-        q, q_odd, bt_row_ptr, 0, ctx, own_row, own_lo, cache, pool, cache_strides,
+        q, q_odd, bt_row_ptr, lo, ctx, own_row, own_lo, cache, pool, cache_strides,
         pool_strides, qk_scale, phi2, offs_d, d_mask, BS, BLOCK_H, BLOCK_N, BLOCK_D, False,
-        QUANT, HALF_D, NG, NG_P, HG, DOT_DTYPE, IEEE, OWN_FP, OWN_N)
+        QUANT, HALF_D, NG, NG_P, HG, DOT_DTYPE, IEEE, OWN_FP, OWN_N, SOFTCAP2)
+    r_l = with_sink(r_l, r_m, sinks_ptr, heads, h_mask, SINKS)
     r_l = tl.where(r_l == 0.0, 1.0, r_l)
     store_rows(out_ptr, out_rows, r_acc, r_acc_o, 1.0 / r_l, h_mask, HEAD_DIM, BLOCK_D, QUANT,
                NG_P * HG)
@@ -100,7 +109,7 @@ def _finish(seq64, kvh, q_ptr, cache, pool, own_ptr, bt_ptr, cl_ptr, parts, out_
             BLOCK_S: tl.constexpr, S_CHUNK: tl.constexpr, ASYNC: tl.constexpr,
             QUANT: tl.constexpr, HALF_D: tl.constexpr, NG: tl.constexpr, NG_P: tl.constexpr,
             HG: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
-            OWN_FP: tl.constexpr, OWN_N: tl.constexpr):
+            OWN_FP: tl.constexpr, OWN_N: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP2: tl.constexpr, SINKS: tl.constexpr):
     """Combine the splits of one (sequence, KV head) into ``out``. Synchronized: rescale by
     ``exp2(m_s - max m_s)``. Asynchronized: plain sums, rows outside the safe range flagged and
     the KV head's rows recomputed by the synchronized online softmax. The partials are read
@@ -108,7 +117,7 @@ def _finish(seq64, kvh, q_ptr, cache, pool, own_ptr, bt_ptr, cl_ptr, parts, out_
     q_st, cache_st, head_st, pool_st, part_st, out_st, stride_btb, stride_fb = strides
     stride_mb, stride_mh, stride_ms = part_st
     mid_o_ptr, mid_l_ptr, mid_m_ptr = parts
-    qk_scale, phi2, lo2, hi2 = softmax
+    qk_scale, phi2, lo2, hi2, sinks_ptr = softmax
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     offs_s = tl.arange(0, BLOCK_S)
@@ -123,18 +132,19 @@ def _finish(seq64, kvh, q_ptr, cache, pool, own_ptr, bt_ptr, cl_ptr, parts, out_
         hs_mask = h_mask[:, None] & (offs_s < num_splits)[None, :]
         m_s = tl.load(mid_m_ptr + row_base[:, None] + offs_s[None, :] * stride_ms, mask=hs_mask,
                       other=float("-inf"), cache_modifier=".cg")
-        recompute = _flag_unsafe(tl.max(m_s, 1), phi2, lo2, hi2, h_mask,
-                                 flag_ptr + seq64 * stride_fb, heads)
+        recompute = _flag_unsafe(with_sink_max(tl.max(m_s, 1), sinks_ptr, heads, h_mask, SINKS),
+                                 phi2, lo2, hi2, h_mask, flag_ptr + seq64 * stride_fb, heads)
     if recompute:
         ctx = tl.load(cl_ptr + seq64).to(tl.int32)
         q, q_odd = load_q(q_ptr, seq64 * q_st[0], heads * q_st[1], h_mask, HEAD_DIM, BLOCK_D,
                           QUANT, NG_P * HG)
         own_row, own_lo = own_start(own_ptr, seq64, ctx, BS, OWN_FP)
         cache_h, pool_h = at_kv_head(cache, pool, kvh.to(tl.int64), head_st)
-        _recompute_rows(q, q_odd, bt_ptr + seq64 * stride_btb, ctx, own_row, own_lo, cache_h,
-                        pool_h, cache_st, pool_st, qk_scale, phi2, offs_d, d_mask, out_ptr,
-                        out_rows, h_mask, HEAD_DIM, BS, BLOCK_H, BLOCK_N, BLOCK_D, QUANT, HALF_D,
-                        NG, NG_P, HG, DOT_DTYPE, IEEE, OWN_FP, OWN_N)
+        _recompute_rows(q, q_odd, bt_ptr + seq64 * stride_btb, window_start(ctx - 1, WINDOW),
+                        ctx, own_row, own_lo, cache_h, pool_h, cache_st, pool_st, qk_scale, phi2,
+                        sinks_ptr, heads, offs_d, d_mask, out_ptr, out_rows, h_mask, HEAD_DIM, BS,
+                        BLOCK_H, BLOCK_N, BLOCK_D, QUANT, HALF_D, NG, NG_P, HG, DOT_DTYPE, IEEE,
+                        OWN_FP, OWN_N, SOFTCAP2, SINKS)
     else:
         # all GQA heads at once, loads independent of each other (one round of L2 latency,
         # not one chain per head): m and l [BLOCK_H, BLOCK_S], partials in S_CHUNK-split tiles
@@ -144,13 +154,14 @@ def _finish(seq64, kvh, q_ptr, cache, pool, own_ptr, bt_ptr, cl_ptr, parts, out_
         l_s = tl.load(mid_l_ptr + hs_off, mask=hs_mask, other=0.0, cache_modifier=".cg")
         if ASYNC:
             big = tl.zeros([BLOCK_H], tl.float32)  # plain sums: every partial shares exp(-phi)
-            den = tl.sum(l_s, 1)
+            den = with_sink(tl.sum(l_s, 1), phi2, sinks_ptr, heads, h_mask, SINKS)
         else:
             m_s = tl.load(mid_m_ptr + hs_off, mask=hs_mask, other=float("-inf"),
                           cache_modifier=".cg")
             big = tl.max(m_s, 1)
             big = tl.where(big == float("-inf"), 0.0, big)
             den = tl.sum(tl.exp2(m_s - big[:, None]) * l_s, 1)  # empty splits: exp2(-inf) = 0
+            den = with_sink(den, big, sinks_ptr, heads, h_mask, SINKS)
         den = tl.where(den == 0.0, 1.0, den)
         o = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         for s0 in tl.static_range(0, BLOCK_S, S_CHUNK):
@@ -180,7 +191,7 @@ def _decode_stage1(q_ptr, cache, pool, own_ptr, bt_ptr, cl_ptr, parts, out_ptr, 
                    QUANT: tl.constexpr, HALF_D: tl.constexpr, NG: tl.constexpr,
                    NG_P: tl.constexpr, HG: tl.constexpr, DOT_DTYPE: tl.constexpr,
                    IEEE: tl.constexpr, FUSED: tl.constexpr, ONE_SPLIT: tl.constexpr,
-                   OWN_FP: tl.constexpr, OWN_N: tl.constexpr):
+                   OWN_FP: tl.constexpr, OWN_N: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP2: tl.constexpr, SINKS: tl.constexpr):
     """Stage 1: one split of one (sequence, KV head). ONE_SPLIT: the program owns the whole
     context and writes ``out`` itself (no partials). FUSED: after writing its partials, the
     program takes a ticket from the (sequence, KV head)'s counter; the last one to arrive
@@ -193,11 +204,14 @@ def _decode_stage1(q_ptr, cache, pool, own_ptr, bt_ptr, cl_ptr, parts, out_ptr, 
     seq = tl.program_id(1)
     split = tl.program_id(2)
     q_st, cache_st, head_st, pool_st, part_st, out_st, stride_btb, stride_fb = strides
-    qk_scale, phi2, lo2, hi2 = softmax
+    qk_scale, phi2, lo2, hi2, sinks_ptr = softmax
     seq64 = seq.to(tl.int64)
     ctx = tl.load(cl_ptr + seq).to(tl.int32)
-    chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * chunk
+    # the splits share the keys the query sees: from the window's first one (KV blocks before
+    # it are never read; the table may point them at a released placeholder)
+    first = window_start(ctx - 1, WINDOW)
+    chunk = tl.cdiv(tl.cdiv(ctx - first, num_splits), BLOCK_N) * BLOCK_N
+    lo = first + split * chunk
     hi = tl.minimum(lo + chunk, ctx)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -213,19 +227,24 @@ def _decode_stage1(q_ptr, cache, pool, own_ptr, bt_ptr, cl_ptr, parts, out_ptr, 
     acc, acc_o, l, m = attend_ctx(
         q, q_odd, bt_row, lo, hi, own_row, own_lo, cache_h, pool_h, cache_st, pool_st,
         qk_scale, phi2, offs_d, d_mask, BS, BLOCK_H, BLOCK_N, BLOCK_D, ASYNC, QUANT, HALF_D,
-        NG, NG_P, HG, DOT_DTYPE, IEEE, OWN_FP, OWN_N)
+        NG, NG_P, HG, DOT_DTYPE, IEEE, OWN_FP, OWN_N, SOFTCAP2)
     if ONE_SPLIT:
         out_rows = seq64 * out_st[0] + heads.to(tl.int64) * out_st[1]
         recompute = False
         if ASYNC:
-            recompute = _flag_unsafe(m, phi2, lo2, hi2, h_mask, flag_ptr + seq64 * stride_fb,
-                                     heads)
+            recompute = _flag_unsafe(with_sink_max(m, sinks_ptr, heads, h_mask, SINKS), phi2,
+                                     lo2, hi2, h_mask, flag_ptr + seq64 * stride_fb, heads)
         if recompute:
-            _recompute_rows(q, q_odd, bt_row, ctx, own_row, own_lo, cache_h, pool_h, cache_st,
-                            pool_st, qk_scale, phi2, offs_d, d_mask, out_ptr, out_rows, h_mask,
-                            HEAD_DIM, BS, BLOCK_H, BLOCK_N, BLOCK_D, QUANT, HALF_D, NG, NG_P, HG,
-                            DOT_DTYPE, IEEE, OWN_FP, OWN_N)
+            _recompute_rows(q, q_odd, bt_row, first, ctx, own_row, own_lo, cache_h, pool_h,
+                            cache_st, pool_st, qk_scale, phi2, sinks_ptr, heads, offs_d, d_mask,
+                            out_ptr, out_rows, h_mask, HEAD_DIM, BS, BLOCK_H, BLOCK_N, BLOCK_D,
+                            QUANT, HALF_D, NG, NG_P, HG, DOT_DTYPE, IEEE, OWN_FP, OWN_N, SOFTCAP2,
+                            SINKS)
         else:
+            if ASYNC:
+                l = with_sink(l, phi2, sinks_ptr, heads, h_mask, SINKS)
+            else:
+                l = with_sink(l, m, sinks_ptr, heads, h_mask, SINKS)
             l = tl.where(l == 0.0, 1.0, l)
             store_rows(out_ptr, out_rows, acc, acc_o, 1.0 / l, h_mask, HEAD_DIM, BLOCK_D,
                        QUANT, NG_P * HG)
@@ -246,7 +265,8 @@ def _decode_stage1(q_ptr, cache, pool, own_ptr, bt_ptr, cl_ptr, parts, out_ptr, 
                 _finish(seq64, kvh, q_ptr, cache, pool, own_ptr, bt_ptr, cl_ptr, parts, out_ptr,
                         flag_ptr, strides, softmax, num_splits,
                         GQA, HEAD_DIM, BS, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_S, S_CHUNK, ASYNC,
-                        QUANT, HALF_D, NG, NG_P, HG, DOT_DTYPE, IEEE, OWN_FP, OWN_N)
+                        QUANT, HALF_D, NG, NG_P, HG, DOT_DTYPE, IEEE, OWN_FP, OWN_N, WINDOW,
+                        SOFTCAP2, SINKS)
                 tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next call
 
 
@@ -258,223 +278,40 @@ def _decode_stage2(q_ptr, cache, pool, own_ptr, bt_ptr, cl_ptr, parts, out_ptr, 
                    BLOCK_S: tl.constexpr, S_CHUNK: tl.constexpr, ASYNC: tl.constexpr,
                    QUANT: tl.constexpr, HALF_D: tl.constexpr, NG: tl.constexpr,
                    NG_P: tl.constexpr, HG: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                   IEEE: tl.constexpr, OWN_FP: tl.constexpr, OWN_N: tl.constexpr):
+                   IEEE: tl.constexpr, OWN_FP: tl.constexpr, OWN_N: tl.constexpr,
+                   WINDOW: tl.constexpr, SOFTCAP2: tl.constexpr, SINKS: tl.constexpr):
     """Stage 2 (unfused path), grid ``[num_kv_heads, num_seqs]``: ``_finish``."""
     _finish(tl.program_id(1).to(tl.int64), tl.program_id(0), q_ptr, cache, pool, own_ptr, bt_ptr,
             cl_ptr, parts, out_ptr, flag_ptr, strides, softmax, num_splits,
             GQA, HEAD_DIM, BS, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_S, S_CHUNK, ASYNC,
-            QUANT, HALF_D, NG, NG_P, HG, DOT_DTYPE, IEEE, OWN_FP, OWN_N)
-
-
-# --------------------------------------------------------------------------------------------
-# launch
-# --------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class DecodeModes:
-    """The decode kernel's compile-time switches (each combination compiles its own kernel).
-
-    ``async_softmax``: one unified max phi (FlashDecoding++ §3) instead of the online softmax;
-    ``int4``: the 4-bit cache (FlexGen §5); ``own_fp``: each sequence's last KV block read from
-    the full-precision pool (KIVI); ``one_split``: one program per (sequence, KV head) writes
-    ``out`` itself, no partials; ``fused``: the split programs combine their partials in the
-    same launch (the last ticket), else a second launch (``_decode_stage2``) does."""
-
-    async_softmax: bool
-    int4: bool = False
-    own_fp: bool = False
-    one_split: bool = True
-    fused: bool = False
-
-    @classmethod
-    def plain(cls, async_softmax: bool) -> DecodeModes:
-        """A plain (bf16/fp16/fp32) cache."""
-        return cls(async_softmax)
-
-    @classmethod
-    def int4_cache(cls, async_softmax: bool, own_fp: bool) -> DecodeModes:
-        """A 4-bit cache, its own KV blocks in the fp pool when ``own_fp``."""
-        return cls(async_softmax, int4=True, own_fp=own_fp)
-
-    def single_pass(self) -> DecodeModes:
-        """One program per (sequence, KV head) over its whole context."""
-        return replace(self, one_split=True, fused=False)
-
-    def split(self, fused: bool) -> DecodeModes:
-        """Split-KV: partials per split, combined in-launch (``fused``) or by stage 2."""
-        return replace(self, one_split=False, fused=fused)
-
-    @property
-    def combine_launch(self) -> bool:
-        """Whether the partials need the second launch."""
-        return not self.one_split and not self.fused
-
-    def constexprs(self) -> dict:
-        """The switches both stages take."""
-        return dict(ASYNC=self.async_softmax, QUANT=self.int4, OWN_FP=self.own_fp)
-
-    def stage1_constexprs(self) -> dict:
-        return dict(self.constexprs(), ONE_SPLIT=self.one_split, FUSED=self.fused)
-
-
-@dataclass(frozen=True)
-class _DecodeArgs:
-    """The runtime arguments of both stages, in the kernels' order. ``cache``: K, K-scale,
-    K-min, V, V-scale, V-min (plain caches pass K and V for the unused ones); ``pool``: the fp
-    pool's K and V; ``parts``: partial outputs, denominators and maxima; ``strides``: (q, cache,
-    per-KV-head, pool, partials, out, block table row, flags row); ``softmax``: (qk_scale, phi,
-    safe-range low, high) in log2 units."""
-
-    q: torch.Tensor
-    cache: tuple
-    pool: tuple
-    own_rows: torch.Tensor
-    block_tables: torch.Tensor
-    context_lens: torch.Tensor
-    parts: tuple
-    out: torch.Tensor
-    flags: torch.Tensor
-    strides: tuple
-    softmax: tuple
-    num_splits: int
-
-    def stage2(self) -> tuple:
-        return (self.q, self.cache, self.pool, self.own_rows, self.block_tables,
-                self.context_lens, self.parts, self.out, self.flags, self.strides, self.softmax,
-                self.num_splits)
-
-    def stage1(self, tickets_: torch.Tensor, num_kv_heads: int) -> tuple:
-        return (*self.stage2(), tickets_, num_kv_heads)
-
-
-def _flags_buffer(flags, num_seqs: int, num_heads: int, device, is_async: bool, wanted: bool):
-    """The int32 ``[num_seqs, num_heads]`` recompute flags, or None when nobody needs them.
-    The async kernels store every row's flag, so their buffer needs no clearing (a memset would
-    be a second launch on every call); the sync kernels store none, so their returned flags are
-    zeros."""
-    if not wanted:
-        return None
-    if flags is None:
-        alloc = torch.empty if is_async else torch.zeros
-        return alloc(num_seqs, num_heads, dtype=torch.int32, device=device)
-    if flags.shape != (num_seqs, num_heads) or flags.dtype != torch.int32 \
-            or flags.stride(-1) != 1:
-        raise ValueError(f"flags must be contiguous int32 [{num_seqs}, {num_heads}], got "
-                         f"{flags.dtype} {tuple(flags.shape)}")
-    if not is_async:
-        flags.zero_()
-    return flags
-
-
-def _checked_inputs(q, kc, vc, block_tables):
-    """q, the block tables in an int dtype with a contiguous last dim; ValueError on shapes or
-    strides the kernel cannot take."""
-    if q.dim() != 3:
-        raise ValueError(f"q must be [num_seqs, num_heads, head_dim], got {tuple(q.shape)}")
-    kv_heads = kc.shape[2]
-    if q.shape[1] % kv_heads:
-        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {kv_heads}")
-    if kc.stride(-1) != 1 or vc.stride(-1) != 1 or kc.stride() != vc.stride():
-        raise ValueError("K and V caches need the same strides and a contiguous last dim")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if block_tables.dtype not in (torch.int32, torch.int64):
-        block_tables = block_tables.long()
-    if block_tables.stride(-1) != 1:
-        block_tables = block_tables.contiguous()
-    return q, block_tables
-
-
-def _int4_geometry(quant_group, head_dim: int) -> dict:
-    """The 4-bit tiles' constexprs: bytes per row, groups per row (and its power of two), bytes
-    per group; placeholders for plain caches."""
-    if quant_group is None:
-        return dict(HALF_D=1, NG=1, NG_P=1, HG=1)
-    group = int(quant_group)
-    if group % 2 or group & (group - 1):
-        raise ValueError(f"int4 group size must be an even power of two, got {group}")
-    ng = -(-head_dim // group)
-    geo = dict(HALF_D=head_dim // 2, NG=ng, NG_P=pow2(ng, 1), HG=group // 2)
-    if geo["NG_P"] * geo["HG"] < 16:
-        raise ValueError("int4 decode needs head_dim / 2 >= 16 (tensor-core dot width)")
-    return geo
-
-
-def _pool_args(own, kc, num_seqs: int, head_dim: int):
-    """(pool K, pool V, rows, pool strides (row, slot, KV head)) for the own KV blocks, or
-    placeholders when there is no pool."""
-    if own is None:
-        return kc, kc, kc, (0, 0, 0)
-    pk, pv, own_rows = own
-    bs, kv_heads = kc.shape[1:3]
-    if pk.shape[1:] != (bs, kv_heads, head_dim) or pv.shape != pk.shape \
-            or pk.stride() != pv.stride() or pk.stride(-1) != 1 or own_rows.shape != (num_seqs,):
-        raise ValueError(f"own-block pool: K {tuple(pk.shape)}, V {tuple(pv.shape)}, rows "
-                         f"{tuple(own_rows.shape)} do not match an int4 cache of block size "
-                         f"{bs}, {kv_heads} KV heads, head_dim {head_dim}, {num_seqs} sequences")
-    return pk, pv, own_rows, (pk.stride(0), pk.stride(1), pk.stride(2))
-
-
-def _partials(q, num_splits: int):
-    """The split partials (outputs, denominators, maxima) and their strides; tiny placeholders
-    for a single pass."""
-    num_seqs, num_heads, head_dim = q.shape
-    if num_splits == 1:
-        mid = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
-        return (mid, mid, mid), (0, 0, 0)
-    mid_o = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32,
-                        device=q.device)
-    mid_l = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    mid_m = torch.empty_like(mid_l)
-    return (mid_o, mid_l, mid_m), (mid_l.stride(0), mid_l.stride(1), mid_l.stride(2))
-
-
-def _pack_args(q, k, v, kc, vc, own, block_tables, context_lens, out, flags, scale, phi, bounds,
-               num_splits) -> tuple[_DecodeArgs, dict]:
-    """``_DecodeArgs`` and the pool's tile width for one launch (``k``/``v`` plain caches or
-    QuantizedKV, ``kc``/``vc`` their code tensors)."""
-    if isinstance(k, QuantizedKV):
-        ks, kz, vs, vz = k.scale, k.min, v.scale, v.min
-        s_strides = (ks.stride(0), ks.stride(1))
-        s_head = ks.stride(2)
-    else:
-        ks = kz = vs = vz = kc  # unused
-        s_strides, s_head = (0, 0), 0
-    pk, pv, own_rows, p_strides = _pool_args(own, kc, q.shape[0], q.shape[2])
-    parts, part_strides = _partials(q, num_splits)
-    is_async = phi is not None
-    softmax = (float(scale) * LOG2E, float(phi) * LOG2E if is_async else 0.0,
-               float(bounds[0]) * LOG2E if is_async else 0.0,
-               float(bounds[1]) * LOG2E if is_async else 0.0)
-    strides = ((q.stride(0), q.stride(1)), (kc.stride(0), kc.stride(1), *s_strides),
-               (kc.stride(2), s_head, p_strides[2]), p_strides[:2], part_strides,
-               (out.stride(0), out.stride(1)), block_tables.stride(0),
-               flags.stride(0) if flags is not out else 0)
-    return _DecodeArgs(q, (kc, ks, kz, vc, vs, vz), (pk, pv), own_rows, block_tables,
-                       context_lens, parts, out, flags, strides, softmax, num_splits)
+            QUANT, HALF_D, NG, NG_P, HG, DOT_DTYPE, IEEE, OWN_FP, OWN_N, WINDOW, SOFTCAP2,
+            SINKS)
 
 
 def _launch(q, k, v, block_tables, context_lens, scale, modes: DecodeModes, *, quant_group, phi,
             bounds, num_splits, max_context_len, block_n, num_warps, num_stages, return_flags,
-            out, fused=None, own=None, block_h=None, flags=None):
+            out, fused=None, own=None, block_h=None, flags=None, sinks=None):
     """Shared launcher; ``k``/``v`` are plain caches or QuantizedKV (``modes.int4``); ``own`` =
-    (pool K, pool V, row per sequence) for the int4 cache's fp own KV blocks, or None."""
+    (pool K, pool V, row per sequence) for the int4 cache's fp own KV blocks, or None;
+    ``sinks``: the ``[num_heads]`` sink logits when ``modes.features.sinks``."""
     kc = k.packed if modes.int4 else k
     vc = v.packed if modes.int4 else v
-    q, block_tables = _checked_inputs(q, kc, vc, block_tables)
+    q, block_tables = checked_inputs(q, kc, vc, block_tables)
     num_seqs, num_heads, head_dim = q.shape
     kv_heads = kc.shape[2]
     gqa = num_heads // kv_heads
     if max_context_len is None:
         max_context_len = int(context_lens.max()) if num_seqs else 0
-    cfg = decode_config(num_seqs, kv_heads, max_context_len, head_dim, q.device, modes.int4, gqa)
+    # the longest stretch of keys one sequence's program walks: its window, at most
+    span = min(max_context_len, modes.features.window or max_context_len)
+    cfg = decode_config(num_seqs, kv_heads, span, head_dim, q.device, modes.int4, gqa)
     block_n = cfg["block_n"] if block_n is None else block_n
     block_h = pow2(gqa, cfg["min_block_h"]) if block_h is None else pow2(block_h, 1)
     if block_h < gqa:
         raise ValueError(f"block_h {block_h} holds fewer rows than the {gqa} query heads "
                          "of a KV head")
     if num_splits is None:
-        num_splits = config_splits(cfg, num_seqs, kv_heads, max_context_len, q.device, block_n)
+        num_splits = config_splits(cfg, num_seqs, kv_heads, span, q.device, block_n)
     num_splits = max(1, int(num_splits))
     fused = cfg["fused"] if fused is None else fused
     modes = modes.single_pass() if num_splits == 1 else modes.split(fused)
@@ -482,7 +319,7 @@ def _launch(q, k, v, block_tables, context_lens, scale, modes: DecodeModes, *, q
         bounds = DEFAULT_BOUNDS.get(q.dtype, (-64.0, 64.0))
     if out is None:
         out = torch.empty_like(q)
-    flags = _flags_buffer(flags, num_seqs, num_heads, q.device, modes.async_softmax,
+    flags = flags_buffer(flags, num_seqs, num_heads, q.device, modes.async_softmax,
                           return_flags or modes.async_softmax)
     if flags is None:
         flags = out  # never written: the sync kernels store no flags
@@ -492,10 +329,10 @@ def _launch(q, k, v, block_tables, context_lens, scale, modes: DecodeModes, *, q
     geometry = dict(GQA=gqa, HEAD_DIM=head_dim, BS=kc.shape[1], BLOCK_H=block_h, BLOCK_N=block_n,
                     BLOCK_D=pow2(head_dim), BLOCK_S=block_s,
                     S_CHUNK=min(block_s, max(1, 32 // block_h)),
-                    **_int4_geometry(quant_group, head_dim), DOT_DTYPE=dot_dtype(q.dtype),
+                    **int4_geometry(quant_group, head_dim), DOT_DTYPE=dot_dtype(q.dtype),
                     IEEE=ieee_dots(q.dtype), OWN_N=pow2(kc.shape[1]))
-    args = _pack_args(q, k, v, kc, vc, own, block_tables, context_lens, out, flags, scale, phi,
-                      bounds, num_splits)
+    args = pack_args(q, k, v, kc, vc, own, block_tables, context_lens, out, flags, scale, phi,
+                     bounds, num_splits, sinks_arg(sinks, num_heads, out))
     count = tickets(q.device, num_seqs * kv_heads) if modes.fused else args.parts[1]
     _decode_stage1[(kv_heads, num_seqs, num_splits)](
         *args.stage1(count, kv_heads), **geometry, **modes.stage1_constexprs(),
@@ -514,9 +351,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_n: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, fused: bool | None = None,
                            return_flags: bool = False, out: torch.Tensor | None = None,
-                           block_h: int | None = None, flags: torch.Tensor | None = None):
+                           block_h: int | None = None, flags: torch.Tensor | None = None,
+                           sliding_window: int | None = None, logit_softcap: float | None = None,
+                           sinks: torch.Tensor | None = None):
     """Paged decode attention (FlashDecoding split-KV), the Triton twin of
-    ``paged_attention_ref.paged_decode_attention``.
+    ``paged_attention_ref.paged_decode_attention`` (``paged_feature_attention`` with the
+    features below).
 
     q ``[num_seqs, num_heads, head_dim]`` (bf16/fp16/fp32); caches ``[num_blocks, block_size,
     num_kv_heads, head_dim]``; block_tables ``[num_seqs, max_blocks]``; context_lens
@@ -534,12 +374,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_heads, head_dim]`` in q's dtype, and with ``return_flags`` also the recompute flags (1:
     the row was recomputed synchronously; all 0 for the sync path). Raises ValueError when
     ``block_h`` is below the GQA group or ``flags`` has the wrong shape or dtype.
+
+    Features (``score_features``; each compiles its own kernel, None: off): ``sliding_window``,
+    the query (position ``context_len - 1``) sees the last ``sliding_window`` keys and KV blocks
+    before them are never read; ``logit_softcap`` c, scores ``c * tanh(s / c)``; ``sinks``, a
+    float ``[num_heads]`` tensor of sink logits joining each head's softmax denominator. Raises
+    ValueError for a window below 1, a cap that is not positive, or sinks of another shape.
     """
+    features = ScoreFeatures.of(sliding_window, logit_softcap, sinks)
     return _launch(q, k_cache, v_cache, block_tables, context_lens, scale,
-                   DecodeModes.plain(async_softmax=phi is not None), quant_group=None, phi=phi, bounds=bounds, num_splits=num_splits, max_context_len=max_context_len,
-                   block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                   return_flags=return_flags, out=out, fused=fused, block_h=block_h,
-                   flags=flags)
+                   DecodeModes.plain(async_softmax=phi is not None, features=features),
+                   quant_group=None, phi=phi, bounds=bounds, num_splits=num_splits,
+                   max_context_len=max_context_len, block_n=block_n, num_warps=num_warps,
+                   num_stages=num_stages, return_flags=return_flags, out=out, fused=fused,
+                   block_h=block_h, flags=flags, sinks=sinks)
 
 
 def paged_decode_attention_int4(q: torch.Tensor, k_cache: QuantizedKV, v_cache: QuantizedKV,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .score_features import soft_capped
 from .triton_common import dot, token_rows
 
 
@@ -102,9 +103,10 @@ def _attend_range(q, q_odd, bt_row_ptr, lo, hi, cache, cache_strides, qk_scale, 
                   d_mask, BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, ASYNC: tl.constexpr, QUANT: tl.constexpr,
                   HALF_D: tl.constexpr, NG: tl.constexpr, NG_P: tl.constexpr, HG: tl.constexpr,
-                  DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+                  DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, SOFTCAP2: tl.constexpr):
     """Attend ``q`` to tokens ``[lo, hi)`` of the paged cache. Returns (acc, acc_odd, l, m), m the
-    running max of ``s = qk_scale * q.k`` (log2 units). Plain: ``acc`` ``[BLOCK_H, BLOCK_D]``.
+    running max of ``s = qk_scale * q.k`` (log2 units; soft-capped by ``SOFTCAP2`` when it is
+    not 0). Plain: ``acc`` ``[BLOCK_H, BLOCK_D]``.
     QUANT: ``acc`` and ``acc_odd`` ``[BLOCK_H, NG_P * HG]`` hold the even and odd output
     elements. Synchronized: acc and l are relative to m. Asynchronized: relative to ``phi2``."""
     k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr = cache
@@ -137,7 +139,7 @@ def _attend_range(q, q_odd, bt_row_ptr, lo, hi, cache, cache_strides, qk_scale, 
             v_lo = _load_kv_tile(v_ptr, rows, offs_d, tok_mask, d_mask)  # issued before K is used
             v_hi = v_lo  # unused
             s = dot(q, tl.trans(k), DOT_DTYPE, IEEE) * qk_scale  # [BLOCK_H, BLOCK_N]
-        s = tl.where(tok_mask[None, :], s, float("-inf"))
+        s = tl.where(tok_mask[None, :], soft_capped(s, SOFTCAP2), float("-inf"))
         acc, acc_o, l, m = _online_update(s, v_lo, v_hi, acc, acc_o, l, m, phi2, ASYNC, QUANT,
                                           DOT_DTYPE, IEEE)
     return acc, acc_o, l, m
@@ -170,7 +172,7 @@ def _online_update(s, v_a, v_b, acc, acc_o, l, m, phi2, ASYNC: tl.constexpr, QUA
 def _attend_pool(q, q_odd, pool, row64, lo, hi, pool_strides, qk_scale, phi2,
                  BLOCK_H: tl.constexpr, OWN_N: tl.constexpr, ASYNC: tl.constexpr,
                  HALF_D: tl.constexpr, QW: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                 IEEE: tl.constexpr):
+                 IEEE: tl.constexpr, SOFTCAP2: tl.constexpr):
     """Attend to slots ``[lo, hi)`` of pool row ``row64`` (the sequence's own KV block in full
     precision, KIVI's recent tokens): fp K/V rows read split by parity like the int4 tiles.
     Returns a fresh (acc, acc_o, l, m) for ``_merge``; an empty range leaves m at -inf."""
@@ -192,7 +194,7 @@ def _attend_pool(q, q_odd, pool, row64, lo, hi, pool_strides, qk_scale, phi2,
         v_hi = tl.load(pv_ptr + off + 1, mask=msk, other=0.0).to(tl.float32)
         s = (dot(q, tl.trans(k_lo), DOT_DTYPE, IEEE)
              + dot(q_odd, tl.trans(k_hi), DOT_DTYPE, IEEE)) * qk_scale
-        s = tl.where(tok_mask[None, :], s, float("-inf"))
+        s = tl.where(tok_mask[None, :], soft_capped(s, SOFTCAP2), float("-inf"))
         acc, acc_o, l, m = _online_update(s, v_lo, v_hi, acc, acc_o, l, m, phi2, ASYNC, True,
                                           DOT_DTYPE, IEEE)
     return acc, acc_o, l, m
@@ -237,22 +239,23 @@ def attend_ctx(q, q_odd, bt_row_ptr, lo, hi, own_row, own_lo, cache, pool, cache
                BLOCK_D: tl.constexpr, ASYNC: tl.constexpr, QUANT: tl.constexpr,
                HALF_D: tl.constexpr, NG: tl.constexpr, NG_P: tl.constexpr, HG: tl.constexpr,
                DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, OWN_FP: tl.constexpr,
-               OWN_N: tl.constexpr):
+               OWN_N: tl.constexpr, SOFTCAP2: tl.constexpr):
     """``_attend_range`` over ``[lo, hi)``; with OWN_FP the part from ``own_lo`` on (the own
     KV block) comes from the fp pool row instead of the 4-bit cache, merged into one state."""
     if OWN_FP:
         acc, acc_o, l, m = _attend_range(
             q, q_odd, bt_row_ptr, lo, tl.minimum(hi, own_lo), cache, cache_strides, qk_scale,
             phi2, offs_d, d_mask, BS, BLOCK_H, BLOCK_N, BLOCK_D, ASYNC, QUANT, HALF_D, NG, NG_P,
-            HG, DOT_DTYPE, IEEE)
+            HG, DOT_DTYPE, IEEE, SOFTCAP2)
         acc2, acc_o2, l2, m2 = _attend_pool(
             q, q_odd, pool, own_row, tl.maximum(lo, own_lo) - own_lo, hi - own_lo, pool_strides,
-            qk_scale, phi2, BLOCK_H, OWN_N, ASYNC, HALF_D, NG_P * HG, DOT_DTYPE, IEEE)
+            qk_scale, phi2, BLOCK_H, OWN_N, ASYNC, HALF_D, NG_P * HG, DOT_DTYPE, IEEE, SOFTCAP2)
         acc, acc_o, l, m = _merge(acc, acc_o, l, m, acc2, acc_o2, l2, m2, ASYNC)
     else:
         acc, acc_o, l, m = _attend_range(
             q, q_odd, bt_row_ptr, lo, hi, cache, cache_strides, qk_scale, phi2, offs_d, d_mask,
-            BS, BLOCK_H, BLOCK_N, BLOCK_D, ASYNC, QUANT, HALF_D, NG, NG_P, HG, DOT_DTYPE, IEEE)
+            BS, BLOCK_H, BLOCK_N, BLOCK_D, ASYNC, QUANT, HALF_D, NG, NG_P, HG, DOT_DTYPE, IEEE,
+            SOFTCAP2)
     return acc, acc_o, l, m
 
 

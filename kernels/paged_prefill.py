@@ -7,6 +7,11 @@ the cache already (written by ``write_kv``). Query ``t`` sits at absolute positi
 ``context_len - query_len + t`` and sees keys ``0..position`` (causal). FlashAttention-style online
 softmax in float32; one program per (sequence, query head, ``BLOCK_M`` queries); K/V read through
 the block table with int64 offsets.
+
+A sliding window, a logit soft-cap and sink logits (``score_features``) are constexpr switches:
+a query block's key loop starts at its first query's window (KV blocks before it are never
+read) and masks each row's own window start; scores are capped before the masks; each head's
+sink term joins the denominator at the end.
 """
 
 from __future__ import annotations
@@ -15,16 +20,18 @@ import torch
 import triton
 import triton.language as tl
 
+from .score_features import ScoreFeatures, sinks_arg, soft_capped, window_start, with_sink
 from .triton_common import LOG2E, dot, dot_dtype, ieee_dots, pow2, token_rows
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, cl_ptr, out_ptr,
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, cl_ptr, out_ptr, sinks_ptr,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb,
                     stride_ot, stride_oh, qk_scale,
                     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+                    DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr,
+                    SOFTCAP2: tl.constexpr, SINKS: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     mblk = tl.program_id(2)
@@ -43,7 +50,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, cl_ptr, out_ptr,
     q = tl.load(q_ptr + tok_idx[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                 mask=qd_mask, other=0.0)
 
-    # keys needed by this block: 0 .. last query's position (none if the block is past q_len)
+    # keys needed by this block: its first query's window start .. its last query's position
+    # (none if the block is past q_len)
+    lo = window_start(first + mblk * BLOCK_M, WINDOW)
     hi = tl.minimum(ctx, first + (mblk + 1) * BLOCK_M)
     hi = tl.where(mblk * BLOCK_M < q_len, hi, 0)
     kvh = (head // GQA).to(tl.int64)
@@ -54,15 +63,17 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, cl_ptr, out_ptr,
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, hi, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         tok = start + tl.arange(0, BLOCK_N)
         tok_mask = tok < hi
         trow = token_rows(bt_row, tok, tok_mask, BS, stride_kb, stride_kt)
         kv_mask = tok_mask[:, None] & d_mask[None, :]
         k = tl.load(kp + trow[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = dot(q, tl.trans(k), DOT_DTYPE, IEEE) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = soft_capped(dot(q, tl.trans(k), DOT_DTYPE, IEEE) * qk_scale, SOFTCAP2)
         visible = (tok[None, :] <= pos[:, None]) & tok_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
+        if WINDOW > 0:
+            visible &= tok[None, :] >= window_start(pos, WINDOW)[:, None]
+        s = tl.where(visible, s, float("-inf"))  # [BLOCK_M, BLOCK_N]
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)
@@ -71,6 +82,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, cl_ptr, out_ptr,
         v = tl.load(vp + trow[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + dot(p, v, DOT_DTYPE, IEEE)
         m = m_new
+    l = with_sink(l, m, sinks_ptr, head + rows * 0, row_mask, SINKS)
     l = tl.where(l == 0.0, 1.0, l)
     o = acc / l[:, None]
     tl.store(out_ptr + tok_idx[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -80,10 +92,19 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, cl_ptr, out_ptr,
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens, query_lens, scale: float,
                             *, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
-                            num_stages: int = 2, out: torch.Tensor | None = None) -> torch.Tensor:
+                            num_stages: int = 2, out: torch.Tensor | None = None,
+                            sliding_window: int | None = None, logit_softcap: float | None = None,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q ``[sum(query_lens), num_heads, head_dim]``; caches ``[num_blocks, block_size,
     num_kv_heads, head_dim]``; ``context_lens``/``query_lens`` lists of ints (or 1-D tensors).
-    Returns ``[sum(query_lens), num_heads, head_dim]`` in q's dtype."""
+    Returns ``[sum(query_lens), num_heads, head_dim]`` in q's dtype.
+
+    Features (None: off; each compiles its own kernel): ``sliding_window``, a query at p sees
+    keys ``p - sliding_window + 1 .. p``; ``logit_softcap`` c, scores ``c * tanh(s / c)``;
+    ``sinks``, float ``[num_heads]`` sink logits joining each head's softmax denominator (the
+    twin: ``paged_attention_ref.paged_feature_attention``). Raises ValueError for a window below
+    1, a cap that is not positive, sinks of another shape, or mismatched lengths."""
+    features = ScoreFeatures.of(sliding_window, logit_softcap, sinks)
     total, num_heads, head_dim = q.shape
     _, bs, kv_heads, _ = k_cache.shape
     if num_heads % kv_heads:
@@ -109,12 +130,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_m = min(block_m, pow2(max(ql)))
     grid = (len(ql), num_heads, triton.cdiv(max(ql), block_m))
     _prefill_kernel[grid](
-        q, k_cache, v_cache, bt, cu_t, cl_t, out,
+        q, k_cache, v_cache, bt, cu_t, cl_t, out, sinks_arg(sinks, num_heads, out),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         bt.stride(0), out.stride(0), out.stride(1), float(scale) * LOG2E,
         GQA=num_heads // kv_heads, HEAD_DIM=head_dim, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=pow2(head_dim), DOT_DTYPE=dot_dtype(q.dtype),
-        IEEE=ieee_dots(q.dtype),
+        IEEE=ieee_dots(q.dtype), **features.constexprs(),
         num_warps=num_warps, num_stages=num_stages)
     return out
 

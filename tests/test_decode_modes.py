@@ -25,14 +25,15 @@ SCALE = 0.125
 def test_modes_name_each_launched_case():
     """The factories and the split choice give the kernels' switches; only an unfused split
     needs the combine launch."""
+    off = dict(WINDOW=0, SOFTCAP2=0.0, SINKS=False)  # no score features: the plain kernel
     plain = DecodeModes.plain(async_softmax=False)
-    assert plain.constexprs() == dict(ASYNC=False, QUANT=False, OWN_FP=False)
+    assert plain.constexprs() == dict(ASYNC=False, QUANT=False, OWN_FP=False, **off)
     int4 = DecodeModes.int4_cache(async_softmax=True, own_fp=True)
-    assert int4.constexprs() == dict(ASYNC=True, QUANT=True, OWN_FP=True)
+    assert int4.constexprs() == dict(ASYNC=True, QUANT=True, OWN_FP=True, **off)
     assert int4.single_pass().stage1_constexprs()["ONE_SPLIT"]
     assert not int4.single_pass().combine_launch
     assert int4.split(fused=True).stage1_constexprs() == dict(
-        ASYNC=True, QUANT=True, OWN_FP=True, ONE_SPLIT=False, FUSED=True)
+        ASYNC=True, QUANT=True, OWN_FP=True, ONE_SPLIT=False, FUSED=True, **off)
     assert not int4.split(fused=True).combine_launch and int4.split(fused=False).combine_launch
 
 

@@ -48,37 +48,16 @@ def per_sequence_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     through ``block_tables`` ``[num_seqs, max_blocks]``, with ``spec_attention``; q's shape and
     dtype. Any backend whose K/V can be brought into the plain paged layout computes every spec
     feature through this one function."""
-    out, start = torch.empty_like(q), 0
-    for i, (ctx, ql) in enumerate(zip(context_lens, query_lens)):
-        keys = ref.gather_kv(k_cache, block_tables[i], ctx)
-        vals = ref.gather_kv(v_cache, block_tables[i], ctx)
-        out[start:start + ql] = spec_attention(q[start:start + ql], keys, vals, ctx - ql, spec)
-        start += ql
-    return out
+    return ref.paged_feature_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens,
+                                       spec.scale, spec.sliding_window, spec.logit_softcap,
+                                       spec.sinks)
 
 
 def spec_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, first: int,
                    spec: AttentionSpec) -> torch.Tensor:
     """One sequence's queries q ``[n, num_heads, head_dim]`` at positions ``first .. first+n-1``
     over its keys/values ``[ctx, num_kv_heads, head_dim]`` (positions ``0 .. ctx-1``), causal, with
-    ``spec``'s window, softcap and sinks; float32 arithmetic, returned in q's dtype. GQA: query
-    head h reads KV head ``h // (num_heads // num_kv_heads)``."""
-    n, num_heads, _ = q.shape
-    ctx, kv_heads = keys.shape[:2]
-    group = num_heads // kv_heads
-    k = keys.float().repeat_interleave(group, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q.float(), k) * spec.scale
-    if spec.logit_softcap is not None:
-        s = spec.logit_softcap * torch.tanh(s / spec.logit_softcap)
-    qpos = torch.arange(first, first + n, device=q.device)[:, None]
-    kpos = torch.arange(ctx, device=q.device)[None, :]
-    visible = kpos <= qpos
-    if spec.sliding_window is not None:
-        visible &= kpos > qpos - spec.sliding_window
-    s = s.masked_fill(~visible, float("-inf"))
-    if spec.sinks is not None:
-        sink = spec.sinks.to(s.device, torch.float32)[:, None, None].expand(num_heads, n, 1)
-        s = torch.cat([s, sink], dim=-1)
-    p = torch.softmax(s, dim=-1)[..., :ctx]
-    out = torch.einsum("hqk,khd->qhd", p, vals.float().repeat_interleave(group, dim=1))
-    return out.to(q.dtype)
+    ``spec``'s window, softcap and sinks (``paged_attention_ref.feature_attention``); float32
+    arithmetic, returned in q's dtype."""
+    return ref.feature_attention(q, keys, vals, first, spec.scale, spec.sliding_window,
+                                 spec.logit_softcap, spec.sinks)

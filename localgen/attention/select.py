@@ -3,10 +3,11 @@ every layer's ``AttentionSpec``.
 
 Rules, in order: CUDA with triton importing -> ``TritonPagedBackend``; CUDA without it ->
 ``TorchReferenceBackend``; CPU with the C decode kernel built for the cache's dtype ->
-``CpuKernelBackend``; other CPU -> ``CpuBackend``; other devices -> the reference. When a layer's
-spec uses a feature the chosen backend does not compute, ``fallback=True`` takes the reference
-backend (which computes all of them) and ``fallback=False`` raises ``UnsupportedAttention`` naming
-the feature and the device. The offload runtime picks its tiered backends per layer
+``CpuKernelBackend``; other CPU -> ``CpuBackend``; other devices -> the reference. The Triton
+and reference backends compute every spec feature (sliding window, logit soft-cap, sinks); the
+CPU backends only plain causal attention. When a layer's spec uses a feature the chosen backend
+does not compute, ``fallback=True`` takes the reference backend and ``fallback=False`` raises
+``UnsupportedAttention`` naming the feature and the device. The offload runtime picks its tiered backends per layer
 (``localgen.runtime.offload.tier_backends``).
 """
 

@@ -3,7 +3,9 @@
 
 Decode uses the synchronized split-KV kernel unless the backend is given the unified max value of
 FlashDecoding++ §3 (``async_softmax=(phi, bounds)``, from ``profiles/softmax_<model>.json``,
-written by ``python -m localgen.bench.calibrate_softmax``).
+written by ``python -m localgen.bench.calibrate_softmax``). Every ``AttentionSpec`` feature
+(sliding window, logit soft-cap, sinks) is a compile-time switch of the same kernels
+(``localgen.kernels.score_features``), so this backend computes every spec.
 """
 
 from __future__ import annotations
@@ -51,15 +53,25 @@ class TritonPagedBackend(AttentionBackend):
         self.phi = None if phi is None else float(phi)
         self.bounds = None if phi is None else bounds
 
+    def supports(self, spec: AttentionSpec) -> bool:
+        return True
+
     def write_kv(self, kv: LayerKV, k, v, meta: AttentionMetadata) -> None:
         self.write_mod.write_kv(kv.k_cache, kv.v_cache, k, v, meta.slot_mapping)  # K and V, one launch
 
     def prefill(self, kv: LayerKV, q, k, v, meta: AttentionMetadata, spec: AttentionSpec):
         return self.prefill_mod.paged_prefill_attention(q, kv.k_cache, kv.v_cache, meta.block_tables,
                                                         meta.context_lens_list, meta.query_lens,
-                                                        spec.scale)
+                                                        spec.scale, **_features(spec))
 
     def decode(self, kv: LayerKV, q, k, v, meta: AttentionMetadata, spec: AttentionSpec):
         return self.decode_mod.paged_decode_attention(
             q, kv.k_cache, kv.v_cache, meta.block_tables, meta.context_lens, spec.scale,
-            phi=self.phi, bounds=self.bounds, max_context_len=max(meta.context_lens_list))
+            phi=self.phi, bounds=self.bounds, max_context_len=max(meta.context_lens_list),
+            **_features(spec))
+
+
+def _features(spec: AttentionSpec) -> dict:
+    """The kernels' keyword arguments for ``spec``'s window, soft-cap and sinks (None: off)."""
+    return dict(sliding_window=spec.sliding_window, logit_softcap=spec.logit_softcap,
+                sinks=spec.sinks)
