@@ -30,7 +30,7 @@ present() {  # the arguments whose file exists (a node id names its module befor
 }
 mapfile -t modules < <(present tests/test_kernels.py tests/test_decode_modes.py tests/test_fused_kernels.py \
   tests/test_gguf_gemm_triton.py tests/test_int4_dispatch.py tests/test_kv_rotation.py tests/test_offload.py \
-  tests/test_profiler.py tests/test_attention*.py)
+  tests/test_profiler.py tests/test_attention*.py tests/test_triton_score_features.py)
 # whole models on the GPU against transformers; of the families modules only the CUDA tests
 mapfile -t models < <(present tests/test_engine_vs_hf.py tests/test_gguf_packed.py tests/test_gguf_offload.py \
   tests/test_families_dense.py::test_gpu_greedy_tokens_equal_transformers \
