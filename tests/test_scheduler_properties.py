@@ -100,7 +100,7 @@ class Job:
 def check_invariants(engine: Engine) -> None:
     """Every block is owned by a running sequence or free (cached contents included); every
     unfinished request sits in exactly one queue with the matching status."""
-    sched, bm = engine.scheduler, engine.block_manager
+    sched, bm = engine.scheduler, engine.block_manager.pools[0]  # the one KV group's pool
     owners = [0] * bm.num_blocks
     for s in sched.running:
         assert s.status is SequenceStatus.RUNNING

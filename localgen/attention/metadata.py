@@ -24,7 +24,14 @@ class AttentionMetadata:
     context_lens: ``[num_seqs]`` cached tokens per sequence after this step's writes.
     query_lens: new tokens per sequence (all 1 in decode).
 
-    A backend keeps what it derives once per step (its own typed plan) through ``plan``.
+    With several KV groups (``localgen.kv.groups``: layers of different windows, each group with
+    its own pool and block table per sequence) this object holds group 0's slot mapping and block
+    tables and ``groups`` holds groups 1.. (lengths shared); a layer reads its own through
+    ``of_group``. A metadata without ``groups`` serves every group with its one block table (each
+    group's pool addressed by the same block ids).
+
+    A backend keeps what it derives once per step (its own typed plan) through ``plan``; each
+    group's metadata keeps its own plans.
     """
 
     is_prefill: bool
@@ -41,7 +48,13 @@ class AttentionMetadata:
     # a whole-prompt prefill replayed as a CUDA graph (runtime/offload/prefill_graphs.py): its
     # 4-bit cache's pool writes, settled on the host before the replay (offload StaticPrefill)
     static_prefill: object = None
+    # the metadata of KV groups 1.. (class docstring); empty with one group
+    groups: tuple["AttentionMetadata", ...] = ()
     _plans: dict = field(default_factory=dict, repr=False)
+
+    def of_group(self, group: int) -> "AttentionMetadata":
+        """The metadata whose slot mapping and block tables address KV group ``group``'s pool."""
+        return self.groups[group - 1] if group and self.groups else self
 
     def plan(self, kind: type[P], build: Callable[[], P]) -> P:
         """The step's plan of type ``kind``: ``build()`` by the first layer that asks, then the
@@ -66,7 +79,8 @@ def pool_slot(row, offset, block_size: int):
 class LayerKV:
     """The KV view of one layer: two ``[num_blocks, block_size, num_kv_heads, head_dim]`` tensors;
     ``pair``, when the layer's K and V are one ``[2, num_blocks, ...]`` tensor (``PagedKVCache``),
-    lets the CPU decode path gather both in one index.
+    lets the CPU decode path gather both in one index. ``kv_group``: the KV group whose pool holds
+    the tensors (``localgen.kv.groups``); the view attends through that group's metadata.
 
     ``backend``: the attention backend bound to this layer when the runner is built
     (``localgen.attention.select``); an unbound view takes its device's default on first use."""
@@ -75,6 +89,7 @@ class LayerKV:
     v_cache: torch.Tensor
     pair: torch.Tensor | None = None
     backend: "AttentionBackend | None" = None
+    kv_group: int = 0
 
     def bound(self) -> "AttentionBackend":
         """The bound backend (its device's default, bound now, when none was)."""
@@ -87,13 +102,13 @@ class LayerKV:
                spec: "AttentionSpec") -> torch.Tensor:
         """Write new k/v ``[num_tokens, num_kv_heads, head_dim]`` at ``meta.slot_mapping``, then
         attention of q ``[num_tokens, num_heads, head_dim]``; returns q's shape."""
-        return self.bound().forward(self, q, k, v, meta, spec)
+        return self.bound().forward(self, q, k, v, meta.of_group(self.kv_group), spec)
 
     def attend_written(self, q: torch.Tensor, meta: AttentionMetadata,
                        spec: "AttentionSpec") -> torch.Tensor:
         """Decode attention of q ``[num_seqs, num_heads, head_dim]`` whose K/V the caller has
         already written (the fused CPU decode layer)."""
-        return self.bound().decode(self, q, None, None, meta, spec)
+        return self.bound().decode(self, q, None, None, meta.of_group(self.kv_group), spec)
 
     def fuses_cpu_decode(self, dtype: torch.dtype) -> bool:
         """Whether a CPU decode layer may write K/V into ``pair`` itself and then call

@@ -6,10 +6,11 @@ prefix (a system prompt, a chat history) share those blocks (vLLM automatic pref
 TokenAttention, FineInfer report §3.4). Freed blocks keep their contents and hash until reused, in
 least-recently-freed order, so a finished conversation's prefix stays reusable while memory allows.
 
-With a ``sliding_window`` (a model whose every layer attends within it: Mistral, Jiang et al. 2023
-§2), a decoding sequence gives back the blocks no later query can see: their table entries then
-point at one shared placeholder block, which attention masks out, so the table keeps its
-position-to-block layout and a sequence holds about ``window / block_size + 1`` blocks.
+With a ``sliding_window`` (the pool of layers that all attend within it: every layer of Mistral,
+Jiang et al. 2023 §2, or one KV group of a model that mixes windows, ``localgen.kv.groups``), a
+decoding sequence gives back the blocks no later query can see: their table entries then point at
+one shared placeholder block, which attention masks out, so the table keeps its position-to-block
+layout and a sequence holds at most ``ceil(window / block_size) + 1`` blocks besides it.
 """
 
 from __future__ import annotations
@@ -60,6 +61,16 @@ class BlockManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Most tokens one sequence alone can hold: a prefill (or a recomputation) takes a block
+        per ``block_size`` tokens (the placeholder is free while no other table points at it)."""
+        return self.num_blocks * self.block_size
+
+    def live_blocks(self, table: list[int]) -> int:
+        """Entries of ``table`` that hold a block of KV (not the placeholder)."""
+        return sum(1 for b in table if b != self._placeholder)
 
     # -- prefix cache lookups -------------------------------------------------------------
     def _prefix_hits(self, token_ids: Sequence[int]) -> list[int]:
@@ -146,7 +157,9 @@ class BlockManager:
 
     def _release_behind_window(self, table: list[int], num_tokens: int) -> None:
         """Give back the blocks whose every position is before the window of the query at
-        ``num_tokens - 1`` (and so of every later query); their entries point at the placeholder."""
+        ``num_tokens - 1`` (and so of every later query); their entries point at the placeholder.
+        Released entries are a prefix of the table, so ``table[0]`` says whether this table
+        already holds its one reference to the placeholder."""
         behind = max(0, num_tokens - self.sliding_window) // self.block_size
         gone = [j for j in range(behind) if table[j] != self._placeholder]
         if not gone:
@@ -154,16 +167,24 @@ class BlockManager:
         if self._placeholder is None:
             if not self.free_ids:
                 return  # taken on a later step, once a block is free
-            self._placeholder = self._take_free().block_id
+            self._placeholder = self._take_free().block_id  # its reference is this table's
+        elif table[0] != self._placeholder:
+            self.blocks[self._placeholder].ref_count += 1
         for j in gone:
             self._unref(table[j])
             table[j] = self._placeholder
 
     def free(self, table: list[int]) -> None:
-        """Release a sequence's blocks; cached contents stay reusable until the block is taken."""
+        """Release a sequence's blocks; cached contents stay reusable until the block is taken.
+        The placeholder goes back to the free blocks with the last table pointing at it."""
+        holds_placeholder = bool(table) and table[0] == self._placeholder
         for bid in reversed(table):  # tail blocks first: they are the least likely to be shared
             if bid != self._placeholder:
                 self._unref(bid)
+        if holds_placeholder:
+            self._unref(self._placeholder)
+            if self.blocks[self._placeholder].ref_count == 0:
+                self._placeholder = None
         table.clear()
 
     def _unref(self, bid: int) -> None:

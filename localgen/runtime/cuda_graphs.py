@@ -66,8 +66,10 @@ class GraphedModelRunner(ModelRunner):
     A cache with a recent-block pool (``runtime.offload.kv.TieredKVCache``) gives each step's pool
     rows (``graph_pool_rows``) and may refuse a step, which then runs eagerly. A model with a
     layer beyond plain causal attention (``AttentionSpec.plain``: its window, softcap or sinks
-    are computed per sequence from host-side lengths) decodes eagerly. ``capture=False`` runs the
-    static steps without capturing them."""
+    are computed per sequence from host-side lengths) decodes eagerly, and so does a sequence of
+    several KV groups (``localgen.kv.groups``: the graphs' inputs hold one block table per
+    sequence; such a model has a windowed layer anyway). ``capture=False`` runs the static steps
+    without capturing them."""
 
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, max_num_seqs: int,
                  max_model_len: int, capture: bool = True):
@@ -90,7 +92,7 @@ class GraphedModelRunner(ModelRunner):
     def decode(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """float32 logits ``[len(seqs), vocab]`` of a decode step replayed from its graph; None
         when the cache wants this step run eagerly, or the model's attention does."""
-        if not self.replays:
+        if not self.replays or seqs[0].group_tables:
             return None
         g = self.graph_for(seqs)
         if not self._fill(g, seqs):

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from localgen.kv.block_manager import BlockManager
-from localgen.kv.cache import PagedKVCache, activation_reserve_bytes, plan_num_blocks
+from localgen.kv.cache import PagedKVCache, activation_reserve_bytes, plan_group_blocks
+from localgen.kv.groups import GroupedBlockManager, kv_groups
 from localgen.runtime.cuda_graphs import GraphedModelRunner
 from localgen.models.model import CausalLM
 from localgen.runtime.detokenizer import IncrementalDetokenizer
-from localgen.runtime.model_runner import ModelRunner
+from localgen.runtime.model_runner import ModelRunner, layer_windows
 from localgen.runtime.metrics import Metrics
 from localgen.runtime.request import KVBudgetError, PromptTooLongError, Request, RequestOutput
 from localgen.runtime.sampling import sample, sampled_logprobs
@@ -61,14 +61,20 @@ class Engine:
         if runner_factory is not None:
             self.runner = runner_factory(model, config, self.max_model_len)
             self.kv_cache = self.runner.kv
-            num_blocks = self.kv_cache.num_blocks
+            # the offload runtime's cache keeps one block table per sequence: one KV group, which
+            # gives back the blocks behind the window when every layer slides
+            dense = getattr(mcfg, "dense", None)
+            pools = [(self.kv_cache.num_blocks, dense.kv_window(mcfg.num_layers) if dense else None)]
         else:
             reserve = activation_reserve_bytes(mcfg, config.max_num_batched_tokens,
                                                config.max_num_seqs, model.dtype)
-            num_blocks = plan_num_blocks(mcfg, config.block_size, model.dtype, model.device,
-                                         config.kv_cache_memory, config.max_num_seqs * self.max_model_len,
-                                         reserve_bytes=reserve)
-            self.kv_cache = PagedKVCache(mcfg, num_blocks, config.block_size, model.dtype, model.device)
+            groups = kv_groups(layer_windows(mcfg))
+            counts = plan_group_blocks(mcfg, groups, config.block_size, model.dtype, model.device,
+                                       config.kv_cache_memory, config.max_num_seqs,
+                                       self.max_model_len, reserve_bytes=reserve)
+            self.kv_cache = PagedKVCache(mcfg, counts, config.block_size, model.dtype, model.device,
+                                         groups)
+            pools = [(n, g.window) for n, g in zip(counts, groups)]
             # an MoE layer reads its per-expert token counts on the host: no graph capture
             graphs = config.cuda_graphs and getattr(mcfg, "moe", None) is None
             if model.device.type == "cuda" and graphs:
@@ -76,10 +82,9 @@ class Engine:
                                                  self.max_model_len)
             else:
                 self.runner = ModelRunner(model, self.kv_cache)
-        # a model whose every layer slides gives back the KV blocks behind its window
-        dense = getattr(mcfg, "dense", None)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          dense.kv_window(mcfg.num_layers) if dense else None)
+        # one pool per KV group; a sliding group gives back the blocks behind its window
+        self.block_manager = GroupedBlockManager.build(pools, config.block_size,
+                                                       config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    max(config.max_num_batched_tokens, config.block_size))
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -88,13 +93,13 @@ class Engine:
                                      tuple(sorted(self.eos_token_ids)))
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
-        self.metrics = Metrics(kv_blocks_total=num_blocks)
+        self.metrics = Metrics(kv_blocks_total=self.block_manager.num_blocks)
 
     # -- limits ---------------------------------------------------------------------------
     @property
     def kv_capacity_tokens(self) -> int:
-        """Tokens the whole KV cache holds: the longest any one sequence can grow."""
-        return self.block_manager.num_blocks * self.config.block_size
+        """Tokens the KV cache holds for one sequence: the longest any one sequence can grow."""
+        return self.block_manager.capacity_tokens
 
     @property
     def token_limit(self) -> int:

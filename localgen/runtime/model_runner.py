@@ -2,7 +2,9 @@
 logits of each sequence's last token.
 
 Prefill packs every sequence's uncached tokens into one ``[num_tokens]`` batch; decode runs one
-token per sequence. K/V are written at the slots the block tables give. The attention backend is
+token per sequence. K/V are written at the slots the block tables give, one block table per KV
+group (``localgen.kv.groups``; most models have one): each group's slot mapping and block tables
+go into its own ``AttentionMetadata``, which the group's layers read. The attention backend is
 chosen here, once (``localgen.attention.select``), and bound to every paged layer view.
 """
 
@@ -25,10 +27,15 @@ def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]
     return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
-def _block_tables(seqs: list[Sequence], device) -> torch.Tensor:
-    width = max(len(s.block_table) for s in seqs)
-    rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-    return torch.tensor(rows, dtype=torch.long, device=device)
+def _padded(tables: list[list[int]]) -> list[list[int]]:
+    width = max(map(len, tables))
+    return [t + [0] * (width - len(t)) for t in tables]
+
+
+def layer_windows(cfg) -> list[int | None]:
+    """Each layer's sliding window in tokens (None: full attention) of a ``ModelConfig``: what
+    partitions its layers into KV groups (``localgen.kv.groups.kv_groups``)."""
+    return [cfg.dense.window(i) for i in range(cfg.num_layers)]
 
 
 class ModelRunner:
@@ -61,20 +68,27 @@ class ModelRunner:
         return prev
 
     def prepare(self, seqs: list[Sequence], is_prefill: bool):
-        """Packed token ids, positions ``[num_tokens]`` and the step's AttentionMetadata."""
+        """Packed token ids, positions ``[num_tokens]`` and the step's AttentionMetadata (group
+        0's, holding the other KV groups' in ``groups``)."""
         bs = self.kv.block_size
-        ids, pos, slots, qlens = [], [], [], []
-        for s in seqs:
-            start = s.num_computed if is_prefill else s.num_tokens - 1
+        ids, pos, qlens = [], [], []
+        starts = [s.num_computed if is_prefill else s.num_tokens - 1 for s in seqs]
+        for s, start in zip(seqs, starts):
             ids += s.token_ids[start:]
             pos += range(start, s.num_tokens)
-            slots += _slots(s.block_table, start, s.num_tokens, bs)
             qlens.append(s.num_tokens - start)
         ctx = [s.num_tokens for s in seqs]
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        meta = AttentionMetadata(is_prefill, t(slots), _block_tables(seqs, self.device), t(ctx),
-                                 qlens, ctx)
-        return t(ids), t(pos), meta
+        ctx_t = t(ctx)
+        metas = []
+        for g in range(len(seqs[0].block_tables)):
+            tables = [s.block_tables[g] for s in seqs]
+            slots = [x for table, s, start in zip(tables, seqs, starts)
+                     for x in _slots(table, start, s.num_tokens, bs)]
+            metas.append(AttentionMetadata(is_prefill, t(slots), t(_padded(tables)), ctx_t,
+                                           qlens, ctx))
+        metas[0].groups = tuple(metas[1:])
+        return t(ids), t(pos), metas[0]
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:

@@ -6,6 +6,8 @@ default policy). Admission is by free KV blocks, ``max_num_seqs`` and ``max_num_
 in priority order (interactive before batch, FineInfer report §3.3), first come first served within
 a priority. When blocks run out, the lowest-priority, latest-arrived sequence is preempted: its
 blocks are freed and it is recomputed later from its tokens so far (vLLM §4.5, recomputation).
+A model whose layers differ in attention window keeps one block table per KV group
+(``localgen.kv.groups``); admission, growth and preemption then need room in every group's pool.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from localgen.kv.block_manager import BlockManager
+from localgen.kv.groups import GroupedBlockManager
 from localgen.runtime.sequence import Sequence, SequenceStatus
 
 
@@ -25,9 +28,14 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    """``block_manager``: the KV groups' pools, or one ``BlockManager`` (a single group)."""
+
+    def __init__(self, block_manager: GroupedBlockManager | BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if isinstance(block_manager, BlockManager):
+            block_manager = GroupedBlockManager([block_manager])
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -74,7 +82,8 @@ class Scheduler:
             while not self.bm.can_allocate(seq.token_ids):
                 if not self._make_room(seq, batch):
                     return
-            seq.block_table, seq.num_computed = self.bm.allocate(seq.token_ids)
+            tables, seq.num_computed = self.bm.allocate(seq.token_ids)
+            seq.block_table, seq.group_tables = tables[0], tables[1:]
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt_tokens = seq.num_computed
             seq.status = SequenceStatus.RUNNING
@@ -96,7 +105,7 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.sort_key):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            while not self.bm.can_append(seq.block_table, seq.num_tokens):
+            while not self.bm.can_append(seq.block_tables, seq.num_tokens):
                 running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
                 if len(running) == 1:
                     batch.out_of_memory.append(seq)  # alone and still no room: it cannot grow
@@ -106,13 +115,13 @@ class Scheduler:
                 if victim is seq:
                     break  # it was the one to give way; it is recomputed later
             else:
-                self.bm.append(seq.block_table, seq.token_ids)
+                self.bm.append(seq.block_tables, seq.token_ids)
                 batch.seqs.append(seq)
         batch.seqs = [s for s in batch.seqs if s.status is SequenceStatus.RUNNING]
         return batch
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        self.bm.free(seq.block_table)
+        self.bm.free(seq.block_tables)
         self.running.remove(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
@@ -128,4 +137,4 @@ class Scheduler:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
-        self.bm.free(seq.block_table)
+        self.bm.free(seq.block_tables)

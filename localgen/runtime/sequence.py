@@ -33,7 +33,8 @@ class Sequence:
     generator: torch.Generator | None
     status: SequenceStatus = SequenceStatus.WAITING
     grammar: Any = None  # structured.SequenceGrammar of a request with a response_format
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # KV group 0's (most models have one)
+    group_tables: list[list[int]] = field(default_factory=list)  # KV groups 1.. (kv/groups.py)
     num_computed: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     arrival: int = field(default_factory=lambda: next(_arrival))
@@ -42,6 +43,11 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when asked
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """Every KV group's block table, group 0 first (the lists themselves, not copies)."""
+        return [self.block_table, *self.group_tables]
 
     @property
     def num_tokens(self) -> int:

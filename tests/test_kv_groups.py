@@ -1,0 +1,216 @@
+"""KV groups (localgen/kv/groups.py): a model that mixes sliding-window and full-attention layers
+(Gemma 2 and 3; the tiny fixtures of tests/fixtures/families/ have a window of 8 under prompts of
+11 to 20 tokens) keeps one pool and one block table per window. Its greedy tokens equal
+transformers' far past the window, from the Hugging Face directory and the GGUF; its sliding
+group holds at most ``ceil(window / block_size) + 1`` blocks per sequence while the full group
+holds the whole context; every pool is whole again when the sequences finish. A model of one
+group keeps one pool, one table per sequence and the tables of a bare ``BlockManager``."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from localgen.api import LLM, Request, SamplingParams
+from localgen.kv.block_manager import BlockManager
+from localgen.kv.cache import PagedKVCache, plan_group_blocks, plan_num_blocks, window_pool_blocks
+from localgen.kv.groups import GroupedBlockManager, KVGroup, kv_groups
+from localgen.runtime.cuda_graphs import GraphedModelRunner
+from tests.fixtures.families.make_fixtures import HERE
+from tests.test_engine_vs_hf import hf_greedy
+
+WINDOW = 8  # sliding_window of the gemma2 and gemma3 fixtures
+NEW = 40  # generated tokens: five windows past a 20-token prompt
+CASES = [(n, s) for n in ("gemma2", "gemma3") for s in ("hf", "gguf")]
+
+
+def _prompts(lengths=(20, 11, 17)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(6, 300, (n,), generator=g).tolist() for n in lengths]
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_tokens(name: str) -> list[list[int]]:
+    """transformers' greedy tokens (float32) for each of ``_prompts()``."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(HERE / name, dtype=torch.float32).eval()
+    return [hf_greedy(hf, p, NEW) for p in _prompts()]
+
+
+@pytest.fixture
+def reference():
+    return _hf_tokens
+
+
+def _load(name: str, source: str, block_size: int = 4, **kw) -> LLM:
+    path = HERE / name if source == "hf" else HERE / f"{name}.gguf"
+    kw.setdefault("kv_cache_memory", 1 << 22)
+    return LLM.load(str(path), device="cpu", dtype="float32", block_size=block_size, **kw)
+
+
+def _requests() -> list[Request]:
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    return [Request(prompt_token_ids=p, sampling=sp, request_id=f"r{i}")
+            for i, p in enumerate(_prompts())]
+
+
+def _run(llm: LLM, each_step=None) -> list[list[int]]:
+    """Greedy tokens of ``_requests()``, all submitted at once; ``each_step(engine)`` after every
+    step."""
+    for r in _requests():
+        llm.add_request(r)
+    out = {}
+    while llm.has_unfinished():
+        for o in llm.step():
+            if o.finished:
+                out[o.request_id] = o.token_ids
+        if each_step is not None:
+            each_step(llm.engine)
+    return [out[f"r{i}"] for i in range(len(out))]
+
+
+def test_layers_are_grouped_by_window_full_attention_first():
+    groups = kv_groups([8, 8, None, 16, 8, None])
+    assert groups == (KVGroup(None, (2, 5)), KVGroup(8, (0, 1, 4)), KVGroup(16, (3,)))
+    assert kv_groups([None] * 3) == (KVGroup(None, (0, 1, 2)),)
+    assert kv_groups([4] * 2) == (KVGroup(4, (0, 1)),)  # Mistral: one group that slides
+    with pytest.raises(ValueError, match="at least one layer"):
+        kv_groups([])
+    with pytest.raises(ValueError, match="layer 1's sliding window"):
+        kv_groups([None, 0])
+
+
+@pytest.mark.parametrize("name,source", CASES)
+def test_greedy_tokens_equal_transformers_far_past_the_window(reference, name, source):
+    llm = _load(name, source)
+    kv = llm.engine.kv_cache
+    assert [g.window for g in kv.groups] == [None, WINDOW] and kv.num_groups == 2
+    assert _run(llm) == reference(name)
+
+
+def test_the_sliding_group_holds_only_its_window_and_every_pool_comes_back_whole(reference):
+    """Block size 16 (the default): a table of the sliding group keeps at most
+    ceil(8 / 16) + 1 = 2 live blocks once decoding; the full group's holds every block."""
+    llm = _load("gemma3", "hf", block_size=16)
+    bm = llm.engine.block_manager
+    full, sliding = bm.pools
+    seen = []
+
+    def check(engine):
+        for s in engine.scheduler.running:
+            want = full.blocks_for(s.num_tokens - 1)  # the last sampled token has no K/V yet
+            assert len(s.block_table) == full.live_blocks(s.block_table) == want
+            (table,) = s.group_tables
+            if s.num_output_tokens > 1:  # decoded at least once: blocks behind the window went
+                assert sliding.live_blocks(table) <= -(-WINDOW // 16) + 1
+                seen.append(len(table) - sliding.live_blocks(table))
+    assert _run(llm, check) == reference("gemma3")
+    assert max(seen) >= 3  # tables grew well past their live blocks
+    assert full.num_free_blocks == full.num_blocks and sliding.num_free_blocks == sliding.num_blocks
+    assert llm.metrics.kv_blocks_used == 0 and llm.metrics.kv_blocks_total == bm.num_blocks
+
+
+def test_a_sliding_pool_is_sized_for_windows_and_the_full_pool_takes_the_rest():
+    """Hand-computed: 6 layers of one KV head of 16 float32 dims, 16-token blocks: 2048 bytes a
+    layer's block. With 2 sequences of at most 64 tokens, the window-8 pool needs
+    max(64 / 16, 2 * (1 + 1)) + 1 = 5 blocks; a budget of 1 * 100 + 5 * 5 layer-blocks gives the
+    full layer 100 blocks, where one pool of every layer would hold 125 / 6 = 20."""
+    shape = type("Shape", (), dict(num_layers=6, num_kv_heads=1, head_dim=16))
+    groups = kv_groups([WINDOW] * 5 + [None])
+    assert window_pool_blocks(WINDOW, 16, 2, 64) == 5
+    args = (16, torch.float32, torch.device("cpu"))
+    budget = 2048 * (1 * 100 + 5 * 5)
+    assert plan_group_blocks(shape, groups, *args, budget, 2, 64) == [100, 5]
+    assert plan_group_blocks(shape, groups, *args, budget - 1, 2, 64) == [99, 5]
+    assert plan_num_blocks(shape, *args, budget, 2 * 64) == 20
+    small = 2048 * 6 * 3  # below the window pool's need: both pools get the same 3 blocks
+    assert plan_group_blocks(shape, groups, *args, small, 2, 64) == [3, 3]
+    with pytest.raises(ValueError, match="holds no block"):
+        plan_group_blocks(shape, groups, *args, 2048 * 6 - 1, 2, 64)
+    kv = PagedKVCache(shape, [100, 5], 16, torch.float32, torch.device("cpu"), groups)
+    assert kv.group_block_bytes == [2048, 5 * 2048] and kv.bytes_per_block == 6 * 2048
+    assert kv.nbytes == 2048 * (101 + 5 * 6) and kv.num_blocks == 5
+    assert [v.kv_group for v in kv.views] == [1] * 5 + [0]
+
+
+def test_admission_and_growth_need_room_in_every_group():
+    bm = GroupedBlockManager.build([(32, None), (3, WINDOW)], block_size=4)
+    tables, cached = bm.allocate(list(range(12)))  # 3 blocks in each pool
+    assert cached == 0 and [len(t) for t in tables] == [3, 3]
+    assert not bm.can_allocate(list(range(100, 104)))  # the full pool has 29 free; sliding none
+    assert not bm.can_append(tables, 13)  # the 13th token needs a 4th sliding block
+    other = GroupedBlockManager.build([(32, None), (5, WINDOW)], block_size=4)
+    tables, _ = other.allocate(list(range(12)))
+    tokens = list(range(13))
+    other.append(tables, tokens)  # the query at 12 sees 5..12: block 0 goes to the placeholder,
+    # the fifth sliding block
+    assert other.live_blocks(1, tables[1]) == 3 and other.live_blocks(0, tables[0]) == 4
+    other.free(tables)
+    assert other.num_free_blocks == other.num_blocks == 37
+    with pytest.raises(ValueError, match="single KV group"):
+        GroupedBlockManager([BlockManager(4), BlockManager(4, sliding_window=WINDOW)])
+
+
+def test_a_mixed_model_reuses_no_prefix_and_still_decodes_transformers_tokens(reference):
+    llm = _load("gemma3", "hf", enable_prefix_caching=True)
+    assert not any(p.enable_prefix_caching for p in llm.engine.block_manager.pools)
+    assert _run(llm) == reference("gemma3")
+    assert _run(llm) == reference("gemma3")  # the same prompts again: computed, not reused
+    assert llm.metrics.cached_prompt_tokens == 0
+
+
+def test_preemption_in_a_mixed_model_keeps_transformers_tokens(reference):
+    """A cache of 20 blocks of 4 tokens in each pool (6 layers x 512 bytes) for three sequences
+    that need 34: sequences are preempted and recomputed."""
+    llm = _load("gemma3", "hf", kv_cache_memory=20 * 6 * 512)
+    assert llm.engine.kv_cache.group_blocks == (20, 20)
+    assert _run(llm) == reference("gemma3")
+    assert llm.metrics.num_preemptions > 0
+    assert llm.engine.block_manager.num_free_blocks == 40
+
+
+def test_one_group_keeps_one_pool_and_a_bare_block_managers_tables():
+    """Prefix caching on: the grouped manager of one pool hands out exactly the tables, cached
+    counts and free counts of a ``BlockManager`` driven by the same calls."""
+    bare, grouped = BlockManager(12, 4, sliding_window=WINDOW), GroupedBlockManager.build(
+        [(12, WINDOW)], 4)
+    a, b = list(range(10)), list(range(9)) + [99]
+    ta, ca = bare.allocate(a)
+    (ga,), gca = grouped.allocate(a)
+    tb, cb = bare.allocate(b)
+    (gb,), gcb = grouped.allocate(b)
+    assert (ga, gca, gb, gcb) == (ta, ca, tb, cb) and cb == 8
+    for tok in range(10, 30):
+        a.append(tok)
+        bare.append(ta, a)
+        grouped.append([ga], a)
+        assert ga == ta and grouped.num_free_blocks == bare.num_free_blocks
+    for table, grouped_table in ((ta, ga), (tb, gb)):
+        bare.free(table)
+        grouped.free([grouped_table])
+    assert grouped.num_free_blocks == bare.num_free_blocks == 12
+
+
+def test_a_one_group_model_gets_one_pool_and_one_table_per_sequence():
+    llm = _load("mistral", "hf")  # every layer slides: one group that gives blocks back
+    kv, bm = llm.engine.kv_cache, llm.engine.block_manager
+    assert kv.num_groups == 1 and kv.groups[0].window == WINDOW and bm.pools[0].sliding_window
+    assert all(v.kv_group == 0 for v in kv.views)
+    seen = []
+    _run(llm, lambda e: seen.extend(s.group_tables for s in e.scheduler.running))
+    assert seen and not any(seen)
+
+
+def test_decode_graphs_run_a_mixed_model_eagerly(reference):
+    """Whatever the specs say, a sequence of several KV groups never takes a decode graph (the
+    graphs hold one block table per sequence); the eager steps give transformers' tokens."""
+    llm = _load("gemma3", "hf")
+    eng = llm.engine
+    runner = GraphedModelRunner(eng.model, eng.kv_cache, 4, eng.max_model_len, capture=False)
+    runner.replays = True
+    eng.runner = runner
+    assert _run(llm) == reference("gemma3")
+    assert not runner.graphs
