@@ -399,6 +399,12 @@ AI void block32(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int6
     }
 }
 
+/* y[0..3] = the four sums of 4 accumulators each (a 4-way horizontal add). */
+AI __m128 hsum4_ps(const __m256 a[4]) {
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
 /* One activation row alternates two sets of accumulators between blocks, so a block's FMA does
  * not wait on the previous one's (several rows interleave their chains anyway). */
 AI void rows32(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int64_t k, float *y,
@@ -418,8 +424,78 @@ AI void rows32(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int64
             block32(t, w, x, xs, k, b + 1, 1, acc[1], acs[1]);
         }
     for (; b < nb; b++) block32(t, w, x, xs, k, b, nx, acc[0], acs[0]);
-    for (int j = 0; j < nx; j++)
-        y[j * ys] = hsum_ps(_mm256_add_ps(acc[0][j], acc[1][j])) + (acs[0][j] + acs[1][j]);
+    for (int j = 0; j < nx; j++) {
+        /* rows32_w4's order of additions, so a row's bits do not depend on which kernel took it */
+        const __m256 a = _mm256_add_ps(acc[0][j], acc[1][j]), four[4] = {a, a, a, a};
+        y[j * ys] = _mm_cvtss_f32(hsum4_ps(four)) + (acs[0][j] + acs[1][j]);
+    }
+}
+
+/* One 32-value block of a row against the activation block: acc += dw dx (w . q); the
+ * offset or minimum's term is returned (added to a scalar chain by the caller). */
+AI float w4_block(const int t, const uint8_t *blk, const uint8_t *x, const float *dx, int64_t nb,
+                  int64_t b, __m256 *acc) {
+    const int sgn = t == T_Q8_0 || t == T_IQ4_NL;
+    const float dw = h2f(blk);
+    const __m256i wv = w32(t, blk);
+    const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 32 * b));
+    const __m256i p = sgn ? dot_u8s8(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv)) : dot_u8s8(wv, xv);
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx[b]), _mm256_cvtepi32_ps(p), *acc);
+    if (sgn) return 0.0f;
+    const float off = t == T_Q4_0 ? -8.0f * dw : t == T_Q5_0 ? -16.0f * dw : h2f(blk + 2);
+    return off * dx[nb + b];
+}
+
+/* Four weight rows (ws bytes apart) of a 32-value type against one activation row, the decode
+ * step's case, as one call: each row is read front to back (one sequential stream, as the
+ * prefetchers like it) with two alternating accumulator chains, and one 4-way horizontal add
+ * ends all four. */
+AI void rows32_w4(const int t, const uint8_t *w, int64_t ws, const uint8_t *x, int64_t k,
+                  float *y) {
+    const int bb = block_bytes(t);
+    const int64_t nb = k / 32;
+    const float *dx = (const float *)(x + k);
+    __m256 acc[4];
+    float acs[4];
+    for (int r = 0; r < 4; r++) {
+        const uint8_t *wr = w + r * ws;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        float s0 = 0.0f, s1 = 0.0f;
+        int64_t b = 0;
+        for (; b + 1 < nb; b += 2) {
+            s0 += w4_block(t, wr + b * bb, x, dx, nb, b, &a0);
+            s1 += w4_block(t, wr + (b + 1) * bb, x, dx, nb, b + 1, &a1);
+        }
+        if (b < nb) s0 += w4_block(t, wr + b * bb, x, dx, nb, b, &a0);
+        acc[r] = _mm256_add_ps(a0, a1);
+        acs[r] = s0 + s1;
+    }
+    _mm_storeu_ps(y, _mm_add_ps(hsum4_ps(acc), _mm_loadu_ps(acs)));
+}
+
+#define ROWS32_W4(T, NAME) \
+    static void NAME(const uint8_t *w, int64_t ws, const uint8_t *x, int64_t k, float *y) { \
+        rows32_w4(T, w, ws, x, k, y); }
+ROWS32_W4(T_Q4_0, w4_q4_0)
+ROWS32_W4(T_Q4_1, w4_q4_1)
+ROWS32_W4(T_Q5_0, w4_q5_0)
+ROWS32_W4(T_Q5_1, w4_q5_1)
+ROWS32_W4(T_Q8_0, w4_q8_0)
+ROWS32_W4(T_IQ4_NL, w4_iq4_nl)
+
+typedef void (*w4_fn)(const uint8_t *, int64_t, const uint8_t *, int64_t, float *);
+
+/* The four-row kernel for type t, or NULL where t has none. */
+static w4_fn w4_kernel(int t) {
+    switch (t) {
+    case T_Q4_0: return w4_q4_0;
+    case T_Q4_1: return w4_q4_1;
+    case T_Q5_0: return w4_q5_0;
+    case T_Q5_1: return w4_q5_1;
+    case T_Q8_0: return w4_q8_0;
+    case T_IQ4_NL: return w4_iq4_nl;
+    default: return NULL;
+    }
 }
 
 /* int16 element i of each 128-bit lane of v, broadcast over the lane (lanes may differ). */
@@ -929,12 +1005,20 @@ static void sweep(int qtype, const uint8_t *w, int64_t w_stride, int64_t n, cons
                   size_t xs, int64_t m, int64_t k, float *y, int64_t m_tile, int64_t n_chunk,
                   int f32, int scalar) {
     const int64_t chunks = (n + n_chunk - 1) / n_chunk;
+#ifdef LG_AVX2
+    const w4_fn w4 = m == 1 && !f32 && !scalar ? w4_kernel(qtype) : NULL;
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t r0 = c * n_chunk, r1 = r0 + n_chunk < n ? r0 + n_chunk : n;
+        int64_t r4 = r0;
+#ifdef LG_AVX2
+        if (w4) /* one activation row: four weight rows a visit */
+            for (; r4 + 4 <= r1; r4 += 4) w4(w + r4 * w_stride, w_stride, xa, k, y + r4);
+#endif
         for (int64_t i0 = 0; i0 < m; i0 += m_tile) {
             const int64_t i1 = i0 + m_tile < m ? i0 + m_tile : m;
-            for (int64_t r = r0; r < r1; r++)
+            for (int64_t r = r4; r < r1; r++)
                 for (int64_t i = i0; i < i1; i += 4) {
                     const int nx = (int)(i1 - i < 4 ? i1 - i : 4);
                     if (f32) rowsf(qtype, w + r * w_stride, (const float *)(xa + i * xs), k,
