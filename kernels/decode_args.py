@@ -40,9 +40,10 @@ class DecodeModes:
         return cls(async_softmax, features=features or ScoreFeatures())
 
     @classmethod
-    def int4_cache(cls, async_softmax: bool, own_fp: bool) -> DecodeModes:
+    def int4_cache(cls, async_softmax: bool, own_fp: bool,
+                   features: ScoreFeatures | None = None) -> DecodeModes:
         """A 4-bit cache, its own KV blocks in the fp pool when ``own_fp``."""
-        return cls(async_softmax, int4=True, own_fp=own_fp)
+        return cls(async_softmax, int4=True, own_fp=own_fp, features=features or ScoreFeatures())
 
     def single_pass(self) -> DecodeModes:
         """One program per (sequence, KV head) over its whole context."""

@@ -109,7 +109,8 @@ def _finish(seq64, kvh, q_ptr, cache, pool, own_ptr, bt_ptr, cl_ptr, parts, out_
             BLOCK_S: tl.constexpr, S_CHUNK: tl.constexpr, ASYNC: tl.constexpr,
             QUANT: tl.constexpr, HALF_D: tl.constexpr, NG: tl.constexpr, NG_P: tl.constexpr,
             HG: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
-            OWN_FP: tl.constexpr, OWN_N: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP2: tl.constexpr, SINKS: tl.constexpr):
+            OWN_FP: tl.constexpr, OWN_N: tl.constexpr, WINDOW: tl.constexpr,
+            SOFTCAP2: tl.constexpr, SINKS: tl.constexpr):
     """Combine the splits of one (sequence, KV head) into ``out``. Synchronized: rescale by
     ``exp2(m_s - max m_s)``. Asynchronized: plain sums, rows outside the safe range flagged and
     the KV head's rows recomputed by the synchronized online softmax. The partials are read
@@ -191,7 +192,8 @@ def _decode_stage1(q_ptr, cache, pool, own_ptr, bt_ptr, cl_ptr, parts, out_ptr, 
                    QUANT: tl.constexpr, HALF_D: tl.constexpr, NG: tl.constexpr,
                    NG_P: tl.constexpr, HG: tl.constexpr, DOT_DTYPE: tl.constexpr,
                    IEEE: tl.constexpr, FUSED: tl.constexpr, ONE_SPLIT: tl.constexpr,
-                   OWN_FP: tl.constexpr, OWN_N: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP2: tl.constexpr, SINKS: tl.constexpr):
+                   OWN_FP: tl.constexpr, OWN_N: tl.constexpr, WINDOW: tl.constexpr,
+                   SOFTCAP2: tl.constexpr, SINKS: tl.constexpr):
     """Stage 1: one split of one (sequence, KV head). ONE_SPLIT: the program owns the whole
     context and writes ``out`` itself (no partials). FUSED: after writing its partials, the
     program takes a ticket from the (sequence, KV head)'s counter; the last one to arrive
@@ -401,7 +403,10 @@ def paged_decode_attention_int4(q: torch.Tensor, k_cache: QuantizedKV, v_cache: 
                                 block_h: int | None = None,
                                 own_k: torch.Tensor | None = None, own_v: torch.Tensor | None = None,
                                 own_rows: torch.Tensor | None = None,
-                                flags: torch.Tensor | None = None):
+                                flags: torch.Tensor | None = None,
+                                sliding_window: int | None = None,
+                                logit_softcap: float | None = None,
+                                sinks: torch.Tensor | None = None):
     """Decode attention over a 4-bit KV cache (FlexGen §5: group-wise asymmetric, groups of
     ``group_size`` along head_dim; ``quant_ref.quantize_kv``), dequantized in registers: the
     packed bytes are read as coalesced tiles, each group's scale/min once per token, and the
@@ -414,7 +419,8 @@ def paged_decode_attention_int4(q: torch.Tensor, k_cache: QuantizedKV, v_cache: 
     head_dim]`` (q's dtype) and ``own_rows`` ``[num_seqs]`` (int), sequence i reads the slots of
     its last block (positions ``block_size * ((ctx - 1) // block_size)`` .. ``ctx - 1``) from
     pool row ``own_rows[i]`` and every earlier block 4-bit; ``own_rows[i] < 0`` reads all of it
-    4-bit. Raises ValueError when the pool's shape does not match the cache."""
+    4-bit. Raises ValueError when the pool's shape does not match the cache. ``sliding_window``,
+    ``logit_softcap``, ``sinks``: as ``paged_decode_attention``'s."""
     if k_cache.group_size != v_cache.group_size:
         raise ValueError("K and V must share the quantization group size")
     for c in (k_cache, v_cache):
@@ -422,13 +428,14 @@ def paged_decode_attention_int4(q: torch.Tensor, k_cache: QuantizedKV, v_cache: 
             raise ValueError("scale and min need identical strides, contiguous last dim")
     if k_cache.scale.stride() != v_cache.scale.stride():
         raise ValueError("K and V scales need the same strides")
-    modes = DecodeModes.int4_cache(async_softmax=phi is not None, own_fp=own_k is not None)
+    modes = DecodeModes.int4_cache(async_softmax=phi is not None, own_fp=own_k is not None,
+                                   features=ScoreFeatures.of(sliding_window, logit_softcap, sinks))
     return _launch(q, k_cache, v_cache, block_tables, context_lens, scale, modes,
                    quant_group=k_cache.group_size, phi=phi, bounds=bounds, num_splits=num_splits,
                    max_context_len=max_context_len, block_n=block_n, num_warps=num_warps,
                    num_stages=num_stages, return_flags=return_flags, out=out, fused=fused,
                    own=None if own_k is None else (own_k, own_v, own_rows), block_h=block_h,
-                   flags=flags)
+                   flags=flags, sinks=sinks)
 
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_int4", "choose_num_splits",

@@ -1,10 +1,10 @@
 """The paged Triton kernels' sliding window, logit soft-cap and sinks (``kernels/score_features``)
 against the float64 reference twin (``paged_attention_ref.paged_feature_attention``, itself
 checked against a hand-written softmax in tests/test_attention_backends.py), through every
-decode case (single pass, fused and unfused split, synchronized and asynchronized softmax) and
-the prefill, with GQA; the Triton backend against the reference backend on the same steps; and
-the backend choice for such specs on CUDA. Compiled on a GPU, else under the Triton interpreter
-(tests/conftest.py), at small sizes.
+decode case (single pass, fused and unfused split, synchronized and asynchronized softmax), the
+4-bit cache's decode and the prefill, with GQA; the Triton backend against the reference backend
+on the same steps; and the backend choice for such specs on CUDA. Compiled on a GPU, else under
+the Triton interpreter (tests/conftest.py), at small sizes.
 
 Keys before each query's window are poisoned with NaN, and whole KV blocks behind it are pointed
 at a shared NaN block (what the block manager does with the blocks it gives back): a kernel that
@@ -22,7 +22,9 @@ from localgen.attention import select  # noqa: E402
 from localgen.attention.reference import TorchReferenceBackend  # noqa: E402
 from localgen.attention.spec import AttentionSpec  # noqa: E402
 from localgen.kernels import paged_attention_ref as ref  # noqa: E402
-from localgen.kernels.paged_decode import paged_decode_attention  # noqa: E402
+from localgen.kernels import quant_ref as qr  # noqa: E402
+from localgen.kernels.paged_decode import (paged_decode_attention,  # noqa: E402
+                                           paged_decode_attention_int4)
 from localgen.kernels.paged_prefill import paged_prefill_attention  # noqa: E402
 from tests.conftest import KERNEL_DEVICE  # noqa: E402
 from tests.test_attention_backends import D, Steps, paged_view, run  # noqa: E402
@@ -123,6 +125,34 @@ def test_window_longer_than_every_context_is_the_plain_kernel(seed, kernel_devic
         assert torch.equal(plain, long), f"seed={seed} splits={splits}"
 
 
+@pytest.mark.parametrize("case", ["window-edges", "window-one", "all"])
+@pytest.mark.parametrize("softmax", ["sync", "async"])
+def test_int4_decode_features_with_own_blocks_in_the_pool(seed, kernel_device, case, softmax):
+    """The 4-bit cache (FlexGen §5) with each sequence's last KV block read from the fp pool
+    (one sequence without a pool row): the window's first key may fall in a 4-bit block or in
+    the pool's block, against the reference over the same dequantized and pooled values."""
+    kw = features(case)
+    q, k, v, bt, cl = decode_case(torch.bfloat16, HEADS, KV_HEADS, HEAD_DIM, DECODE_LENS)
+    qk, qv = qr.quantize_kv(k), qr.quantize_kv(v)
+    kd, vd = qr.dequantize_kv(qk, torch.float64), qr.dequantize_kv(qv, torch.float64)
+    pool_k, pool_v = (torch.randn(len(DECODE_LENS), BS, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+                      for _ in "kv")
+    rows = torch.arange(len(DECODE_LENS)).flip(0)
+    rows[1] = -1
+    for i, (row, n) in enumerate(zip(rows.tolist(), DECODE_LENS)):
+        if row >= 0:
+            blk, m = int(bt[i, (n - 1) // BS]), (n - 1) % BS + 1
+            kd[blk, :m], vd[blk, :m] = pool_k[row, :m].double(), pool_v[row, :m].double()
+    want = ref.paged_feature_attention(q.double(), kd, vd, bt, DECODE_LENS,
+                                       [1] * len(DECODE_LENS), SCALE, **kw)
+    for splits, fused in ((1, True), (3, True), (3, False)):
+        got = paged_decode_attention_int4(q, qk, qv, bt, cl, SCALE, num_splits=splits,
+                                          fused=fused, block_n=16,
+                                          phi=0.0 if softmax == "async" else None,
+                                          own_k=pool_k, own_v=pool_v, own_rows=rows, **kw)
+        assert rel_err(got, want) < 1e-2, f"seed={seed} splits={splits} fused={fused}"
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_prefill_features_match_float64(seed, kernel_device, case):
     """A fresh prompt, new tokens after a cached prefix, and one token: query blocks of 16 whose
@@ -183,7 +213,8 @@ def test_triton_backend_computes_spec_features_like_the_reference(name):
 
     spec = AttentionSpec(D ** -0.5, **SPECS[name])
     outputs = []
-    for backend, device in ((TritonPagedBackend(), KERNEL_DEVICE), (TorchReferenceBackend(), "cpu")):
+    for backend, device in ((TritonPagedBackend(), KERNEL_DEVICE),
+                            (TorchReferenceBackend(), "cpu")):
         view = paged_view(64, device=device)
         view.backend = backend
         steps = Steps([7, 13], decodes=5, seed=5, device=device)

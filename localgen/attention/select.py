@@ -7,8 +7,8 @@ Rules, in order: CUDA with triton importing -> ``TritonPagedBackend``; CUDA with
 and reference backends compute every spec feature (sliding window, logit soft-cap, sinks); the
 CPU backends only plain causal attention. When a layer's spec uses a feature the chosen backend
 does not compute, ``fallback=True`` takes the reference backend and ``fallback=False`` raises
-``UnsupportedAttention`` naming the feature and the device. The offload runtime picks its tiered backends per layer
-(``localgen.runtime.offload.tier_backends``).
+``UnsupportedAttention`` naming the feature and the device. The offload runtime picks its tiered
+backends per layer (``localgen.runtime.offload.tier_backends``).
 """
 
 from __future__ import annotations
