@@ -123,8 +123,8 @@ def test_offload_runtime_gives_the_same_tokens(reference, tmp_path, name, source
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name,source", CASES)
 def test_gpu_greedy_tokens_equal_transformers(reference, name, source):
-    """The CUDA path (Triton paged attention for plain layers, the reference backend for
-    windowed or soft-capped ones) in float32 gives transformers' tokens."""
+    """The CUDA path (Triton paged attention for every layer, windows and soft-caps included)
+    in float32 gives transformers' tokens."""
     llm = LLM.load(_path(name, source), device="cuda", dtype="float32", kv_cache_memory=1 << 24,
                    block_size=16)
     assert _greedy(llm) == reference(name)[1]

@@ -28,6 +28,7 @@ from localgen.kernels.paged_decode import (paged_decode_attention,  # noqa: E402
 from localgen.kernels.paged_prefill import paged_prefill_attention  # noqa: E402
 from tests.conftest import KERNEL_DEVICE  # noqa: E402
 from tests.test_attention_backends import D, Steps, paged_view, run  # noqa: E402
+from tests.test_families_dense import reference  # noqa: E402,F401  (transformers' tokens)
 from tests.test_kernels import (BS, TOL, decode_case, make_cache, make_q,  # noqa: E402
                                 make_tables, rel_err)
 
@@ -233,3 +234,42 @@ def test_cuda_keeps_the_triton_backend_for_every_spec_feature():
         assert TritonPagedBackend().supports(spec)
     chosen = select.select_backend(torch.device("cuda", 0), torch.bfloat16, specs, fallback=False)
     assert type(chosen) is TritonPagedBackend
+
+
+# ---- whole models ----------------------------------------------------------------------------
+
+@pytest.fixture
+def load_on_triton(monkeypatch):
+    """``load(path)``: an LLM whose paged layers attend through the Triton backend, on the
+    kernels' device: chosen by ``select_backend`` on CUDA, forced on the CPU (the interpreter)."""
+    from localgen.api import LLM
+    from localgen.attention.triton import TritonPagedBackend
+
+    if KERNEL_DEVICE.type == "cpu":
+        monkeypatch.setattr("localgen.runtime.model_runner.select_backend",
+                            lambda *a, **kw: TritonPagedBackend())
+
+    def load(path):
+        llm = LLM.load(str(path), device=KERNEL_DEVICE.type, dtype="float32",
+                       kv_cache_memory=1 << 22, block_size=4)
+        assert type(llm.engine.runner.attention) is TritonPagedBackend
+        return llm
+    return load
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral"])
+def test_windowed_and_capped_families_give_transformers_tokens(reference, load_on_triton, name):
+    """Gemma 2 (window, soft-cap), Gemma 3 (sliding and full layers, MQA), Mistral (window in
+    every layer, KV blocks behind it given back): windows of 8 tokens over 4-token KV blocks
+    under 20-token prompts, greedy tokens equal to transformers'."""
+    from tests.test_families_dense import _greedy, _path
+
+    assert _greedy(load_on_triton(_path(name, "hf"))) == reference(name)[1]
+
+
+def test_gpt_oss_sinks_give_transformers_tokens(tmp_path, load_on_triton):
+    """gpt-oss: sinks in every layer, a sliding layer and a full one."""
+    from tests.test_families_moe import GPT_OSS, _variant_dir, assert_greedy_equal, hf_model
+
+    path = _variant_dir(tmp_path, GPT_OSS)
+    assert_greedy_equal(load_on_triton(path), hf_model("", path))
