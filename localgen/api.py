@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -43,6 +44,21 @@ def _dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if name not in table:
         raise ValueError(f"dtype {name!r} is not one of {', '.join(table)}")
     return table[name]
+
+
+@contextmanager
+def _threads_beside_one_busy_core() -> Iterator[None]:
+    """Run the body with one intra-op thread fewer (at least one), then restore the count.
+
+    While the weights load, the tokenizer thread keeps a core busy; an OpenMP parallel region
+    waits for all of its threads, so one that counts that core stalls a scheduler time slice at
+    every op of the weight preparation instead of sharing the work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads - 1))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class LLM:
@@ -106,10 +122,11 @@ class LLM:
         pool.shutdown(wait=False)
         weights = status.watch(src.weights)
         status.stage("loading weights and the tokenizer")
-        llm = cls.from_parts(src.config, weights, tokenizer, cfg, device=device,
-                             dtype=dtype, name=src.name, source=src, policy=policy,
-                             offload_dir=offload_dir, gpu_memory=gpu_memory,
-                             cpu_memory=cpu_memory, gguf_native=gguf_native)
+        with _threads_beside_one_busy_core():
+            llm = cls.from_parts(src.config, weights, tokenizer, cfg, device=device,
+                                 dtype=dtype, name=src.name, source=src, policy=policy,
+                                 offload_dir=offload_dir, gpu_memory=gpu_memory,
+                                 cpu_memory=cpu_memory, gguf_native=gguf_native)
         status.done(f"{src.name} loaded")
         return llm
 

@@ -158,10 +158,13 @@ class CausalLM:
                                          for n in self.family.layer_weight_names(cfg, i).values())]
             warn_expanded(store, [n for n in every if n in store], dtype)
         int4 = _use_cpu_int4(cfg, store, dtype, self.device)
-        # the int4 path keeps its dense bf16 embedding: the output matrix's large-M GEMM reads it
         self.global_w = read_weights(store, gnames, gopt, dtype, self.device,
-                                     packed=() if int4 else self._packed_shorts)
+                                     packed=self._packed_shorts)
         if int4:
+            # the int4 path keeps its dense bf16 embedding: the output matrix's large-M GEMM
+            # reads it; expanded from the blocks by torch (the same values as the store's `get`)
+            self.global_w = {k: w if isinstance(w, torch.Tensor) else w.dequantize(dtype)
+                             for k, w in self.global_w.items()}
             # the output matrix (tied: the embedding) through the int4 kernel at small M: the
             # largest single read of a decode step (vocab x hidden), a quarter of bf16's bytes
             from localgen.quant.cpu_int4 import int4_output_weight

@@ -73,7 +73,7 @@ class Int4Linear:
         self.shape, self.group_size = (n, k // repeat_input), group_size
         self.repeat_input = repeat_input
         self.max_m = INT4_MAX_M if max_m is None else max_m
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+        self.packed = _convert_rows(codes.contiguous())
         zero = mn.float() + 8 * scale.float()
         self.scales_and_zeros = torch.stack([scale.float(), zero], -1).transpose(0, 1).contiguous().to(
             torch.bfloat16)  # [K / group, N, 2]
@@ -118,6 +118,20 @@ LM_HEAD_MAX_M = 4
 Q8_0_BLOCK, Q8_0_BYTES = 32, 34  # fp16 d, then 32 int8 codes: value = d * q
 
 
+def _convert_rows(codes: torch.Tensor) -> torch.Tensor:
+    """``aten._convert_weight_to_int4pack_for_cpu`` of uint8 codes ``[N, K]`` (0..15), converted
+    to the int32 it takes ``PACK_ROWS`` rows at a time, so a vocab-sized matrix never holds its
+    int32 codes whole. The kernel packs rows in tiles of 64, so pieces of a multiple of 64 rows
+    stack to the whole's result (``tests/test_cpu_int4_blocks.py``)."""
+    return torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(c.to(torch.int32), 1)
+                      for c in codes.split(PACK_ROWS)])
+
+
+# rows converted at once (a multiple of the kernel's 64-row tile): 4096 rows of a 1152-wide
+# matrix are 18 MiB of int32 codes
+PACK_ROWS = 4096
+
+
 def q8_0_as_int4(raw, rows: int, cols: int, dense: torch.Tensor | None = None,
                  max_m: int | None = None) -> Int4Linear:
     """A GGUF Q8_0 matrix (raw bytes ``[rows, cols // 32 * 34]``) as two 4-bit planes for the
@@ -126,40 +140,80 @@ def q8_0_as_int4(raw, rows: int, cols: int, dense: torch.Tensor | None = None,
     ``lo`` with scale ``d`` and zero ``8 d`` (the kernel's ``(code - 8) scale + zero``). The planes
     sit side by side along K and the input is repeated to meet them: one kernel call reading 4.25
     bits a weight (the bf16 matrix reads 16). Scales are bf16, as for the 4-bit layers."""
-    import numpy as np
-
     if cols % Q8_0_BLOCK:
         raise ValueError(f"Q8_0 rows hold whole 32-element blocks; got {cols} columns")
     nb = cols // Q8_0_BLOCK
-    b = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)).reshape(rows, nb, Q8_0_BYTES)
+    b = _raw_blocks(raw, rows, nb, Q8_0_BYTES)
     d = b[..., 0:2].contiguous().view(torch.float16).reshape(rows, nb).float()
-    u = b[..., 2:].contiguous().view(torch.int8).reshape(rows, cols).to(torch.int32) + 128
+    q = b[..., 2:].contiguous().view(torch.int8).reshape(rows, cols)
+    u = q.view(torch.uint8) ^ 128  # q + 128 as uint8: the sign bit flipped
     codes = torch.cat([u >> 4, u & 15], dim=1)
     scale = torch.cat([16 * d, d], dim=1)
     mn = torch.cat([-128 * d, torch.zeros_like(d)], dim=1)  # zero = mn + 8 scale: 0 and 8 d
     if dense is None:
-        dense = (d.repeat_interleave(Q8_0_BLOCK, dim=1) * (u - 128)).to(torch.bfloat16)
+        dense = (d.repeat_interleave(Q8_0_BLOCK, dim=1) * q).to(torch.bfloat16)
     return Int4Linear(codes, scale, mn, Q8_0_BLOCK, dense=dense, max_m=max_m, repeat_input=2)
+
+
+Q4_1_BLOCK, Q4_1_BYTES = 32, 20  # fp16 d, fp16 m, 16 bytes of codes: value = d * q + m
+
+
+def q4_1_as_int4(raw, rows: int, cols: int, dense: torch.Tensor | None = None,
+                 max_m: int | None = None) -> Int4Linear:
+    """A GGUF Q4_1 matrix (raw bytes ``[rows, cols // 32 * 20]``, rows already in HF order) for
+    the int4 kernel, read straight from its blocks: byte ``j`` of a block holds element ``j``
+    (low nibble) and ``j + 16`` (high), value ``d q + m`` (llama.cpp's ``block_q4_1``), so
+    scale ``d`` and min ``m`` carry over and the codes only change places. ``dense`` (the large-M
+    matrix) defaults to ``d q + m`` in bf16, computed in float32 as ``Int4Linear`` does."""
+    if cols % Q4_1_BLOCK:
+        raise ValueError(f"Q4_1 rows hold whole 32-element blocks; got {cols} columns")
+    nb = cols // Q4_1_BLOCK
+    b = _raw_blocks(raw, rows, nb, Q4_1_BYTES)
+    dm = b[..., 0:4].contiguous().view(torch.float16).reshape(rows, nb, 2)
+    d, m = dm[..., 0], dm[..., 1]
+    qs = b[..., 4:]
+    codes = torch.empty(rows, nb, Q4_1_BLOCK, dtype=torch.uint8)
+    torch.bitwise_and(qs, 15, out=codes[..., :16])
+    torch.bitwise_right_shift(qs, 4, out=codes[..., 16:])
+    if dense is None:
+        dense = (codes * d.float()[..., None]).add_(m.float()[..., None]).to(torch.bfloat16)
+        dense = dense.reshape(rows, cols)
+    return Int4Linear(codes.reshape(rows, cols), d, m, Q4_1_BLOCK, dense=dense, max_m=max_m)
+
+
+def _raw_blocks(raw, rows: int, nb: int, nbytes: int) -> torch.Tensor:
+    """``raw`` (a uint8 tensor or a numpy view of the file) as uint8 ``[rows, nb, nbytes]``."""
+    if not isinstance(raw, torch.Tensor):
+        import numpy as np
+
+        raw = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True))
+    if raw.numel() != rows * nb * nbytes:
+        raise ValueError(f"{rows} rows of {nb} blocks of {nbytes} bytes need "
+                         f"{rows * nb * nbytes} bytes, got {raw.numel()}")
+    return raw.reshape(rows, nb, nbytes)
 
 
 def int4_output_weight(store, name: str, dense: torch.Tensor | None = None) -> Int4Linear | None:
     """The output (lm_head) matrix ``name`` of a GGUF store for the int4 kernel when it is stored
     as Q4_1 or Q8_0 (else None); ``dense``: the bf16 matrix for large M (the tied embedding,
     already resident)."""
-    from gguf import GGMLQuantizationType as Q
-
-    from localgen.quant.gguf_import import gguf_int4
-
-    t = store.tensor(name)
-    if len(store.shape(name)) != 2 or store.shape(name)[0] % 16:  # the kernel packs 16-row tiles
+    shape = store.shape(name)
+    if len(shape) != 2 or shape[0] % 16:  # the kernel packs 16-row tiles
         return None
-    if t.tensor_type == Q.Q8_0:
-        return q8_0_as_int4(t.data, *store.shape(name), dense=dense, max_m=LM_HEAD_MAX_M)
-    q = gguf_int4(store, name)
-    if q is None:
+    if store.stored_type(name) == "Q8_0":
+        return q8_0_as_int4(store.get_packed(name).raw, *shape, dense=dense, max_m=LM_HEAD_MAX_M)
+    raw = _q4_1_rows(store, name)
+    if raw is None:
         return None
-    return Int4Linear(unpack_codes(q), q.scale, q.min, q.group_size, dense=dense,
-                      max_m=2 * LM_HEAD_MAX_M)
+    return q4_1_as_int4(raw, *shape, dense=dense, max_m=2 * LM_HEAD_MAX_M)
+
+
+def _q4_1_rows(store, name: str) -> torch.Tensor | None:
+    """The raw blocks of ``name`` (rows in HF order: llama.cpp's Q/K permutation undone) when it
+    is a 2-D Q4_1 tensor, else None."""
+    if store.stored_type(name) != "Q4_1" or len(store.shape(name)) != 2:
+        return None
+    return store.get_packed(name).raw
 
 
 # short names in a fused llama layer -> the HF names they stack
@@ -170,9 +224,7 @@ def int4_layer_weights(store, names: dict[str, str]) -> dict[str, Int4Linear]:
     """Int4Linear replacements for a llama layer's matrices stored as Q4_1 in a GGUF store
     (``names``: short -> HF name, as ``llama.layer_weight_names``); groups with any other storage
     type, or with biases of their own (only q/k/v biases are added after the packed GEMM), are left
-    out (they stay dense)."""
-    from localgen.quant.gguf_import import gguf_int4
-
+    out (they stay dense). A group's parts are stacked as raw rows (whole blocks), then read once."""
     have = set(store.names())
     out = {}
     for fused, parts in _GROUPS.items():
@@ -180,9 +232,11 @@ def int4_layer_weights(store, names: dict[str, str]) -> dict[str, Int4Linear]:
             continue
         if fused != "qkv" and any(names.get(f"{p}_bias") in have for p in parts):
             continue
-        tensors = [gguf_int4(store, names[p]) for p in parts]
-        if all(t is not None for t in tensors):
-            out[fused] = Int4Linear.from_int4(tensors)
+        raws = [_q4_1_rows(store, names[p]) for p in parts]
+        if any(r is None for r in raws) or len({store.shape(names[p])[1] for p in parts}) != 1:
+            continue
+        raw = torch.cat(raws) if len(raws) > 1 else raws[0]
+        out[fused] = q4_1_as_int4(raw, raw.shape[0], store.shape(names[parts[0]])[1])
     return out
 
 
