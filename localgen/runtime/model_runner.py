@@ -68,27 +68,37 @@ class ModelRunner:
         return prev
 
     def prepare(self, seqs: list[Sequence], is_prefill: bool):
-        """Packed token ids, positions ``[num_tokens]`` and the step's AttentionMetadata (group
-        0's, holding the other KV groups' in ``groups``)."""
+        """Packed token ids, positions ``[num_tokens]`` and the step's AttentionMetadata (KV group
+        0's, holding the other groups' in ``groups``)."""
         bs = self.kv.block_size
-        ids, pos, qlens = [], [], []
-        starts = [s.num_computed if is_prefill else s.num_tokens - 1 for s in seqs]
-        for s, start in zip(seqs, starts):
+        ids, pos, slots, qlens = [], [], [], []
+        for s in seqs:
+            start = s.num_computed if is_prefill else s.num_tokens - 1
             ids += s.token_ids[start:]
             pos += range(start, s.num_tokens)
+            slots += _slots(s.block_table, start, s.num_tokens, bs)
             qlens.append(s.num_tokens - start)
         ctx = [s.num_tokens for s in seqs]
-        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        ctx_t = t(ctx)
-        metas = []
-        for g in range(len(seqs[0].block_tables)):
-            tables = [s.block_tables[g] for s in seqs]
-            slots = [x for table, s, start in zip(tables, seqs, starts)
-                     for x in _slots(table, start, s.num_tokens, bs)]
-            metas.append(AttentionMetadata(is_prefill, t(slots), t(_padded(tables)), ctx_t,
-                                           qlens, ctx))
-        metas[0].groups = tuple(metas[1:])
-        return t(ids), t(pos), metas[0]
+        t = self._tensor
+        meta = AttentionMetadata(is_prefill, t(slots), t(_padded([s.block_table for s in seqs])),
+                                 t(ctx), qlens, ctx)
+        if seqs[0].group_tables:
+            meta.groups = tuple(self._group_meta(seqs, g, meta)
+                                for g in range(len(seqs[0].group_tables)))
+        return t(ids), t(pos), meta
+
+    def _tensor(self, x) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.long, device=self.device)
+
+    def _group_meta(self, seqs: list[Sequence], g: int, meta: AttentionMetadata) -> AttentionMetadata:
+        """KV group g + 1's metadata (``group_tables[g]``): its own slots and block tables,
+        ``meta``'s lengths."""
+        bs, slots = self.kv.block_size, []
+        for s, n in zip(seqs, meta.query_lens):
+            slots += _slots(s.group_tables[g], s.num_tokens - n, s.num_tokens, bs)
+        tables = _padded([s.group_tables[g] for s in seqs])
+        return AttentionMetadata(meta.is_prefill, self._tensor(slots), self._tensor(tables),
+                                 meta.context_lens, meta.query_lens, meta.context_lens_list)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
