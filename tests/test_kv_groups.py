@@ -214,3 +214,15 @@ def test_decode_graphs_run_a_mixed_model_eagerly(reference):
     eng.runner = runner
     assert _run(llm) == reference("gemma3")
     assert not runner.graphs
+
+
+def test_a_prompt_past_a_mixed_models_budget_is_refused_with_the_bytes_of_every_group():
+    """5 blocks of 4 tokens in each pool (6 layers x 512 bytes a block): 20 tokens, 15360 bytes;
+    a 30-token prompt (and its first output token) needs 8 blocks of every layer, 24576 bytes."""
+    from localgen.runtime.request import KVBudgetError
+
+    llm = _load("gemma3", "hf", kv_cache_memory=5 * 6 * 512)
+    assert llm.engine.kv_cache.group_blocks == (5, 5) and llm.engine.kv_capacity_tokens == 20
+    with pytest.raises(KVBudgetError, match=r"5 blocks of 4 tokens\) holds 20 tokens") as err:
+        llm.add_request(Request(prompt_token_ids=list(range(6, 36))))
+    assert (err.value.budget_bytes, err.value.needed_bytes) == (15360, 24576)

@@ -174,10 +174,11 @@ class Engine:
         bm = self.block_manager
         per_block = self.kv_cache.bytes_per_block
         need = bm.blocks_for(num_tokens) * per_block
-        have = bm.num_blocks * per_block
+        blocks = self.kv_capacity_tokens // bm.block_size  # one sequence's, in every KV group
+        have = blocks * per_block
         return KVBudgetError(
-            f"the KV cache budget ({_mib(have)}: {bm.num_blocks} block"
-            f"{'s' if bm.num_blocks != 1 else ''} of {bm.block_size} tokens) "
+            f"the KV cache budget ({_mib(have)}: {blocks} block"
+            f"{'s' if blocks != 1 else ''} of {bm.block_size} tokens) "
             f"holds {self.kv_capacity_tokens} tokens; this prompt needs {num_tokens} "
             f"({_mib(need)}): raise the KV cache budget (--kv-cache-memory, kv_cache_memory=) "
             f"to at least {_mib(need)}", need, have)
