@@ -82,6 +82,7 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
+@functools.lru_cache(maxsize=None)  # one compiler run a process, not one a kernel
 def _version(cc: str) -> str:
     out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
     return out.stdout.splitlines()[0] if out.stdout else cc

@@ -6,9 +6,17 @@ function, so `localgen --help` stays fast.
 
 from __future__ import annotations
 
+import atexit
+import gc
+
 import typer
 
 from localgen.cli.errors import DEBUG_ENV, GuardedGroup, remember_debug
+
+# As the interpreter exits it runs garbage collections that walk every object torch and
+# transformers created; the process's memory goes back whole anyway, so the objects alive at exit
+# are frozen out of those walks (atexit runs last what registers first: after every other handler).
+atexit.register(gc.freeze)
 
 # GuardedGroup turns the errors users cause into one or two lines (localgen/cli/errors.py)
 app = typer.Typer(
