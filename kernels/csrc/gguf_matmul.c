@@ -92,9 +92,10 @@ static inline uint32_t rd32(const uint8_t *p) {
 /* ---- Activation rows --------------------------------------------------------------------- */
 /* A quantized activation row of k values, for blocks of B = 32 or 256:
  *   int8  q[k]            at 0
- *   float d[k / B]        at k                (the block's scale: x ~ d * q)
- *   B = 32:  float s[k / 32]      at k + 4 k/B (d * the block's sum of q)
- *   B = 256: int16 bsum[k / 16]   at k + 4 k/B (sums of q per 16 values)
+ *   B = 32:  float ds[2 k / 32]   at k (per block its scale d, x ~ d * q, then s = d * the
+ *                                        block's sum of q: one 8-byte load gives both)
+ *   B = 256: float d[k / 256]     at k
+ *            int16 bsum[k / 16]   at k + 4 k/B (sums of q per 16 values)
  * The scale is amax / 127, the codes round(x * 127 / amax) to nearest even, in float32 (the
  * Python reference twin does the same arithmetic). */
 static size_t xrow_bytes(int64_t k, int B) {
@@ -142,14 +143,14 @@ static int quant32(const float *x, float id, int8_t *q, int *s16) {
 static void quant_row32(const float *x, int64_t k, uint8_t *out) {
     const int64_t nb = k / 32;
     int8_t *q = (int8_t *)out;
-    float *d = (float *)(out + k), *s = d + nb;
+    float *ds = (float *)(out + k);
     for (int64_t b = 0; b < nb; b++) {
         const float amax = block_amax(x + 32 * b, 32);
         const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
         int s16[2];
         const int sum = quant32(x + 32 * b, id, q + 32 * b, s16);
-        d[b] = amax / 127.0f;
-        s[b] = d[b] * (float)sum;
+        ds[2 * b] = amax / 127.0f;
+        ds[2 * b + 1] = ds[2 * b] * (float)sum;
     }
 }
 
@@ -311,7 +312,7 @@ static void rows_scalar(int t, const uint8_t *w, const uint8_t *x, size_t xs, in
         deq_block(t, w + b * bb, wf);
         for (int j = 0; j < nx; j++) {
             const int8_t *q = (const int8_t *)(x + j * xs) + b * B;
-            const float dx = ((const float *)(x + j * xs + k))[b];
+            const float dx = ((const float *)(x + j * xs + k))[B == 32 ? 2 * b : b];
             float s = 0.0f;
             for (int i = 0; i < B; i++) s += wf[i] * (float)q[i];
             acc[j] += (double)(s * dx);
@@ -376,28 +377,46 @@ AI __m256i w32(int t, const uint8_t *b) {
     }
 }
 
-/* The 32-value types: sum over blocks of dw dx (w . q) plus the offset or minimum through the
- * activation sum s = dx sum(q): Q4_0 -8 dw s, Q5_0 -16 dw s, Q4_1/Q5_1 + m s. */
-AI void block32(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int64_t k, int64_t b,
-                const int nx, __m256 *acc, float *acs) {
-    const int sgn = t == T_Q8_0 || t == T_IQ4_NL;
-    const int64_t nb = k / 32;
-    const uint8_t *blk = w + b * block_bytes(t);
+/* A 32-value block's weight scales: lane 0 its scale dw, lane 1 what multiplies the activation
+ * block's sum s = dx sum(q) (Q4_0 -8 dw, Q5_0 -16 dw, Q4_1/Q5_1 the minimum m, read with dw in
+ * one conversion; 0 for the signed types). */
+AI __m128 wscales32(const int t, const uint8_t *blk) {
+#ifdef __F16C__
+    if (t == T_Q4_1 || t == T_Q5_1) return _mm_cvtph_ps(_mm_cvtsi32_si128((int)rd32(blk)));
+#endif
     const float dw = h2f(blk);
     const float off = t == T_Q4_0 ? -8.0f * dw : t == T_Q5_0 ? -16.0f * dw
                     : (t == T_Q4_1 || t == T_Q5_1) ? h2f(blk + 2) : 0.0f;
+    return _mm_setr_ps(dw, off, 0.0f, 0.0f);
+}
+
+/* wscales32 times activation block b's (dx, s), one 8-byte load: lane 0 dw dx, the scale of
+ * the block's integer dot product; lane 1 the offset or minimum's term. */
+AI __m128 scales32(const __m128 wd, const float *ds, int64_t b) {
+    return _mm_mul_ps(wd, _mm_castpd_ps(_mm_load_sd((const double *)(ds + 2 * b))));
+}
+
+/* The 32-value types: sum over blocks of dw dx (w . q) plus the offset or minimum through the
+ * activation sum s = dx sum(q) (scales32); acs[j]'s lane 1 sums the latter. */
+AI void block32(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int64_t k, int64_t b,
+                const int nx, __m256 *acc, __m128 *acs) {
+    const int sgn = t == T_Q8_0 || t == T_IQ4_NL;
+    const uint8_t *blk = w + b * block_bytes(t);
+    const __m128 wd = wscales32(t, blk);
     const __m256i wv = w32(t, blk);
     const __m256i wu = sgn ? _mm256_abs_epi8(wv) : wv;
     for (int j = 0; j < nx; j++) {
         const uint8_t *xr = x + j * xs;
-        const float *dx = (const float *)(xr + k);
+        const __m128 sc = scales32(wd, (const float *)(xr + k), b);
         __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + 32 * b));
         if (sgn) xv = _mm256_sign_epi8(xv, wv);
         const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(wu, xv));
-        acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx[b]), p, acc[j]);
-        if (!sgn) acs[j] += off * dx[nb + b];
+        acc[j] = _mm256_fmadd_ps(_mm256_broadcastss_ps(sc), p, acc[j]);
+        if (!sgn) acs[j] = _mm_add_ps(acs[j], sc);
     }
 }
+
+AI float lane1(__m128 v) { return _mm_cvtss_f32(_mm_movehdup_ps(v)); }
 
 /* y[0..3] = the four sums of 4 accumulators each (a 4-way horizontal add). */
 AI __m128 hsum4_ps(const __m256 a[4]) {
@@ -411,11 +430,11 @@ AI void rows32(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int64
                int64_t ys, const int nx) {
     const int64_t nb = k / 32;
     __m256 acc[2][4];
-    float acs[2][4];
+    __m128 acs[2][4];
     for (int a = 0; a < 2; a++)
         for (int j = 0; j < nx; j++) {
             acc[a][j] = _mm256_setzero_ps();
-            acs[a][j] = 0.0f;
+            acs[a][j] = _mm_setzero_ps();
         }
     int64_t b = 0;
     if (nx == 1)
@@ -427,50 +446,34 @@ AI void rows32(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int64
     for (int j = 0; j < nx; j++) {
         /* rows32_w4's order of additions, so a row's bits do not depend on which kernel took it */
         const __m256 a = _mm256_add_ps(acc[0][j], acc[1][j]), four[4] = {a, a, a, a};
-        y[j * ys] = _mm_cvtss_f32(hsum4_ps(four)) + (acs[0][j] + acs[1][j]);
+        y[j * ys] = _mm_cvtss_f32(hsum4_ps(four)) + lane1(_mm_add_ps(acs[0][j], acs[1][j]));
     }
-}
-
-/* One 32-value block of a row against the activation block: acc += dw dx (w . q); the
- * offset or minimum's term is returned (added to a scalar chain by the caller). */
-AI float w4_block(const int t, const uint8_t *blk, const uint8_t *x, const float *dx, int64_t nb,
-                  int64_t b, __m256 *acc) {
-    const int sgn = t == T_Q8_0 || t == T_IQ4_NL;
-    const float dw = h2f(blk);
-    const __m256i wv = w32(t, blk);
-    const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 32 * b));
-    const __m256i p = sgn ? dot_u8s8(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv)) : dot_u8s8(wv, xv);
-    *acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx[b]), _mm256_cvtepi32_ps(p), *acc);
-    if (sgn) return 0.0f;
-    const float off = t == T_Q4_0 ? -8.0f * dw : t == T_Q5_0 ? -16.0f * dw : h2f(blk + 2);
-    return off * dx[nb + b];
 }
 
 /* Four weight rows (ws bytes apart) of a 32-value type against one activation row, the decode
  * step's case, as one call: each row is read front to back (one sequential stream, as the
  * prefetchers like it) with two alternating accumulator chains, and one 4-way horizontal add
- * ends all four. */
+ * ends all four. Each row's additions are rows32's for one row. */
 AI void rows32_w4(const int t, const uint8_t *w, int64_t ws, const uint8_t *x, int64_t k,
                   float *y) {
     const int bb = block_bytes(t);
     const int64_t nb = k / 32;
-    const float *dx = (const float *)(x + k);
     __m256 acc[4];
     float acs[4];
     for (int r = 0; r < 4; r++) {
         const uint8_t *wr = w + r * ws;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        float s0 = 0.0f, s1 = 0.0f;
+        __m256 a[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        __m128 s[2] = {_mm_setzero_ps(), _mm_setzero_ps()};
         int64_t b = 0;
         for (; b + 1 < nb; b += 2) {
-            s0 += w4_block(t, wr + b * bb, x, dx, nb, b, &a0);
-            s1 += w4_block(t, wr + (b + 1) * bb, x, dx, nb, b + 1, &a1);
+            block32(t, wr, x, 0, k, b, 1, &a[0], &s[0]);
+            block32(t, wr, x, 0, k, b + 1, 1, &a[1], &s[1]);
         }
-        if (b < nb) s0 += w4_block(t, wr + b * bb, x, dx, nb, b, &a0);
-        acc[r] = _mm256_add_ps(a0, a1);
-        acs[r] = s0 + s1;
+        if (b < nb) block32(t, wr, x, 0, k, b, 1, &a[0], &s[0]);
+        acc[r] = _mm256_add_ps(a[0], a[1]);
+        acs[r] = lane1(_mm_add_ps(s[0], s[1]));
     }
-    _mm_storeu_ps(y, _mm_add_ps(hsum4_ps(acc), _mm_loadu_ps(acs)));
+    _mm_storeu_ps(y, _mm_add_ps(hsum4_ps(acc), _mm_setr_ps(acs[0], acs[1], acs[2], acs[3])));
 }
 
 #define ROWS32_W4(T, NAME) \
