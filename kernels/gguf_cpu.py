@@ -118,6 +118,29 @@ def _plan(m: int, n: int, k: int, qtype: int, wrow: int, xrow: int) -> tuple[int
     return threads, m_tile, n_chunk
 
 
+def entry_address(activations: str = "q8") -> int | None:
+    """The address of the C entry that ``matmul`` calls for ``activations`` (``lg_gguf_matmul``
+    or ``lg_gguf_matmul_f32``, one signature), for C code that multiplies without returning to
+    Python (``layer_ops_cpu``'s decode drivers); None where the library cannot be built. Raises
+    ValueError for another ``activations``."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+    lib = _lib()
+    if lib is None:
+        return None
+    entry = lib.lg_gguf_matmul_f32 if activations == "f32" else lib.lg_gguf_matmul
+    return ctypes.cast(entry, ctypes.c_void_p).value
+
+
+def work_split(m: int, raw: torch.Tensor, qtype: int, k: int,
+               activations: str = "q8") -> tuple[int, int, int]:
+    """(threads, m_tile, n_chunk): the work split ``matmul`` gives m activation rows against
+    raw ``[n, row_bytes]`` of qtype, for callers of ``entry_address``. Raises ValueError as
+    ``row_bytes``."""
+    wrow, xrow = _layout(int(qtype), k)
+    return _plan(m, raw.shape[0], k, int(qtype), wrow, 4 * k if activations == "f32" else xrow)
+
+
 def _matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int, scalar: bool = False,
             activations: str = "q8") -> torch.Tensor | None:
     """``matmul`` with the choice of the scalar C path (``scalar=True``, for tests)."""

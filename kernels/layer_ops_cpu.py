@@ -25,7 +25,21 @@ _SIGNATURES = {
     "lg_rms_norm": [_p, _i64, _p, _p, _int, _int, _f, _int, _int],
     "lg_add_rms_norm": [_p, _p, _p, _p, _p, _int, _int, _f, _int],
     "lg_rope_store": [_p, _i64, _p, _p, _p, _p, _p, _int, _int, _int, _int, _int],
+    "lg_decode_qkv": [_p, _p, _f, _p, _int, _int, _p, _p, _p, _p, _p, _p, _p, _p, _int, _int,
+                      _int],
+    "lg_decode_o_gate_up": [_p, _int, _p, _p, _p, _p, _p, _f, _p, _p, _p],
+    "lg_decode_down": [_p, _int, _p, _p, _p, _p],
 }
+
+
+class MatArgs(ctypes.Structure):
+    """One GGUF matrix for the decode drivers (``lg_mat`` in the C): ``w`` the address of its
+    raw rows, ``n`` rows of ``k`` values, ``w_stride`` bytes from row to row, the kernel's work
+    split (``m_tile``, ``n_chunk``, ``threads``: ``gguf_cpu``'s plan for the step's rows) and
+    the ggml type id ``qtype``."""
+
+    _fields_ = [("w", _p), ("n", _i64), ("k", _i64), ("w_stride", _i64), ("m_tile", _i64),
+                ("n_chunk", _i64), ("qtype", _int), ("threads", _int)]
 
 
 def _lib():
@@ -90,3 +104,57 @@ def rope_store(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pair: torc
     _lib().lg_rope_store(y.data_ptr(), y.stride(0), cos.data_ptr(), sin.data_ptr(), k_ptr,
                          k_ptr + pair.element_size() * half_planes, slots.data_ptr(), y.shape[0],
                          num_heads, num_kv_heads, head_dim, cpu_build.DTYPE_CODES[y.dtype])
+
+
+# ---- float32 decode-layer drivers: norm, GGUF product and elementwise step in one call ------
+# ``matmul`` is the address of gguf_cpu's C entry (``gguf_cpu.entry_address``); each MatArgs
+# holds a weight's address, so the caller keeps the weight alive across the call.
+
+
+def decode_qkv(h: torch.Tensor, norm_w: torch.Tensor, eps: float, matmul: int, qkv: MatArgs,
+               cos: torch.Tensor, sin: torch.Tensor, pair: torch.Tensor, slots: torch.Tensor,
+               num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """``y = rms_norm(h) @ W_qkv.T`` rotated and stored as ``rope_store`` does; returns y
+    ``[rows, qkv.n]``. All float32: h ``[rows, hidden]`` contiguous, norm_w ``[hidden]``,
+    cos/sin ``[rows, head_dim]`` contiguous, ``pair`` as ``rope_store`` takes it, slots int64.
+    Raises ValueError with the kernel's code when it rejects the matrix."""
+    rows, hidden = h.shape
+    x = torch.empty((rows, hidden), dtype=torch.float32)
+    y = torch.empty((rows, qkv.n), dtype=torch.float32)
+    half_planes = pair.shape[1] * pair.shape[2] * num_kv_heads * head_dim
+    k_ptr = pair.data_ptr()
+    _check(_lib().lg_decode_qkv(h.data_ptr(), norm_w.data_ptr(), eps, x.data_ptr(), rows, hidden,
+                                matmul, ctypes.byref(qkv), y.data_ptr(), cos.data_ptr(),
+                                sin.data_ptr(), k_ptr, k_ptr + 4 * half_planes, slots.data_ptr(),
+                                num_heads, num_kv_heads, head_dim), "qkv")
+    return y
+
+
+def decode_o_gate_up(attn: torch.Tensor, matmul: int, o: MatArgs, h: torch.Tensor,
+                     post_w: torch.Tensor, eps: float,
+                     gate_up: MatArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h' = h + attn @ W_o.T`` and ``gu = rms_norm(h') * post_w @ W_gate_up.T``; returns
+    ``(h', gu)``. float32, attn ``[rows, o.k]`` and h ``[rows, o.n]`` contiguous. Raises
+    ValueError as ``decode_qkv``."""
+    rows = attn.shape[0]
+    h_out = torch.empty((rows, o.n), dtype=torch.float32)
+    x = torch.empty((rows, o.n), dtype=torch.float32)
+    gu = torch.empty((rows, gate_up.n), dtype=torch.float32)
+    _check(_lib().lg_decode_o_gate_up(attn.data_ptr(), rows, matmul, ctypes.byref(o),
+                                      h.data_ptr(), h_out.data_ptr(), post_w.data_ptr(), eps,
+                                      x.data_ptr(), ctypes.byref(gate_up), gu.data_ptr()), "o")
+    return h_out, gu
+
+
+def decode_down(act: torch.Tensor, matmul: int, down: MatArgs, h: torch.Tensor) -> torch.Tensor:
+    """``h + act @ W_down.T`` (float32, act ``[rows, down.k]`` and h ``[rows, down.n]``
+    contiguous). Raises ValueError as ``decode_qkv``."""
+    out = torch.empty((act.shape[0], down.n), dtype=torch.float32)
+    _check(_lib().lg_decode_down(act.data_ptr(), act.shape[0], matmul, ctypes.byref(down),
+                                 h.data_ptr(), out.data_ptr()), "down")
+    return out
+
+
+def _check(rc: int, what: str) -> None:
+    if rc:
+        raise ValueError(f"layer_ops_cpu: the GGUF kernel rejected the {what} matrix (code {rc})")

@@ -98,11 +98,13 @@ def _layer_weights(hidden, heads, kv_heads, d, inter, dtype, fused_qkv: bool) ->
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_seqs", [1, 3])
 @pytest.mark.parametrize("fused_qkv", [True, False])
-@pytest.mark.parametrize("c_ops", [True, False])
+@pytest.mark.parametrize("c_ops", ["drivers", True, False])
 def test_gguf_decode_layer_is_bit_identical_to_layer(dtype, num_seqs, fused_qkv, c_ops, monkeypatch):
     """The fused CPU decode layer over GGUF blocks gives exactly the generic layer's output and
-    cache writes, with the C layer ops and with their torch twins; it steps aside for a bias
-    and under ``LOCALGEN_GGUF_CPU_KERNEL=0``."""
+    cache writes, with the C layer ops (float32 rows of a fused q/k/v: through the decode
+    drivers, three C calls around attention; else, or with the drivers turned off, one call a
+    step) and with their torch twins; it steps aside for a bias and under
+    ``LOCALGEN_GGUF_CPU_KERNEL=0``."""
     from localgen.models.config import ModelConfig
     from localgen.models.rope import inv_frequencies, rope_cos_sin
 
@@ -122,6 +124,12 @@ def test_gguf_decode_layer_is_bit_identical_to_layer(dtype, num_seqs, fused_qkv,
     kv_ref = LayerKV(ref_pair[0], ref_pair[1], ref_pair)
     assert llama._cpu_decode_mats(cfg, w, h, kv_fast) is not None
     calls = []
+    driven = c_ops == "drivers" and dtype == torch.float32 and fused_qkv
+    if c_ops == "drivers":
+        qkv_call = ops.decode_qkv
+        monkeypatch.setattr(llama.cpu_ops, "decode_qkv", lambda *a: calls.append(2) or qkv_call(*a))
+    else:
+        monkeypatch.setattr(llama, "_drivers_take", lambda *a: False)
     if c_ops:
         store = ops.rope_store
         monkeypatch.setattr(llama.cpu_ops, "rope_store", lambda *a: calls.append(1) or store(*a))
@@ -129,7 +137,7 @@ def test_gguf_decode_layer_is_bit_identical_to_layer(dtype, num_seqs, fused_qkv,
         _torch_only(monkeypatch)
     h_before = h.clone()
     fast = llama.layer(cfg, w, h, rope, kv_fast, decode_meta(lens, tables))
-    assert len(calls) == int(c_ops) and torch.equal(h, h_before)  # the fused path ran
+    assert calls == ([2] if driven else [1] if c_ops else []) and torch.equal(h, h_before)
     with monkeypatch.context() as m:
         m.setattr(llama, "_cpu_decode_mats", lambda *a: None)  # the generic path
         want = llama.layer(cfg, w, h, rope, kv_ref, decode_meta(lens, tables))

@@ -154,3 +154,60 @@ int lg_rope_store(void *y, int64_t y_stride, const void *cos, const void *sin, v
     }
     return 0;
 }
+
+/* ---- A float32 decode layer's runs of norm, matrix product and elementwise step ------------
+ * The GGUF matmul is another library (gguf_matmul.c, built with reassociation, which the
+ * roundings above must not get); these drivers take its entry point lg_gguf_matmul as a function
+ * pointer and one lg_mat per matrix, so the steps between two attention calls take one call
+ * each and no interpreter runs between them. Each step is the same code as its single call
+ * (norm_row, lg_add_rms_norm, lg_rope_store, the matmul with the same work split), so the
+ * results are those of the calls one by one. */
+typedef int (*matmul_fn)(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n,
+                         int64_t w_stride, int qtype, float *y, int threads, int64_t m_tile,
+                         int64_t n_chunk, int scalar);
+
+/* One GGUF matrix of n rows of k values (row r at w + r * w_stride bytes) with its work split. */
+typedef struct {
+    const uint8_t *w;
+    int64_t n, k, w_stride, m_tile, n_chunk;
+    int qtype, threads;
+} lg_mat;
+
+static int mat_apply(void *fn, const lg_mat *a, const float *x, int m, float *y) {
+    return ((matmul_fn)fn)(x, m, a->k, a->w, a->n, a->w_stride, a->qtype, y, a->threads,
+                           a->m_tile, a->n_chunk, 0);
+}
+
+/* x = rms_norm(h) * norm_w ([m, hidden] each), y = x . W_qkv^T ([m, qkv->n], q, k, v of each
+ * row), then lg_rope_store on y. Returns 0 or the matmul's nonzero code. */
+int lg_decode_qkv(const float *h, const float *norm_w, float eps, float *x, int m, int hidden,
+                  void *matmul, const lg_mat *qkv, float *y, const float *cos, const float *sin,
+                  float *k_cache, float *v_cache, const int64_t *slots, int hq, int hk, int d) {
+    for (int r = 0; r < m; r++)
+        norm_row(h + (int64_t)r * hidden, norm_w, x + (int64_t)r * hidden, hidden, eps, DT_F32);
+    const int rc = mat_apply(matmul, qkv, x, m, y);
+    if (rc) return rc;
+    return lg_rope_store(y, qkv->n, cos, sin, k_cache, v_cache, slots, m, hq, hk, d, DT_F32);
+}
+
+/* h_out = h + attn . W_o^T, x = rms_norm(h_out) * post_w, gu = x . W_gate_up^T (h, h_out, x
+ * [m, o->n]; attn [m, o->k]; gu [m, gate_up->n]). Returns 0 or the matmul's nonzero code. */
+int lg_decode_o_gate_up(const float *attn, int m, void *matmul, const lg_mat *o, const float *h,
+                        float *h_out, const float *post_w, float eps, float *x,
+                        const lg_mat *gate_up, float *gu) {
+    int rc = mat_apply(matmul, o, attn, m, h_out);
+    if (rc) return rc;
+    lg_add_rms_norm(h, h_out, post_w, h_out, x, m, (int)o->n, eps, DT_F32);
+    return mat_apply(matmul, gate_up, x, m, gu);
+}
+
+/* out = h + act . W_down^T (h, out [m, down->n]; act [m, down->k]). Returns 0 or the matmul's
+ * nonzero code. */
+int lg_decode_down(const float *act, int m, void *matmul, const lg_mat *down, const float *h,
+                   float *out) {
+    const int rc = mat_apply(matmul, down, act, m, out);
+    if (rc) return rc;
+    const int64_t size = (int64_t)m * down->n;
+    for (int64_t i = 0; i < size; i++) out[i] = h[i] + out[i];
+    return 0;
+}

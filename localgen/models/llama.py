@@ -200,6 +200,9 @@ def _cpu_decode_layer(cfg: ModelConfig, w: dict, mats: tuple, h: torch.Tensor,
     qkv, o, gate_up, down = mats
     n, hq, hk, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     eps = cfg.norm_eps
+    drivers = getattr(mats, "drivers", None)
+    if drivers is not None and _drivers_take(w, h, rope, meta):
+        return _cpu_decode_driven(cfg, w, drivers, h, rope, kv, meta)
     y = qkv(rms_norm(h, w["input_norm"], eps))
     cos, sin = rope
     fused = cpu_ops.supports_rope(y, cos, sin, kv.pair, meta.slot_mapping)
@@ -217,6 +220,39 @@ def _cpu_decode_layer(cfg: ModelConfig, w: dict, mats: tuple, h: torch.Tensor,
     gu = gate_up(x)
     inter = gu.shape[1] // 2
     return h + down(F.silu(gu[:, :inter]).mul_(gu[:, inter:]))
+
+
+def _drivers_take(w: dict, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                  meta: AttentionMetadata) -> bool:
+    """Whether ``_cpu_decode_driven`` takes this step: float32 rows, norms and rotary tables,
+    all contiguous, int64 slots (the cache itself ``_cpu_decode_mats`` has checked)."""
+    cos, sin = rope
+    f32 = torch.float32
+    return (h.dtype == f32 and h.is_contiguous() and cos.dtype == f32 and sin.dtype == f32
+            and cos.is_contiguous() and sin.is_contiguous() and w["input_norm"].dtype == f32
+            and w["post_norm"].dtype == f32 and w["input_norm"].is_contiguous()
+            and w["post_norm"].is_contiguous() and meta.slot_mapping.dtype == torch.int64
+            and meta.slot_mapping.is_contiguous())
+
+
+def _cpu_decode_driven(cfg: ModelConfig, w: dict, drivers, h: torch.Tensor,
+                       rope: tuple[torch.Tensor, torch.Tensor], kv: LayerKV,
+                       meta: AttentionMetadata) -> torch.Tensor:
+    """``_cpu_decode_layer`` on float32 rows through ``layer_ops_cpu``'s GGUF drivers: norm,
+    q/k/v product, rotary and K/V write in one C call; the o product, residual add, norm and
+    gate/up product in another; SiLU(gate) * up in torch (its rounding is torch's); the down
+    product and residual add in a third. The same operations as the one-by-one calls, so the
+    same bits."""
+    n, hq, hk, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    eps = cfg.norm_eps
+    a_qkv, a_o, a_gate_up, a_down = drivers.args(n)
+    y = cpu_ops.decode_qkv(h, w["input_norm"], eps, drivers.matmul, a_qkv, *rope, kv.pair,
+                           meta.slot_mapping, hq, hk, d)
+    attn = kv.attend_written(y[:, :hq * d].view(n, hq, d), meta, default_spec(d))
+    h, gu = cpu_ops.decode_o_gate_up(attn.reshape(n, hq * d).contiguous(), drivers.matmul, a_o, h, w["post_norm"],
+                                     eps, a_gate_up)
+    inter = a_gate_up.n // 2
+    return cpu_ops.decode_down(F.silu(gu[:, :inter]).mul_(gu[:, inter:]), drivers.matmul, a_down, h)
 
 
 def _torch_rope_store(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV,

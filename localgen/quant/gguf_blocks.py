@@ -397,13 +397,61 @@ def _cpu_product(w: PackedGGUFWeight, mod, activations: str):
     return fn
 
 
-def gguf_decode_products(qkv, rest: Sequence) -> tuple | None:
+class DecodeProducts(tuple):
+    """The products ``gguf_decode_products`` returns, each ``x -> w(x)``, with ``drivers``: the
+    layer's ``GGUFDecodeDrivers`` where its four matrices can run through
+    ``layer_ops_cpu``'s float32 decode drivers, else None."""
+
+    drivers: "GGUFDecodeDrivers | None" = None
+
+
+class GGUFDecodeDrivers:
+    """A decode layer's fused q/k/v, o, gate/up and down GGUF matrices bound for
+    ``localgen.kernels.layer_ops_cpu``'s float32 drivers (``decode_qkv``, ``decode_o_gate_up``,
+    ``decode_down``): the C matmul's address and each matrix's ``MatArgs``, made once per
+    (rows, threads). It holds the weights, so the addresses stay valid while it lives."""
+
+    def __init__(self, mats: Sequence[PackedGGUFWeight], matmul: int, activations: str, mod):
+        self.mats, self.matmul, self._act, self._mod = tuple(mats), matmul, activations, mod
+        self._args: dict[tuple[int, int], tuple] = {}
+
+    def args(self, rows: int) -> tuple:
+        """``MatArgs`` of (qkv, o, gate_up, down) for a step of ``rows`` activation rows, with
+        ``gguf_cpu.matmul``'s work split (so the products equal its results bit for bit)."""
+        key = (rows, torch.get_num_threads())
+        got = self._args.get(key)
+        if got is None:
+            from localgen.kernels.layer_ops_cpu import MatArgs
+
+            got = self._args[key] = tuple(
+                MatArgs(m.raw.data_ptr(), m.shape[0], m.shape[1], m.raw.stride(0), m_tile,
+                        n_chunk, int(m.qtype), threads)
+                for m in self.mats
+                for threads, m_tile, n_chunk in
+                [self._mod.work_split(rows, m.raw, int(m.qtype), m.shape[1], self._act)])
+        return got
+
+
+def _decode_drivers(mats: tuple, mod, activations: str) -> GGUFDecodeDrivers | None:
+    """The drivers for (qkv, o, gate_up, down) where the C layer ops are built and every row of
+    raw bytes is contiguous, else None."""
+    from localgen.kernels import layer_ops_cpu
+
+    matmul = mod.entry_address(activations)
+    if (len(mats) != 4 or matmul is None or not layer_ops_cpu.available()
+            or any(m.raw.stride(1) != 1 for m in mats)):
+        return None
+    return GGUFDecodeDrivers(mats, matmul, activations, mod)
+
+
+def gguf_decode_products(qkv, rest: Sequence) -> DecodeProducts | None:
     """The matrix products of a CPU decode layer, each ``x -> w(x)`` (the same values as
     calling the weight), for ``qkv``: one fused ``PackedGGUFWeight`` or a (q, k, v) tuple of them
-    (their outputs concatenated along features), and each weight of ``rest``. None unless every
-    weight is a ``PackedGGUFWeight`` on the CPU that the compiled kernel serves
-    (``LOCALGEN_GGUF_CPU_KERNEL`` not 0). Raises ValueError for a bad
-    ``LOCALGEN_GGUF_ACTIVATIONS``."""
+    (their outputs concatenated along features), and each weight of ``rest``; with
+    ``drivers`` set for one fused qkv and three more matrices (``DecodeProducts``). None unless
+    every weight is a ``PackedGGUFWeight`` on the CPU that the compiled kernel serves
+    (``LOCALGEN_GGUF_CPU_KERNEL`` not 0). Made once per set of weights and activation mode
+    (kept on the first weight). Raises ValueError for a bad ``LOCALGEN_GGUF_ACTIVATIONS``."""
     parts = qkv if isinstance(qkv, tuple) else (qkv,)
     mats = (*parts, *rest)
     if not all(type(m) is PackedGGUFWeight and m.raw.is_cpu for m in mats):
@@ -412,10 +460,18 @@ def gguf_decode_products(qkv, rest: Sequence) -> tuple | None:
     if mod is None:
         return None
     act = cpu_activations()
+    key = (act, mats)
+    cached = mats[0].__dict__.get("_decode_products")
+    if cached is not None and cached[0] == key:
+        return cached[1]
     prods = [_cpu_product(m, mod, act) for m in mats]
     if any(p is None for p in prods):
         return None
     if len(parts) == 1:
-        return tuple(prods)
-    q, k, v = prods[:3]
-    return (lambda x: torch.cat((q(x), k(x), v(x)), dim=1), *prods[3:])
+        out = DecodeProducts(prods)
+        out.drivers = _decode_drivers(mats, mod, act)
+    else:
+        q, k, v = prods[:3]
+        out = DecodeProducts((lambda x: torch.cat((q(x), k(x), v(x)), dim=1), *prods[3:]))
+    mats[0].__dict__["_decode_products"] = (key, out)
+    return out
