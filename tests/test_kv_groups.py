@@ -46,8 +46,12 @@ def reference():
 
 
 def _load(name: str, source: str, block_size: int = 4, **kw) -> LLM:
+    """The fixture with room for ``_requests()`` alone (3 sequences of at most 64 tokens), so a
+    sliding pool is smaller than the full pool and hands out released blocks again."""
     path = HERE / name if source == "hf" else HERE / f"{name}.gguf"
     kw.setdefault("kv_cache_memory", 1 << 22)
+    kw.setdefault("max_num_seqs", 3)
+    kw.setdefault("max_model_len", 64)
     return LLM.load(str(path), device="cpu", dtype="float32", block_size=block_size, **kw)
 
 
@@ -85,18 +89,22 @@ def test_layers_are_grouped_by_window_full_attention_first():
 
 @pytest.mark.parametrize("name,source", CASES)
 def test_greedy_tokens_equal_transformers_far_past_the_window(reference, name, source):
+    """The window-8 pool has max(64 / 4, 3 * (2 + 1)) + 1 = 17 blocks of 4 tokens, fewer than
+    the 45 the three sequences take in the full pool: its tables differ from the full group's."""
     llm = _load(name, source)
     kv = llm.engine.kv_cache
-    assert [g.window for g in kv.groups] == [None, WINDOW] and kv.num_groups == 2
+    assert [g.window for g in kv.groups] == [None, WINDOW] and kv.group_blocks[1] == 17
     assert _run(llm) == reference(name)
 
 
 def test_the_sliding_group_holds_only_its_window_and_every_pool_comes_back_whole(reference):
     """Block size 16 (the default): a table of the sliding group keeps at most
-    ceil(8 / 16) + 1 = 2 live blocks once decoding; the full group's holds every block."""
+    ceil(8 / 16) + 1 = 2 live blocks once decoding; the full group's holds every block. The
+    sliding pool has max(64 / 16, 3 * 2) + 1 = 7 blocks, the three sequences 12 in the full one."""
     llm = _load("gemma3", "hf", block_size=16)
     bm = llm.engine.block_manager
     full, sliding = bm.pools
+    assert sliding.num_blocks == 7
     seen = []
 
     def check(engine):
@@ -163,13 +171,14 @@ def test_a_mixed_model_reuses_no_prefix_and_still_decodes_transformers_tokens(re
 
 
 def test_preemption_in_a_mixed_model_keeps_transformers_tokens(reference):
-    """A cache of 20 blocks of 4 tokens in each pool (6 layers x 512 bytes) for three sequences
-    that need 34: sequences are preempted and recomputed."""
-    llm = _load("gemma3", "hf", kv_cache_memory=20 * 6 * 512)
-    assert llm.engine.kv_cache.group_blocks == (20, 20)
+    """120 layer-blocks of 512 bytes: the window pool's 17 blocks for 5 layers leave the full
+    layer 35 blocks of 4 tokens, where the three sequences end needing 43: sequences are
+    preempted and recomputed."""
+    llm = _load("gemma3", "hf", kv_cache_memory=120 * 512)
+    assert llm.engine.kv_cache.group_blocks == (35, 17)
     assert _run(llm) == reference("gemma3")
     assert llm.metrics.num_preemptions > 0
-    assert llm.engine.block_manager.num_free_blocks == 40
+    assert llm.engine.block_manager.num_free_blocks == 52
 
 
 def test_one_group_keeps_one_pool_and_a_bare_block_managers_tables():
