@@ -73,8 +73,8 @@ class DecodeArgs:
     K-min, V, V-scale, V-min (plain caches pass K and V for the unused ones); ``pool``: the fp
     pool's K and V; ``parts``: partial outputs, denominators and maxima; ``strides``: (q, cache,
     per-KV-head, pool, partials, out, block table row, flags row); ``softmax``: (qk_scale, phi,
-    safe-range low, high) in log2 units, and the sink logits (``[num_heads]``; a placeholder
-    without sinks)."""
+    safe-range low, high) in log2 units, and the sink logits (``[num_heads]``; None without
+    sinks)."""
 
     q: torch.Tensor
     cache: tuple
@@ -183,7 +183,7 @@ def _partials(q, num_splits: int):
 def pack_args(q, k, v, kc, vc, own, block_tables, context_lens, out, flags, scale, phi, bounds,
               num_splits, sinks) -> DecodeArgs:
     """``DecodeArgs`` for one launch (``k``/``v`` plain caches or QuantizedKV, ``kc``/``vc``
-    their code tensors; ``sinks`` the sink logits or a placeholder tensor)."""
+    their code tensors; ``sinks`` the sink logits or None)."""
     if isinstance(k, QuantizedKV):
         ks, kz, vs, vz = k.scale, k.min, v.scale, v.min
         s_strides = (ks.stride(0), ks.stride(1))

@@ -198,7 +198,7 @@ def _decode_stage1(q_ptr, cache, pool, own_ptr, bt_ptr, cl_ptr, parts, out_ptr, 
     context and writes ``out`` itself (no partials). FUSED: after writing its partials, the
     program takes a ticket from the (sequence, KV head)'s counter; the last one to arrive
     combines the splits (``_finish``) and resets the counter, so no second launch is needed.
-    The arguments are packed by ``_DecodeArgs``."""
+    The arguments are packed by ``decode_args.DecodeArgs``."""
     # KV heads vary fastest in the launch order: the programs running together read the same
     # tokens' rows of every head (neighbouring bytes of the cache, and of the 4-bit scale/min
     # rows, which are shorter than a memory sector per head)
@@ -334,7 +334,7 @@ def _launch(q, k, v, block_tables, context_lens, scale, modes: DecodeModes, *, q
                     **int4_geometry(quant_group, head_dim), DOT_DTYPE=dot_dtype(q.dtype),
                     IEEE=ieee_dots(q.dtype), OWN_N=pow2(kc.shape[1]))
     args = pack_args(q, k, v, kc, vc, own, block_tables, context_lens, out, flags, scale, phi,
-                     bounds, num_splits, sinks_arg(sinks, num_heads, out))
+                     bounds, num_splits, sinks_arg(sinks, num_heads, q.device))
     count = tickets(q.device, num_seqs * kv_heads) if modes.fused else args.parts[1]
     _decode_stage1[(kv_heads, num_seqs, num_splits)](
         *args.stage1(count, kv_heads), **geometry, **modes.stage1_constexprs(),

@@ -130,7 +130,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_m = min(block_m, pow2(max(ql)))
     grid = (len(ql), num_heads, triton.cdiv(max(ql), block_m))
     _prefill_kernel[grid](
-        q, k_cache, v_cache, bt, cu_t, cl_t, out, sinks_arg(sinks, num_heads, out),
+        q, k_cache, v_cache, bt, cu_t, cl_t, out, sinks_arg(sinks, num_heads, q.device),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         bt.stride(0), out.stride(0), out.stride(1), float(scale) * LOG2E,
         GQA=num_heads // kv_heads, HEAD_DIM=head_dim, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,

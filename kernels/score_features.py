@@ -46,10 +46,6 @@ class ScoreFeatures:
             return _PLAIN
         return cls(int(sliding_window or 0), float(logit_softcap or 0.0), sinks is not None)
 
-    @property
-    def plain(self) -> bool:
-        return not (self.window or self.softcap or self.sinks)
-
     def constexprs(self) -> dict:
         """The kernels' switches: WINDOW, SOFTCAP2 (the cap in log2 units), SINKS."""
         return dict(WINDOW=self.window, SOFTCAP2=self.softcap * LOG2E, SINKS=self.sinks)
@@ -58,16 +54,16 @@ class ScoreFeatures:
 _PLAIN = ScoreFeatures()
 
 
-def sinks_arg(sinks: torch.Tensor | None, num_heads: int, placeholder: torch.Tensor):
-    """The sink logits a kernel reads (``[num_heads]``, any float dtype, on ``placeholder``'s
-    device, contiguous), or ``placeholder`` when there are none. Raises ValueError for another
-    shape."""
+def sinks_arg(sinks: torch.Tensor | None, num_heads: int, device: torch.device):
+    """The sink logits a kernel reads (``[num_heads]``, any float dtype, on ``device``,
+    contiguous), or None when there are none (Triton takes a None argument as a constant: the
+    plain kernel gains no parameter). Raises ValueError for another shape."""
     if sinks is None:
-        return placeholder
+        return None
     if sinks.shape != (num_heads,) or not sinks.is_floating_point():
         raise ValueError(f"sinks must be a float [{num_heads}] tensor (one logit per query "
                          f"head), got {sinks.dtype} {tuple(sinks.shape)}")
-    return sinks.to(placeholder.device).contiguous()
+    return sinks.to(device).contiguous()
 
 
 @triton.jit
