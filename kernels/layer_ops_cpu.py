@@ -25,9 +25,8 @@ _SIGNATURES = {
     "lg_rms_norm": [_p, _i64, _p, _p, _int, _int, _f, _int, _int],
     "lg_add_rms_norm": [_p, _p, _p, _p, _p, _int, _int, _f, _int],
     "lg_rope_store": [_p, _i64, _p, _p, _p, _p, _p, _int, _int, _int, _int, _int],
-    "lg_decode_qkv": [_p, _p, _f, _p, _int, _int, _p, _p, _p, _p, _p, _p, _p, _p, _int, _int,
-                      _int],
-    "lg_decode_o_gate_up": [_p, _int, _p, _p, _p, _p, _p, _f, _p, _p, _p],
+    "lg_decode_qkv": [_p, _p, _f, _int, _int, _p, _p, _p, _p, _p, _p, _p, _p, _int, _int, _int],
+    "lg_decode_o_gate_up": [_p, _int, _p, _p, _p, _p, _p, _f, _p, _p],
     "lg_decode_down": [_p, _int, _p, _p, _p, _p],
 }
 
@@ -117,14 +116,14 @@ def decode_qkv(h: torch.Tensor, norm_w: torch.Tensor, eps: float, matmul: int, q
     """``y = rms_norm(h) @ W_qkv.T`` rotated and stored as ``rope_store`` does; returns y
     ``[rows, qkv.n]``. All float32: h ``[rows, hidden]`` contiguous, norm_w ``[hidden]``,
     cos/sin ``[rows, head_dim]`` contiguous, ``pair`` as ``rope_store`` takes it, slots int64.
-    Raises ValueError with the kernel's code when it rejects the matrix."""
+    Raises ValueError with the kernel's code when it rejects the matrix, MemoryError when the
+    normed or quantized activation rows cannot be allocated."""
     rows, hidden = h.shape
-    x = torch.empty((rows, hidden), dtype=torch.float32)
     y = torch.empty((rows, qkv.n), dtype=torch.float32)
     half_planes = pair.shape[1] * pair.shape[2] * num_kv_heads * head_dim
     k_ptr = pair.data_ptr()
-    _check(_lib().lg_decode_qkv(h.data_ptr(), norm_w.data_ptr(), eps, x.data_ptr(), rows, hidden,
-                                matmul, ctypes.byref(qkv), y.data_ptr(), cos.data_ptr(),
+    _check(_lib().lg_decode_qkv(h.data_ptr(), norm_w.data_ptr(), eps, rows, hidden, matmul,
+                                ctypes.byref(qkv), y.data_ptr(), cos.data_ptr(),
                                 sin.data_ptr(), k_ptr, k_ptr + 4 * half_planes, slots.data_ptr(),
                                 num_heads, num_kv_heads, head_dim), "qkv")
     return y
@@ -135,14 +134,13 @@ def decode_o_gate_up(attn: torch.Tensor, matmul: int, o: MatArgs, h: torch.Tenso
                      gate_up: MatArgs) -> tuple[torch.Tensor, torch.Tensor]:
     """``h' = h + attn @ W_o.T`` and ``gu = rms_norm(h') * post_w @ W_gate_up.T``; returns
     ``(h', gu)``. float32, attn ``[rows, o.k]`` and h ``[rows, o.n]`` contiguous. Raises
-    ValueError as ``decode_qkv``."""
+    ValueError or MemoryError as ``decode_qkv``."""
     rows = attn.shape[0]
     h_out = torch.empty((rows, o.n), dtype=torch.float32)
-    x = torch.empty((rows, o.n), dtype=torch.float32)
     gu = torch.empty((rows, gate_up.n), dtype=torch.float32)
     _check(_lib().lg_decode_o_gate_up(attn.data_ptr(), rows, matmul, ctypes.byref(o),
                                       h.data_ptr(), h_out.data_ptr(), post_w.data_ptr(), eps,
-                                      x.data_ptr(), ctypes.byref(gate_up), gu.data_ptr()), "o")
+                                      ctypes.byref(gate_up), gu.data_ptr()), "o")
     return h_out, gu
 
 
@@ -156,5 +154,7 @@ def decode_down(act: torch.Tensor, matmul: int, down: MatArgs, h: torch.Tensor) 
 
 
 def _check(rc: int, what: str) -> None:
+    if rc == -3:
+        raise MemoryError(f"layer_ops_cpu: no memory for the activation rows of the {what} step")
     if rc:
         raise ValueError(f"layer_ops_cpu: the GGUF kernel rejected the {what} matrix (code {rc})")

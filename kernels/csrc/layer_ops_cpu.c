@@ -15,6 +15,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -178,27 +179,39 @@ static int mat_apply(void *fn, const lg_mat *a, const float *x, int m, float *y)
                            a->m_tile, a->n_chunk, 0);
 }
 
-/* x = rms_norm(h) * norm_w ([m, hidden] each), y = x . W_qkv^T ([m, qkv->n], q, k, v of each
- * row), then lg_rope_store on y. Returns 0 or the matmul's nonzero code. */
-int lg_decode_qkv(const float *h, const float *norm_w, float eps, float *x, int m, int hidden,
+/* A scratch buffer of m rows of n floats for a normed row the next product reads (NULL when
+ * there is no memory). */
+static float *rows_buffer(int m, int64_t n) { return malloc(sizeof(float) * (size_t)m * n); }
+
+/* y = rms_norm(h) * norm_w . W_qkv^T ([m, qkv->n], q, k, v of each row; h [m, hidden]), then
+ * lg_rope_store on y. Returns 0, the matmul's nonzero code, or -3 without memory. */
+int lg_decode_qkv(const float *h, const float *norm_w, float eps, int m, int hidden,
                   void *matmul, const lg_mat *qkv, float *y, const float *cos, const float *sin,
                   float *k_cache, float *v_cache, const int64_t *slots, int hq, int hk, int d) {
+    float *x = rows_buffer(m, hidden);
+    if (!x) return -3;
     for (int r = 0; r < m; r++)
         norm_row(h + (int64_t)r * hidden, norm_w, x + (int64_t)r * hidden, hidden, eps, DT_F32);
     const int rc = mat_apply(matmul, qkv, x, m, y);
+    free(x);
     if (rc) return rc;
     return lg_rope_store(y, qkv->n, cos, sin, k_cache, v_cache, slots, m, hq, hk, d, DT_F32);
 }
 
-/* h_out = h + attn . W_o^T, x = rms_norm(h_out) * post_w, gu = x . W_gate_up^T (h, h_out, x
- * [m, o->n]; attn [m, o->k]; gu [m, gate_up->n]). Returns 0 or the matmul's nonzero code. */
+/* h_out = h + attn . W_o^T, then gu = rms_norm(h_out) * post_w . W_gate_up^T (h, h_out
+ * [m, o->n]; attn [m, o->k]; gu [m, gate_up->n]). Returns 0, the matmul's nonzero code, or -3
+ * without memory. */
 int lg_decode_o_gate_up(const float *attn, int m, void *matmul, const lg_mat *o, const float *h,
-                        float *h_out, const float *post_w, float eps, float *x,
-                        const lg_mat *gate_up, float *gu) {
+                        float *h_out, const float *post_w, float eps, const lg_mat *gate_up,
+                        float *gu) {
     int rc = mat_apply(matmul, o, attn, m, h_out);
     if (rc) return rc;
+    float *x = rows_buffer(m, o->n);
+    if (!x) return -3;
     lg_add_rms_norm(h, h_out, post_w, h_out, x, m, (int)o->n, eps, DT_F32);
-    return mat_apply(matmul, gate_up, x, m, gu);
+    rc = mat_apply(matmul, gate_up, x, m, gu);
+    free(x);
+    return rc;
 }
 
 /* out = h + act . W_down^T (h, out [m, down->n]; act [m, down->k]). Returns 0 or the matmul's
