@@ -30,9 +30,10 @@ def test_every_command_shows_examples(argv):
     assert "Examples:" in res.stdout and f"localgen {' '.join(argv)}" in res.stdout
 
 
-def test_help_imports_no_torch():
+@pytest.mark.parametrize("argv", [[], ["generate"], ["chat"]], ids=lambda a: " ".join(a) or "top")
+def test_help_imports_no_torch(argv):
     code = ("import sys; from localgen.cli.main import app\n"
-            "try:\n    app(['--help'], prog_name='localgen')\nexcept SystemExit:\n    pass\n"
+            f"try:\n    app({[*argv, '--help']!r}, prog_name='localgen')\nexcept SystemExit:\n    pass\n"
             "heavy = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]\n"
             "sys.stderr.write(repr(heavy))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

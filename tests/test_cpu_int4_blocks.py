@@ -63,3 +63,43 @@ def test_packing_in_row_chunks_equals_packing_whole(monkeypatch):
 def test_short_raw_rows_are_refused_with_the_sizes():
     with pytest.raises(ValueError, match="need 2560 bytes, got 2540"):
         cpu_int4.q4_1_as_int4(torch.zeros(2540, dtype=torch.uint8), 32, 128)
+
+
+def test_codes_are_packed_at_the_first_small_m_call_only():
+    raw = random_blocks(64, 64, Q.Q4_1, seed=5)
+    eager = cpu_int4.q4_1_as_int4(raw, 64, 64)
+    q = q4_1_blocks_to_int4(raw.numpy(), 64, 64)
+    calls = []
+
+    def codes():
+        calls.append(1)
+        return cpu_int4.unpack_codes(q)
+
+    lazy = cpu_int4.Int4Linear(codes, q.scale, q.min, 32, dense=eager.dense)
+    x = torch.randn(16, 64).bfloat16()
+    assert torch.equal(lazy(x), eager(x)) and calls == []  # large M: the dense matrix
+    assert torch.equal(lazy(x[:1]), eager(x[:1])) and calls == [1]  # small M packs once
+    assert torch.equal(lazy(x[:2]), eager(x[:2])) and calls == [1]
+    assert lazy.decode_nbytes == eager.packed.numel() + eager.scales_and_zeros.numel() * 2
+
+
+def test_a_dense_function_is_called_at_the_first_large_m_call_only():
+    raw = random_blocks(64, 96, Q.Q8_0, seed=6)
+    calls = []
+
+    def dense():
+        calls.append(1)
+        return dequantize(raw, Q.Q8_0, torch.bfloat16)
+
+    lin = cpu_int4.q8_0_as_int4(raw, 64, 96, dense=dense, max_m=4)
+    x = torch.randn(8, 96).bfloat16()
+    lin(x[:4])
+    assert calls == []
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, dense())) and calls == [1, 1]
+    lin(x)
+    assert calls == [1, 1]
+
+
+def test_neither_codes_nor_dense_as_a_tensor_is_refused():
+    with pytest.raises(ValueError, match="codes or its dense matrix"):
+        cpu_int4.Int4Linear(lambda: None, torch.ones(1, 1), torch.ones(1, 1), 32, dense=lambda: None)

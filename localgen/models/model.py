@@ -136,6 +136,11 @@ def _use_cpu_int4(cfg: ModelConfig, store, dtype: torch.dtype, device: torch.dev
     return cpu_int4.available()
 
 
+def _output_key(global_w: dict) -> str:
+    """The global weight that is the output matrix: ``lm_head``, or the tied embedding."""
+    return "lm_head" if "lm_head" in global_w else "embed"
+
+
 class CausalLM:
     """A decoder-only model resident on ``device`` in ``dtype``.
 
@@ -161,19 +166,25 @@ class CausalLM:
         self.global_w = read_weights(store, gnames, gopt, dtype, self.device,
                                      packed=self._packed_shorts)
         if int4:
-            # the int4 path keeps its dense bf16 embedding: the output matrix's large-M GEMM
-            # reads it; expanded from the blocks by torch (the same values as the store's `get`)
-            self.global_w = {k: w if isinstance(w, torch.Tensor) else w.dequantize(dtype)
-                             for k, w in self.global_w.items()}
-            # the output matrix (tied: the embedding) through the int4 kernel at small M: the
-            # largest single read of a decode step (vocab x hidden), a quarter of bf16's bytes
-            from localgen.quant.cpu_int4 import int4_output_weight
-
-            key = "lm_head" if "lm_head" in self.global_w else "embed"
-            lm = int4_output_weight(store, gnames[key], dense=self.global_w[key])
-            if lm is not None:
-                self.global_w["lm_head"] = lm
+            self._int4_output(store, gnames[_output_key(self.global_w)])
         self.layers = [self._read_layer(store, i) for i in range(cfg.num_layers)]
+
+    def _int4_output(self, store: WeightSource, name: str) -> None:
+        """The output matrix ``name`` (tied: the embedding) through the int4 kernel at small M:
+        the largest single read of a decode step (vocab x hidden), a quarter of bf16's bytes. Its
+        large-M matrix is the bf16 expansion of the blocks, made at the first large-M call (a
+        batch of more sequences than the kernel takes); a packed embedding stays in its blocks for
+        the row lookups. Where the kernel cannot take the matrix, every global loads expanded."""
+        from localgen.quant.cpu_int4 import int4_output_weight
+
+        w = self.global_w[_output_key(self.global_w)]
+        dense = w if isinstance(w, torch.Tensor) else (lambda: w.dequantize(self.dtype))
+        lm = int4_output_weight(store, name, dense=dense)
+        if lm is not None:
+            self.global_w["lm_head"] = lm
+        else:
+            self.global_w = {k: v if isinstance(v, torch.Tensor) else v.dequantize(self.dtype)
+                             for k, v in self.global_w.items()}
 
     def _read_layer(self, store: WeightSource, i: int) -> dict:
         """Layer ``i``'s weights; on the CPU int4 path its Q4_1 matrices are read once, as
@@ -191,12 +202,16 @@ class CausalLM:
 
     def weight_bytes(self) -> int:
         """Bytes of weights a forward pass reads (4-bit matrices: codes and scales)."""
-        packed_head = not isinstance(self.global_w.get("lm_head", torch.empty(0)), torch.Tensor)
+        from localgen.quant.cpu_int4 import Int4Linear
+
+        head = self.global_w.get("lm_head", torch.empty(0))
         # with a packed output matrix a decode step reads it, not the dense embedding (a row);
-        # a packed embedding is the file's blocks and counts (tied, it is the output matrix)
-        dense_embed = isinstance(self.global_w.get("embed"), torch.Tensor)
+        # a packed embedding is the file's blocks and counts (tied, it is the output matrix),
+        # except beside an int4 output matrix, which is its own copy
+        row_embed = (isinstance(self.global_w.get("embed"), torch.Tensor)
+                     or isinstance(head, Int4Linear))
         tensors = [t for k, t in self.global_w.items()
-                   if not (packed_head and dense_embed and k == "embed")]
+                   if not (not isinstance(head, torch.Tensor) and row_embed and k == "embed")]
         tensors += [t for w in self.layers for t in w.values()]
         return sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.decode_nbytes
                    for t in tensors)

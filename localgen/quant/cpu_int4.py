@@ -10,6 +10,8 @@ GEMM is faster, so the layer dispatches by M like FlashDecoding++'s heuristic da
 
 from __future__ import annotations
 
+from typing import Callable, Union
+
 import torch
 import torch.nn.functional as F
 
@@ -57,23 +59,37 @@ def unpack_codes(t: Int4Tensor) -> torch.Tensor:
     return torch.stack([lo, hi], dim=-1).reshape(t.shape)
 
 
+# a large-M matrix given, made when first needed (a function), or made from the codes (None)
+DenseArg = Union[torch.Tensor, Callable[[], torch.Tensor], None]
+
+
 class Int4Linear:
     """``y = x @ W.T (+ bias)`` for ``W`` ``[N, K]`` given as 4-bit codes with per-group
     ``(scale, min)`` along K (group 32 or a multiple); x ``[M, K]`` bf16 -> ``[M, N]`` bf16.
 
-    ``dense``: the bf16 matrix the large-M path multiplies (default: dequantized from the codes);
+    ``codes``: a tensor, or a function giving it, which is then called (and the codes packed) at
+    the first small-M call: a model's first step, a prefill, needs none of its small-M matrices.
+    ``dense``: the bf16 matrix the large-M path multiplies (default: dequantized from the codes),
+    or a function giving it at the first large-M call; one of the two is a tensor.
     ``max_m``: the largest M that takes the int4 kernel; ``repeat_input``: the codes hold
     ``repeat_input`` column blocks of a ``[N, K / repeat_input]`` matrix whose sum is ``W``, and
-    the input is repeated along K to meet them (an 8-bit matrix as two 4-bit planes)."""
+    the input is repeated along K to meet them (an 8-bit matrix as two 4-bit planes).
+    Raises ValueError when neither ``codes`` nor ``dense`` is a tensor."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, group_size: int,
-                 dense: torch.Tensor | None = None, max_m: int | None = None,
-                 repeat_input: int = 1):
-        n, k = codes.shape
+    def __init__(self, codes: torch.Tensor | Callable[[], torch.Tensor], scale: torch.Tensor,
+                 mn: torch.Tensor, group_size: int,
+                 dense: torch.Tensor | Callable[[], torch.Tensor] | None = None,
+                 max_m: int | None = None, repeat_input: int = 1):
+        if isinstance(codes, torch.Tensor):
+            n, k = codes.shape
+        elif isinstance(dense, torch.Tensor):
+            n, k = dense.shape[0], dense.shape[1] * repeat_input
+        else:
+            raise ValueError("Int4Linear needs its codes or its dense matrix as a tensor")
         self.shape, self.group_size = (n, k // repeat_input), group_size
         self.repeat_input = repeat_input
         self.max_m = INT4_MAX_M if max_m is None else max_m
-        self.packed = _convert_rows(codes.contiguous())
+        self._codes, self._packed = codes, None
         zero = mn.float() + 8 * scale.float()
         self.scales_and_zeros = torch.stack([scale.float(), zero], -1).transpose(0, 1).contiguous().to(
             torch.bfloat16)  # [K / group, N, 2]
@@ -81,7 +97,26 @@ class Int4Linear:
             per_elem = lambda g: g.float().repeat_interleave(group_size, dim=1)  # noqa: E731
             full = codes.float() * per_elem(scale) + per_elem(mn)
             dense = sum(full.chunk(repeat_input, dim=1)).to(torch.bfloat16)
-        self.dense = dense
+        self._dense = dense
+        if isinstance(codes, torch.Tensor):
+            self._pack()
+
+    def _pack(self) -> torch.Tensor:
+        if self._packed is None:
+            codes = self._codes if isinstance(self._codes, torch.Tensor) else self._codes()
+            self._packed, self._codes = _convert_rows(codes.contiguous()), None
+        return self._packed
+
+    @property
+    def packed(self) -> torch.Tensor:
+        """``[N, K / 2]`` uint8: the codes in the kernel's layout."""
+        return self._packed if self._packed is not None else self._pack()
+
+    @property
+    def dense(self) -> torch.Tensor:
+        if not isinstance(self._dense, torch.Tensor):
+            self._dense = self._dense()
+        return self._dense
 
     @classmethod
     def from_int4(cls, parts: list[Int4Tensor]) -> "Int4Linear":
@@ -93,7 +128,8 @@ class Int4Linear:
     @property
     def decode_nbytes(self) -> int:
         """Bytes a small-M call reads: the packed codes and the scales/zeros."""
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_and_zeros))
+        n, k = self.shape  # the packed codes: two a byte, for every column block
+        return n * k * self.repeat_input // 2 + self.scales_and_zeros.numel() * 2
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, self.shape[1])
@@ -132,7 +168,7 @@ def _convert_rows(codes: torch.Tensor) -> torch.Tensor:
 PACK_ROWS = 4096
 
 
-def q8_0_as_int4(raw, rows: int, cols: int, dense: torch.Tensor | None = None,
+def q8_0_as_int4(raw, rows: int, cols: int, dense: DenseArg = None,
                  max_m: int | None = None) -> Int4Linear:
     """A GGUF Q8_0 matrix (raw bytes ``[rows, cols // 32 * 34]``) as two 4-bit planes for the
     int4 kernel, with no change to its codes: ``q + 128 = 16 hi + lo`` (hi, lo in 0..15), so
@@ -158,27 +194,37 @@ def q8_0_as_int4(raw, rows: int, cols: int, dense: torch.Tensor | None = None,
 Q4_1_BLOCK, Q4_1_BYTES = 32, 20  # fp16 d, fp16 m, 16 bytes of codes: value = d * q + m
 
 
-def q4_1_as_int4(raw, rows: int, cols: int, dense: torch.Tensor | None = None,
+def q4_1_as_int4(raw, rows: int, cols: int, dense: DenseArg = None,
                  max_m: int | None = None) -> Int4Linear:
     """A GGUF Q4_1 matrix (raw bytes ``[rows, cols // 32 * 20]``, rows already in HF order) for
     the int4 kernel, read straight from its blocks: byte ``j`` of a block holds element ``j``
     (low nibble) and ``j + 16`` (high), value ``d q + m`` (llama.cpp's ``block_q4_1``), so
     scale ``d`` and min ``m`` carry over and the codes only change places. ``dense`` (the large-M
-    matrix) defaults to ``d q + m`` in bf16, computed in float32 as ``Int4Linear`` does."""
+    matrix) defaults to ``d q + m`` in bf16, computed in float32 as ``Int4Linear`` does; the codes
+    are packed from the blocks (kept until then) at the first small-M call."""
     if cols % Q4_1_BLOCK:
         raise ValueError(f"Q4_1 rows hold whole 32-element blocks; got {cols} columns")
     nb = cols // Q4_1_BLOCK
     b = _raw_blocks(raw, rows, nb, Q4_1_BYTES)
     dm = b[..., 0:4].contiguous().view(torch.float16).reshape(rows, nb, 2)
     d, m = dm[..., 0], dm[..., 1]
+    codes = lambda: _q4_1_codes(b).reshape(rows, cols)  # noqa: E731
+    if dense is None:
+        dense = (_q4_1_codes(b) * d.float()[..., None]).add_(m.float()[..., None])
+        dense = dense.to(torch.bfloat16).reshape(rows, cols)
+    elif not isinstance(dense, torch.Tensor):
+        codes = codes()  # the dense matrix comes later: the codes are packed now
+    return Int4Linear(codes, d, m, Q4_1_BLOCK, dense=dense, max_m=max_m)
+
+
+def _q4_1_codes(b: torch.Tensor) -> torch.Tensor:
+    """uint8 codes ``[rows, nb, 32]`` of Q4_1 blocks ``b`` ``[rows, nb, 20]``: each block's 16
+    low nibbles, then its 16 high ones."""
     qs = b[..., 4:]
-    codes = torch.empty(rows, nb, Q4_1_BLOCK, dtype=torch.uint8)
+    codes = torch.empty(*qs.shape[:-1], Q4_1_BLOCK, dtype=torch.uint8)
     torch.bitwise_and(qs, 15, out=codes[..., :16])
     torch.bitwise_right_shift(qs, 4, out=codes[..., 16:])
-    if dense is None:
-        dense = (codes * d.float()[..., None]).add_(m.float()[..., None]).to(torch.bfloat16)
-        dense = dense.reshape(rows, cols)
-    return Int4Linear(codes.reshape(rows, cols), d, m, Q4_1_BLOCK, dense=dense, max_m=max_m)
+    return codes
 
 
 def _raw_blocks(raw, rows: int, nb: int, nbytes: int) -> torch.Tensor:
@@ -193,10 +239,10 @@ def _raw_blocks(raw, rows: int, nb: int, nbytes: int) -> torch.Tensor:
     return raw.reshape(rows, nb, nbytes)
 
 
-def int4_output_weight(store, name: str, dense: torch.Tensor | None = None) -> Int4Linear | None:
+def int4_output_weight(store, name: str, dense: DenseArg = None) -> Int4Linear | None:
     """The output (lm_head) matrix ``name`` of a GGUF store for the int4 kernel when it is stored
-    as Q4_1 or Q8_0 (else None); ``dense``: the bf16 matrix for large M (the tied embedding,
-    already resident)."""
+    as Q4_1 or Q8_0 (else None); ``dense``: the bf16 matrix for large M (the tied embedding), or a
+    function giving it at the first large-M call."""
     shape = store.shape(name)
     if len(shape) != 2 or shape[0] % 16:  # the kernel packs 16-row tiles
         return None
