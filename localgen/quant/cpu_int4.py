@@ -181,14 +181,26 @@ def q8_0_as_int4(raw, rows: int, cols: int, dense: DenseArg = None,
     nb = cols // Q8_0_BLOCK
     b = _raw_blocks(raw, rows, nb, Q8_0_BYTES)
     d = b[..., 0:2].contiguous().view(torch.float16).reshape(rows, nb).float()
-    q = b[..., 2:].contiguous().view(torch.int8).reshape(rows, cols)
-    u = q.view(torch.uint8) ^ 128  # q + 128 as uint8: the sign bit flipped
-    codes = torch.cat([u >> 4, u & 15], dim=1)
     scale = torch.cat([16 * d, d], dim=1)
     mn = torch.cat([-128 * d, torch.zeros_like(d)], dim=1)  # zero = mn + 8 scale: 0 and 8 d
     if dense is None:
+        q = b[..., 2:].contiguous().view(torch.int8).reshape(rows, cols)
         dense = (d.repeat_interleave(Q8_0_BLOCK, dim=1) * q).to(torch.bfloat16)
-    return Int4Linear(codes, scale, mn, Q8_0_BLOCK, dense=dense, max_m=max_m, repeat_input=2)
+    return Int4Linear(_q8_0_planes(b), scale, mn, Q8_0_BLOCK, dense=dense, max_m=max_m,
+                      repeat_input=2)
+
+
+def _q8_0_planes(b: torch.Tensor) -> torch.Tensor:
+    """uint8 codes ``[rows, 2 cols]`` of Q8_0 blocks ``b`` ``[rows, nb, 34]``: the high nibbles
+    of ``q + 128``, then the low ones, made ``PACK_ROWS`` rows at a time so a vocab-sized
+    matrix's temporaries stay a chunk's size."""
+    rows, cols = b.shape[0], b.shape[1] * Q8_0_BLOCK
+    codes = torch.empty(rows, 2 * cols, dtype=torch.uint8)
+    for start in range(0, rows, PACK_ROWS):
+        u = (b[start:start + PACK_ROWS, :, 2:] ^ 128).reshape(-1, cols)  # q + 128: sign bit flipped
+        torch.bitwise_right_shift(u, 4, out=codes[start:start + PACK_ROWS, :cols])
+        torch.bitwise_and(u, 15, out=codes[start:start + PACK_ROWS, cols:])
+    return codes
 
 
 Q4_1_BLOCK, Q4_1_BYTES = 32, 20  # fp16 d, fp16 m, 16 bytes of codes: value = d * q + m
