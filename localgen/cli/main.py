@@ -8,15 +8,23 @@ from __future__ import annotations
 
 import atexit
 import gc
+import sys
 
 import typer
 
 from localgen.cli.errors import DEBUG_ENV, GuardedGroup, remember_debug
 
-# As the interpreter exits it runs garbage collections that walk every object torch and
-# transformers created; the process's memory goes back whole anyway, so the objects alive at exit
-# are frozen out of those walks (atexit runs last what registers first: after every other handler).
-atexit.register(gc.freeze)
+
+def _freeze_at_exit() -> None:
+    """Freeze the objects alive at exit out of the garbage collections the interpreter runs as it
+    exits, which walk every object torch and transformers created; the memory goes back whole
+    anyway. Not where a nanobind extension is loaded (triton, xgrammar): it reports the objects
+    that were never freed, a page of warnings."""
+    if not any(m in sys.modules for m in ("triton", "xgrammar")):
+        gc.freeze()
+
+
+atexit.register(_freeze_at_exit)  # atexit runs last what registers first: after every other handler
 
 # GuardedGroup turns the errors users cause into one or two lines (localgen/cli/errors.py)
 app = typer.Typer(
