@@ -45,6 +45,9 @@ def test_report_gives_ratios_and_targets():
     assert lines[-1] == "targets: first token <= 3 s: met; peak RSS <= 600 MB: met"
     res.localgen[2] = sb.ProcessRun(3.5, 4.0, 650 * 10**6, 0)
     assert sb.report(res)[-1] == "targets: first token <= 3 s: missed; peak RSS <= 600 MB: missed"
+    assert not any("load" in line for line in lines)
+    res.load_average = (1.5, 2.25)
+    assert sb.report(res)[1].startswith("machine load (1-minute average) 1.50 before, 2.25 after")
 
 
 def test_localgen_command_runs_generate_for_one_token():

@@ -52,6 +52,9 @@ class StartupResult:
     llama_simple: list[ProcessRun] = field(default_factory=list)
     llama_simple_path: str | None = None
     chat: list[ChatRun] = field(default_factory=list)
+    # the machine's 1-minute load average before the first run and after the last (None where the
+    # platform has none): other processes on the cores stretch every time here
+    load_average: tuple[float, float] | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -164,6 +167,7 @@ def run(model: str | None, gguf: Path | None, prompt: str = "hi", repeat: int = 
     many warm starts of `localgen chat`; ``gguf`` is the file llama-simple loads (None:
     llama-simple is skipped)."""
     res = StartupResult(model=model or "embedded", prompt=prompt)
+    load_before = _load_average()
     simple = find_tool("llama-simple", llama_cpp_bin) if gguf is not None else None
     res.llama_simple_path = str(simple) if simple else None
     with tempfile.TemporaryDirectory(prefix="localgen-startup-") as tmp:
@@ -179,7 +183,17 @@ def run(model: str | None, gguf: Path | None, prompt: str = "hi", repeat: int = 
             if chat:
                 log(f"run {i + 1}/{repeat}: localgen chat…")
                 res.chat.append(time_chat(chat_cmd(model), env))
+    load_after = _load_average()
+    if load_before is not None and load_after is not None:
+        res.load_average = (load_before, load_after)
     return res
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # no load average on this platform
+        return None
 
 
 def _s(seconds: float | None) -> str:
@@ -201,6 +215,9 @@ def report(res: StartupResult) -> list[str]:
                 f"{rss / 1e6:7.1f} MB" + (f"   (exit status {bad})" if bad else ""))
 
     lines = [f"model {res.model}, prompt {res.prompt!r}, medians of {len(res.localgen)} runs"]
+    if res.load_average is not None:
+        lines.append(f"machine load (1-minute average) {res.load_average[0]:.2f} before, "
+                     f"{res.load_average[1]:.2f} after, on {os.cpu_count()} CPUs")
     if res.first_run is not None:
         lines.append(row("localgen (first run)", [res.first_run]))
     lines.append(row("localgen", res.localgen))
