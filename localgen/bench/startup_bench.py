@@ -169,7 +169,7 @@ def run(model: str | None, gguf: Path | None, prompt: str = "hi", repeat: int = 
     res = StartupResult(model=model or "embedded", prompt=prompt)
     load_before = _load_average()
     simple = find_tool("llama-simple", llama_cpp_bin) if gguf is not None else None
-    res.llama_simple_path = str(simple) if simple else None
+    res.llama_simple_path = simple.name if simple else None  # the tool, not this machine's path
     with tempfile.TemporaryDirectory(prefix="localgen-startup-") as tmp:
         env = {**os.environ, "LOCALGEN_CACHE_DIR": tmp, "LOCALGEN_CHATS_DIR": tmp}
         log("localgen, first run (empty tokenizer cache)…")
