@@ -103,9 +103,14 @@ static size_t xrow_bytes(int64_t k, int B) {
     return (raw + 63) & ~(size_t)63;
 }
 
+/* The largest |x| of n values (a NaN is passed over, as fmaxf would; the comparison, unlike a
+ * call to fmaxf, vectorizes). */
 static float block_amax(const float *x, int n) {
     float amax = 0.0f;
-    for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+    for (int i = 0; i < n; i++) {
+        const float v = fabsf(x[i]);
+        amax = v > amax ? v : amax;
+    }
     return amax;
 }
 
