@@ -136,11 +136,6 @@ def _use_cpu_int4(cfg: ModelConfig, store, dtype: torch.dtype, device: torch.dev
     return cpu_int4.available()
 
 
-def _output_key(global_w: dict) -> str:
-    """The global weight that is the output matrix: ``lm_head``, or the tied embedding."""
-    return "lm_head" if "lm_head" in global_w else "embed"
-
-
 class CausalLM:
     """A decoder-only model resident on ``device`` in ``dtype``.
 
@@ -166,20 +161,21 @@ class CausalLM:
         self.global_w = read_weights(store, gnames, gopt, dtype, self.device,
                                      packed=self._packed_shorts)
         if int4:
-            self._int4_output(store, gnames[_output_key(self.global_w)])
+            self._int4_output(store, gnames)
         self.layers = [self._read_layer(store, i) for i in range(cfg.num_layers)]
 
-    def _int4_output(self, store: WeightSource, name: str) -> None:
-        """The output matrix ``name`` (tied: the embedding) through the int4 kernel at small M:
+    def _int4_output(self, store: WeightSource, gnames: dict[str, str]) -> None:
+        """The output matrix (tied: the embedding) through the int4 kernel at small M:
         the largest single read of a decode step (vocab x hidden), a quarter of bf16's bytes. Its
         large-M matrix is the bf16 expansion of the blocks, made at the first large-M call (a
         batch of more sequences than the kernel takes); a packed embedding stays in its blocks for
         the row lookups. Where the kernel cannot take the matrix, every global loads expanded."""
         from localgen.quant.cpu_int4 import int4_output_weight
 
-        w = self.global_w[_output_key(self.global_w)]
+        key = "lm_head" if "lm_head" in self.global_w else "embed"
+        w = self.global_w[key]
         dense = w if isinstance(w, torch.Tensor) else (lambda: w.dequantize(self.dtype))
-        lm = int4_output_weight(store, name, dense=dense)
+        lm = int4_output_weight(store, gnames[key], dense=dense)
         if lm is not None:
             self.global_w["lm_head"] = lm
         else:

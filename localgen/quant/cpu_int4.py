@@ -77,8 +77,7 @@ class Int4Linear:
     Raises ValueError when neither ``codes`` nor ``dense`` is a tensor."""
 
     def __init__(self, codes: torch.Tensor | Callable[[], torch.Tensor], scale: torch.Tensor,
-                 mn: torch.Tensor, group_size: int,
-                 dense: torch.Tensor | Callable[[], torch.Tensor] | None = None,
+                 mn: torch.Tensor, group_size: int, dense: DenseArg = None,
                  max_m: int | None = None, repeat_input: int = 1):
         if isinstance(codes, torch.Tensor):
             n, k = codes.shape
@@ -114,6 +113,7 @@ class Int4Linear:
 
     @property
     def dense(self) -> torch.Tensor:
+        """``[N, K / repeat_input]`` bf16: the matrix large-M calls multiply."""
         if not isinstance(self._dense, torch.Tensor):
             self._dense = self._dense()
         return self._dense
