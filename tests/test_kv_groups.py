@@ -2,9 +2,11 @@
 (Gemma 2 and 3; the tiny fixtures of tests/fixtures/families/ have a window of 8 under prompts of
 11 to 20 tokens) keeps one pool and one block table per window. Its greedy tokens equal
 transformers' far past the window, from the Hugging Face directory and the GGUF; its sliding
-group holds at most ``ceil(window / block_size) + 1`` blocks per sequence while the full group
-holds the whole context; every pool is whole again when the sequences finish. A model of one
-group keeps one pool, one table per sequence and the tables of a bare ``BlockManager``."""
+group holds at most ``ceil(window / block_size) + 1`` blocks per sequence from the prefill on (the
+prefill of its sliding layers attends over the step's own K/V), so a sliding pool is sized by
+``max_num_seqs`` alone, while the full group holds the whole context; every pool is whole again
+when the sequences finish. A model of one group keeps one pool, one table per sequence and the
+tables of a bare ``BlockManager``."""
 
 from __future__ import annotations
 
@@ -89,18 +91,18 @@ def test_layers_are_grouped_by_window_full_attention_first():
 
 @pytest.mark.parametrize("name,source", CASES)
 def test_greedy_tokens_equal_transformers_far_past_the_window(reference, name, source):
-    """The window-8 pool has max(64 / 4, 3 * (2 + 1)) + 1 = 17 blocks of 4 tokens, fewer than
-    the 45 the three sequences take in the full pool: its tables differ from the full group's."""
+    """The window-8 pool has 3 * (2 + 1) + 1 = 10 blocks of 4 tokens, fewer than the 45 the
+    three sequences take in the full pool: its tables differ from the full group's."""
     llm = _load(name, source)
     kv = llm.engine.kv_cache
-    assert [g.window for g in kv.groups] == [None, WINDOW] and kv.group_blocks[1] == 17
+    assert [g.window for g in kv.groups] == [None, WINDOW] and kv.group_blocks[1] == 10
     assert _run(llm) == reference(name)
 
 
 def test_the_sliding_group_holds_only_its_window_and_every_pool_comes_back_whole(reference):
     """Block size 16 (the default): a table of the sliding group keeps at most
     ceil(8 / 16) + 1 = 2 live blocks once decoding; the full group's holds every block. The
-    sliding pool has max(64 / 16, 3 * 2) + 1 = 7 blocks, the three sequences 12 in the full one."""
+    sliding pool has 3 * 2 + 1 = 7 blocks, the three sequences 12 in the full one."""
     llm = _load("gemma3", "hf", block_size=16)
     bm = llm.engine.block_manager
     full, sliding = bm.pools
@@ -123,12 +125,14 @@ def test_the_sliding_group_holds_only_its_window_and_every_pool_comes_back_whole
 
 def test_a_sliding_pool_is_sized_for_windows_and_the_full_pool_takes_the_rest():
     """Hand-computed: 6 layers of one KV head of 16 float32 dims, 16-token blocks: 2048 bytes a
-    layer's block. With 2 sequences of at most 64 tokens, the window-8 pool needs
-    max(64 / 16, 2 * (1 + 1)) + 1 = 5 blocks; a budget of 1 * 100 + 5 * 5 layer-blocks gives the
+    layer's block. With 2 sequences, the window-8 pool needs 2 * (1 + 1) + 1 = 5 blocks, for
+    contexts of 64 tokens or of a million; a budget of 1 * 100 + 5 * 5 layer-blocks gives the
     full layer 100 blocks, where one pool of every layer would hold 125 / 6 = 20."""
     shape = type("Shape", (), dict(num_layers=6, num_kv_heads=1, head_dim=16))
     groups = kv_groups([WINDOW] * 5 + [None])
-    assert window_pool_blocks(WINDOW, 16, 2, 64) == 5
+    assert window_pool_blocks(WINDOW, 16, 2) == 5 and window_pool_blocks(40, 16, 3) == 13
+    assert plan_group_blocks(shape, groups, 16, torch.float32, torch.device("cpu"),
+                             2048 * (100 + 5 * 5), 2, 1 << 20) == [100, 5]
     args = (16, torch.float32, torch.device("cpu"))
     budget = 2048 * (1 * 100 + 5 * 5)
     assert plan_group_blocks(shape, groups, *args, budget, 2, 64) == [100, 5]
@@ -171,14 +175,23 @@ def test_a_mixed_model_reuses_no_prefix_and_still_decodes_transformers_tokens(re
 
 
 def test_preemption_in_a_mixed_model_keeps_transformers_tokens(reference):
-    """120 layer-blocks of 512 bytes: the window pool's 17 blocks for 5 layers leave the full
+    """85 layer-blocks of 512 bytes: the window pool's 10 blocks for 5 layers leave the full
     layer 35 blocks of 4 tokens, where the three sequences end needing 43: sequences are
-    preempted and recomputed."""
-    llm = _load("gemma3", "hf", kv_cache_memory=120 * 512)
-    assert llm.engine.kv_cache.group_blocks == (35, 17)
-    assert _run(llm) == reference("gemma3")
-    assert llm.metrics.num_preemptions > 0
-    assert llm.engine.block_manager.num_free_blocks == 52
+    preempted and recomputed (a prefill of prompt and output so far, whose sliding group again
+    holds only the window)."""
+    llm = _load("gemma3", "hf", kv_cache_memory=85 * 512)
+    assert llm.engine.kv_cache.group_blocks == (35, 10)
+    sliding = llm.engine.block_manager.pools[1]
+    recomputed = []
+
+    def check(engine):
+        for s in engine.scheduler.running:
+            assert sliding.live_blocks(s.group_tables[0]) <= 3
+            if s.num_preemptions and s.num_output_tokens > 1:
+                recomputed.append(s.request_id)
+    assert _run(llm, check) == reference("gemma3")
+    assert llm.metrics.num_preemptions > 0 and recomputed
+    assert llm.engine.block_manager.num_free_blocks == 45
 
 
 def test_one_group_keeps_one_pool_and_a_bare_block_managers_tables():
@@ -235,3 +248,172 @@ def test_a_prompt_past_a_mixed_models_budget_is_refused_with_the_bytes_of_every_
     with pytest.raises(KVBudgetError, match=r"5 blocks of 4 tokens\) holds 20 tokens") as err:
         llm.add_request(Request(prompt_token_ids=list(range(6, 36))))
     assert (err.value.budget_bytes, err.value.needed_bytes) == (15360, 24576)
+
+
+# ---- a prefill holds only the window in its sliding group ---------------------------------------
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_after_the_prefill_a_sliding_table_holds_only_its_window(reference, name):
+    """4-token blocks, window 8: right after the prefill step (one output token, nothing decoded
+    yet) a prompt of L tokens holds blocks ``(L - 8) // 4 ..`` of its sliding table, at most
+    ceil(8 / 4) + 1 = 3 of them, the entries before pointing at the placeholder; the full group
+    holds all ``ceil(L / 4)``. Every later step stays within 3 too."""
+    llm = _load(name, "hf")
+    full, sliding = llm.engine.block_manager.pools
+    checked = []
+
+    def check(engine):
+        for s in engine.scheduler.running:
+            (table,) = s.group_tables
+            assert sliding.live_blocks(table) <= 3
+            if s.num_output_tokens == 1:
+                n = s.num_tokens - 1  # the prompt: the sampled token has no K/V yet
+                behind = (n - WINDOW) // 4
+                assert len(table) == full.blocks_for(n) == full.live_blocks(s.block_table)
+                assert sliding.live_blocks(table) == full.blocks_for(n) - behind
+                if behind:  # the 17- and 20-token prompts: the placeholder, then the window
+                    assert len(set(table[:behind])) == 1 and table[0] not in table[behind:]
+                checked.append(n)
+    assert _run(llm, check) == reference(name)
+    assert sorted(checked) == [11, 17, 20]
+    assert sliding.num_free_blocks == sliding.num_blocks
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_long(name: str, length: int, new: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(HERE / name, dtype=torch.float32).eval()
+    return hf_greedy(hf, _prompts((length,))[0], new)
+
+
+def _greedy_one(llm: LLM, prompt: list[int], new: int) -> list[int]:
+    sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    llm.add_request(Request(prompt_token_ids=prompt, sampling=sp, request_id="long"))
+    while llm.has_unfinished():
+        for o in llm.step():
+            if o.finished:
+                return o.token_ids
+    raise AssertionError("the request never finished")
+
+
+@pytest.mark.parametrize("name,source", CASES)
+def test_a_prompt_longer_than_the_whole_sliding_pool_gives_transformers_tokens(name, source):
+    """One sequence, 4-token blocks, window 8: the sliding pool has 1 * (2 + 1) + 1 = 4 blocks
+    (16 tokens) whether the context is 64 or 256 tokens, yet a 150-token prompt prefills and
+    decodes transformers' tokens (the sliding layers' prefill attends over its own K/V; the
+    positions behind the window are never cached)."""
+    assert _load(name, source, max_num_seqs=1).engine.kv_cache.group_blocks[1] == 4
+    llm = _load(name, source, max_num_seqs=1, max_model_len=256)
+    assert llm.engine.kv_cache.group_blocks[1] == 4 and llm.engine.token_limit == 256
+    assert _greedy_one(llm, _prompts((150,))[0], 12) == _hf_long(name, 150, 12)
+
+
+def test_the_triton_backends_windowed_prefill_reads_no_cache(monkeypatch):
+    """The paged Triton backend (the interpreter on the CPU) on Gemma 3 with a prompt past its
+    sliding pool: the windowed layers' prefill goes through ``fresh_prefill_attention``, and the
+    tokens are transformers'."""
+    pytest.importorskip("triton")
+    from localgen.attention.triton import TritonPagedBackend
+    from tests.conftest import KERNEL_DEVICE
+
+    if KERNEL_DEVICE.type == "cpu":
+        monkeypatch.setattr("localgen.runtime.model_runner.select_backend",
+                            lambda *a, **kw: TritonPagedBackend())
+    llm = LLM.load(str(HERE / "gemma3"), device=KERNEL_DEVICE.type, dtype="float32",
+                   block_size=4, kv_cache_memory=1 << 22, max_num_seqs=1, max_model_len=64)
+    assert type(llm.engine.runner.attention) is TritonPagedBackend
+    assert llm.engine.kv_cache.group_blocks[1] == 4
+    assert _greedy_one(llm, _prompts((40,))[0], 6) == _hf_long("gemma3", 40, 6)
+
+
+def _packed(lens, heads=4, kv_heads=2, dim=16):
+    """q, k, v of packed prompts of ``lens`` tokens, k/v strided views of one qkv tensor (as a
+    fused projection gives them)."""
+    g = torch.Generator().manual_seed(11)
+    qkv = torch.randn(sum(lens), (heads + 2 * kv_heads) * dim, generator=g)
+    q = qkv[:, :heads * dim].view(-1, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(-1, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].view(-1, kv_heads, dim)
+    return q, k, v
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_a_fresh_prefill_attends_over_the_steps_kv_and_never_the_cache(backend):
+    """Window 5 with soft-cap and sinks over prompts of 7, 20 and 3 tokens: the cache is NaN
+    and every slot goes to the scratch block, yet each backend's prefill equals the paged
+    reference over a cache holding the prompts (``paged_feature_attention``)."""
+    from localgen.attention.metadata import AttentionMetadata, LayerKV
+    from localgen.attention.reference import TorchReferenceBackend
+    from localgen.attention.spec import AttentionSpec
+    from localgen.kernels import paged_attention_ref as ref
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+        from localgen.attention.triton import TritonPagedBackend
+        from tests.conftest import KERNEL_DEVICE
+        attention, device = TritonPagedBackend(), KERNEL_DEVICE
+    else:
+        attention, device = TorchReferenceBackend(), torch.device("cpu")
+    lens, bs = [7, 20, 3], 4
+    q, k, v = _packed(lens)
+    spec = AttentionSpec(16 ** -0.5, 5, 2.0, torch.linspace(-1.0, 1.0, 4))
+    tables = torch.tensor([[0, 1, 0, 0, 0], [2, 3, 4, 5, 6], [7, 0, 0, 0, 0]])
+    k_cache, v_cache = torch.zeros(9, bs, 2, 16), torch.zeros(9, bs, 2, 16)
+    slots = torch.cat([tables[i, torch.arange(n) // bs] * bs + torch.arange(n) % bs
+                       for i, n in enumerate(lens)])
+    ref.write_kv(k_cache, v_cache, k, v, slots)
+    want = ref.paged_feature_attention(q, k_cache, v_cache, tables, lens, lens, spec.scale, 5,
+                                       2.0, spec.sinks)
+    pair = torch.full((2, 9, bs, 2, 16), float("nan"), device=device)
+    kv = LayerKV(pair[0], pair[1], pair, attention)
+    scratch = torch.tensor([8 * bs + p % bs for n in lens for p in range(n)], device=device)
+    meta = AttentionMetadata(True, scratch, tables.to(device), torch.tensor(lens, device=device),
+                             lens, lens, fresh_prefill=True)
+    sinks = spec.sinks.to(device)
+    got = kv.attend(q.to(device), k.to(device), v.to(device), meta,
+                    AttentionSpec(spec.scale, 5, 2.0, sinks))
+    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=1e-4)
+
+
+def test_a_window_prefill_pool_allocates_the_window_and_the_placeholder():
+    """Window 8, 4-token blocks, 5 blocks: a 21-token prompt takes (21 - 8) // 4 = 3 placeholder
+    entries and blocks 3..5 (3 live) plus the placeholder itself: 4 blocks, 1 left; another
+    such prompt then needs 3 (the placeholder is shared), a 4-token one 1. Decoding to 25 tokens
+    takes a 7th entry and gives block 3 back."""
+    with pytest.raises(ValueError, match="window_prefill"):
+        BlockManager(5, 4, True, WINDOW, window_prefill=True)
+    bm = BlockManager(5, 4, False, WINDOW, window_prefill=True)
+    assert bm.prefill_blocks(21) == 4 and bm.prefill_blocks(8) == 2
+    assert bm.capacity_tokens > 1 << 40  # 5 blocks >= 3 live + the placeholder
+    table, cached = bm.allocate(list(range(21)))
+    assert cached == 0 and len(table) == 6 and len(set(table[:3])) == 1
+    assert table[0] not in table[3:] and bm.live_blocks(table) == 3 and bm.num_free_blocks == 1
+    assert bm.prefill_blocks(21) == 3 and not bm.can_allocate(list(range(21)))
+    short, _ = bm.allocate(list(range(4)))
+    assert len(short) == bm.live_blocks(short) == 1 and bm.num_free_blocks == 0
+    bm.free(short)
+    for n in range(22, 26):
+        bm.append(table, list(range(n)))
+    assert len(table) == 7 and len(set(table[:4])) == 1 and bm.live_blocks(table) == 3
+    bm.free(table)
+    assert bm.num_free_blocks == 5
+    assert BlockManager(3, 4, False, WINDOW, window_prefill=True).capacity_tokens == 12
+
+
+def test_each_layers_spec_carries_its_own_window():
+    """Gemma 3's fixture: layers 0..4 slide over 8 tokens, layer 5 attends globally (its
+    ``layer_types``); Mistral's every layer slides; Qwen3's none."""
+    from localgen.attention.spec import layer_specs
+    from localgen.models.config import ModelConfig
+    from localgen.runtime.model_runner import layer_windows
+
+    def cfg(name):
+        import json
+        return ModelConfig.from_hf_dict(json.loads((HERE / name / "config.json").read_text()))
+
+    gemma3 = cfg("gemma3")
+    assert [s.sliding_window for s in layer_specs(gemma3)] == [WINDOW] * 5 + [None]
+    assert layer_windows(gemma3) == [gemma3.dense.window(i) for i in range(6)]
+    assert [s.sliding_window for s in layer_specs(cfg("mistral"))] == [WINDOW] * 2
+    assert all(s.plain for s in layer_specs(cfg("qwen3")))

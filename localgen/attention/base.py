@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from localgen.attention.metadata import AttentionMetadata
+from localgen.attention.prefill import fresh_feature_attention
 from localgen.attention.spec import AttentionSpec
 
 # called as ``fn(q, kv, meta, scale)`` after the step's K/V are written (calibration reads the
@@ -61,6 +62,13 @@ class AttentionBackend(ABC):
         """Causal attention of the step's packed queries over their cached contexts (their own
         k/v already written; passed too, for backends that attend over them in place)."""
 
+    def fresh_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
+        """Causal attention of the step's whole prompts over their own k/v only, with every
+        ``spec`` feature: the cache may lack their positions (``AttentionMetadata.fresh_prefill``).
+        The torch twin here; a backend with a faster path overrides it."""
+        return fresh_feature_attention(q, k, v, meta.query_lens, spec)
+
     @abstractmethod
     def decode(self, kv, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
@@ -69,14 +77,17 @@ class AttentionBackend(ABC):
 
     def forward(self, kv, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
-        """Write k/v, call the observer, then ``prefill`` or ``decode``. Raises
-        ``UnsupportedAttention`` for a spec this backend does not compute."""
+        """Write k/v, call the observer, then ``fresh_prefill`` (a ``fresh_prefill`` step),
+        ``prefill`` or ``decode``. Raises ``UnsupportedAttention`` for a spec this backend does not
+        compute."""
         if not spec.plain and not self.supports(spec):
             raise unsupported(self, spec, q.device)
         self.write_kv(kv, k, v, meta)
         if self.observer is not None:
             self.observer(q, kv, meta, spec.scale)
         if meta.is_prefill:
+            if meta.fresh_prefill:
+                return self.fresh_prefill(q, k, v, meta, spec)
             return self.prefill(kv, q, k, v, meta, spec)
         return self.decode(kv, q, k, v, meta, spec)
 

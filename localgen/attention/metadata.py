@@ -30,6 +30,11 @@ class AttentionMetadata:
     ``of_group``. A metadata without ``groups`` serves every group with its one block table (each
     group's pool addressed by the same block ids).
 
+    ``fresh_prefill``: a prefill whose every sequence starts from an empty cache, into a pool that
+    keeps only the window of each sequence's last token (a sliding group of a model of several KV
+    groups, ``localgen.kv.groups``): the K/V of positions behind it go to a scratch block, so the
+    layers attend over the step's own k/v (``AttentionBackend.fresh_prefill``), not the cache.
+
     A backend keeps what it derives once per step (its own typed plan) through ``plan``; each
     group's metadata keeps its own plans.
     """
@@ -50,6 +55,7 @@ class AttentionMetadata:
     static_prefill: object = None
     # the metadata of KV groups 1.. (class docstring); empty with one group
     groups: tuple["AttentionMetadata", ...] = ()
+    fresh_prefill: bool = False  # class docstring
     _plans: dict = field(default_factory=dict, repr=False)
 
     def of_group(self, group: int) -> "AttentionMetadata":

@@ -1,6 +1,7 @@
 """Prefill attention in torch: whole prompts over their own k/v (no read-back from any cache),
-and the CPU's packed variable-length prefill over the paged cache. Same math as
-``paged_attention_ref.paged_prefill_attention``."""
+with every ``AttentionSpec`` feature (``fresh_feature_attention``), and the CPU's packed
+variable-length prefill over the paged cache. Same math as
+``paged_attention_ref.paged_prefill_attention`` / ``feature_attention``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Iterator
 import torch
 
 from localgen.attention.metadata import AttentionMetadata, LayerKV
+from localgen.attention.spec import AttentionSpec
 from localgen.kernels import paged_attention_ref as ref
 
 # Queries per SDPA call in CPU prefill: torch's CPU flash kernel computes every query block
@@ -71,6 +73,22 @@ def fresh_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         end = start + (j - i) * query_lens[i]
         _attend_fresh_run(q[start:end], k[start:end], v[start:end], out[start:end], j - i,
                           query_lens[i], scale, query_chunk)
+        start = end
+    return out
+
+
+def fresh_feature_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            query_lens: list[int], spec: AttentionSpec) -> torch.Tensor:
+    """Packed whole prompts (nothing cached before them; ``query_lens[i]`` rows of sequence i)
+    attending causally over their own k/v with ``spec``'s window, soft-cap and sinks
+    (``paged_attention_ref.feature_attention``, float32 arithmetic): q ``[num_tokens, num_heads,
+    head_dim]``, k/v ``[num_tokens, num_kv_heads, head_dim]``; returns q's shape and dtype."""
+    out, start = torch.empty_like(q), 0
+    for n in query_lens:
+        end = start + n
+        out[start:end] = ref.feature_attention(q[start:end], k[start:end], v[start:end], 0,
+                                               spec.scale, spec.sliding_window,
+                                               spec.logit_softcap, spec.sinks)
         start = end
     return out
 

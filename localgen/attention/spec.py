@@ -50,14 +50,25 @@ class AttentionSpec:
         return self.sliding_window is None and self.logit_softcap is None and self.sinks is None
 
 
+def layer_window(cfg, i: int) -> int | None:
+    """Layer ``i``'s sliding window in tokens (None: full attention) of a ``ModelConfig``: its
+    ``dense.window(i)`` (a model interleaving sliding and global layers, Gemma 2/3, gives the
+    window to its sliding layers only), else the config's ``sliding_window`` for every layer."""
+    dense = getattr(cfg, "dense", None)
+    if dense is not None:
+        return dense.window(i)
+    return getattr(cfg, "sliding_window", None) or None
+
+
 def layer_specs(cfg) -> list[AttentionSpec]:
     """The spec of each of ``cfg.num_layers`` layers of a ``ModelConfig``: ``head_dim ** -0.5``
-    scaling, and a sliding window / softcap when the config states one (``sliding_window``,
-    ``attn_logit_softcapping``: Hugging Face's config names; absent on families without them)."""
-    window = getattr(cfg, "sliding_window", None) or None
+    scaling, the layer's own sliding window (``layer_window``) and the softcap the config states
+    (``attn_logit_softcapping``: Hugging Face's name; absent on families without one)."""
     cap = getattr(cfg, "attn_logit_softcapping", None) or None
-    spec = AttentionSpec(cfg.head_dim ** -0.5, window, cap)
-    return [spec] * cfg.num_layers
+    scale = cfg.head_dim ** -0.5
+    specs = {w: AttentionSpec(scale, w, cap) for w in {layer_window(cfg, i)
+                                                       for i in range(cfg.num_layers)}}
+    return [specs[layer_window(cfg, i)] for i in range(cfg.num_layers)]
 
 
 @functools.lru_cache(maxsize=64)

@@ -64,6 +64,10 @@ class TritonPagedBackend(AttentionBackend):
                                                         meta.context_lens_list, meta.query_lens,
                                                         spec.scale, **_features(spec))
 
+    def fresh_prefill(self, q, k, v, meta: AttentionMetadata, spec: AttentionSpec):
+        return self.prefill_mod.fresh_prefill_attention(q, k, v, meta.query_lens, spec.scale,
+                                                        **_features(spec))
+
     def decode(self, kv: LayerKV, q, k, v, meta: AttentionMetadata, spec: AttentionSpec):
         return self.decode_mod.paged_decode_attention(
             q, kv.k_cache, kv.v_cache, meta.block_tables, meta.context_lens, spec.scale,

@@ -11,10 +11,18 @@ Jiang et al. 2023 §2, or one KV group of a model that mixes windows, ``localgen
 decoding sequence gives back the blocks no later query can see: their table entries then point at
 one shared placeholder block, which attention masks out, so the table keeps its position-to-block
 layout and a sequence holds at most ``ceil(window / block_size) + 1`` blocks besides it.
+
+A pool whose prefills all start from an empty cache (``window_prefill``: a sliding group of a
+model of several KV groups, where prefix reuse is off) holds only the window from the prefill
+on: a new (or recomputed) sequence gets live blocks for the positions the window of its last
+token covers, and the entries behind point at the placeholder, as if it had decoded there. Its
+prefill attends over the step's own K/V (``AttentionMetadata.fresh_prefill``), so the cache need
+not hold the positions behind.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -36,13 +44,25 @@ def chain_hash(prev_hash: int | None, tokens: Sequence[int]) -> int:
     return hash((prev_hash, tuple(tokens)))
 
 
+def blocks_behind_window(num_tokens: int, window: int, block_size: int) -> int:
+    """Leading KV blocks of a sequence of ``num_tokens`` whose every position is before the
+    window of its last query (position ``num_tokens - 1`` sees ``num_tokens - window ..``), and
+    so of every later query."""
+    return max(0, num_tokens - window) // block_size
+
+
 class BlockManager:
-    """Owns ``num_blocks`` KV blocks of ``block_size`` tokens each."""
+    """Owns ``num_blocks`` KV blocks of ``block_size`` tokens each. ``window_prefill`` (module
+    docstring) needs a ``sliding_window`` and prefix caching off; raises ValueError otherwise, or
+    for a count or size below 1."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, window_prefill: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
+        if window_prefill and (sliding_window is None or enable_prefix_caching):
+            raise ValueError("window_prefill needs a sliding_window and prefix caching off")
+        self.window_prefill = window_prefill
         self.block_size = block_size
         self.sliding_window = sliding_window
         self._placeholder: int | None = None  # the block released table entries point at
@@ -63,10 +83,30 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     @property
+    def window_blocks(self) -> int:
+        """Most live blocks a table keeps once behind-window blocks are given back:
+        ``ceil(sliding_window / block_size) + 1`` (the window seldom starts at a block edge)."""
+        return -(-self.sliding_window // self.block_size) + 1
+
+    @property
     def capacity_tokens(self) -> int:
         """Most tokens one sequence alone can hold: a prefill (or a recomputation) takes a block
-        per ``block_size`` tokens (the placeholder is free while no other table points at it)."""
+        per ``block_size`` tokens (the placeholder is free while no other table points at it).
+        A ``window_prefill`` pool with room for a window's blocks and the placeholder holds any
+        length (``sys.maxsize``)."""
+        if self.window_prefill and self.num_blocks >= self.window_blocks + 1:
+            return sys.maxsize
         return self.num_blocks * self.block_size
+
+    def prefill_blocks(self, num_tokens: int) -> int:
+        """Blocks a new sequence of ``num_tokens`` takes from the free list (prefix hits aside):
+        every block's, or under ``window_prefill`` those of its window plus the placeholder when
+        an entry must point at it and no table holds it yet."""
+        n = self.blocks_for(num_tokens)
+        if not self.window_prefill:
+            return n
+        behind = blocks_behind_window(num_tokens, self.sliding_window, self.block_size)
+        return n - behind + (behind > 0 and self._placeholder is None)
 
     def live_blocks(self, table: list[int]) -> int:
         """Entries of ``table`` that hold a block of KV (not the placeholder)."""
@@ -90,7 +130,7 @@ class BlockManager:
     def can_allocate(self, token_ids: Sequence[int]) -> bool:
         hits = self._prefix_hits(token_ids)
         in_use_hits = sum(1 for b in hits if self.blocks[b].ref_count > 0)
-        return self.blocks_for(len(token_ids)) - in_use_hits <= self.num_free_blocks
+        return self.prefill_blocks(len(token_ids)) - in_use_hits <= self.num_free_blocks
 
     # -- allocation -----------------------------------------------------------------------
     def _take_free(self) -> Block:
@@ -114,12 +154,15 @@ class BlockManager:
         """Block table for a new (or recomputed) sequence and how many tokens are already cached.
 
         Full blocks get their hash at once: their K/V are written in the coming prefill before any
-        sequence reads them (each layer writes all new K/V before attending).
-        Raises NoFreeBlocksError (after undoing) when blocks run out.
+        sequence reads them (each layer writes all new K/V before attending). Under
+        ``window_prefill`` the entries behind the window point at the placeholder.
+        Raises NoFreeBlocksError (nothing taken) when blocks run out.
         """
         if not self.can_allocate(token_ids):
-            raise NoFreeBlocksError(f"{self.blocks_for(len(token_ids))} blocks needed, "
+            raise NoFreeBlocksError(f"{self.prefill_blocks(len(token_ids))} blocks needed, "
                                     f"{self.num_free_blocks} free")
+        if self.window_prefill:
+            return self._allocate_window(len(token_ids)), 0
         hits = self._prefix_hits(token_ids)
         table: list[int] = []
         for bid in hits:
@@ -136,6 +179,20 @@ class BlockManager:
             if len(chunk) == bs:
                 self._register(block, self.blocks[table[i - 1]].hash if i else None, chunk)
         return table, len(hits) * bs
+
+    def _allocate_window(self, num_tokens: int) -> list[int]:
+        """The table of a ``window_prefill`` sequence: the placeholder for the blocks behind the
+        window, then a fresh block for each block the window covers."""
+        behind = blocks_behind_window(num_tokens, self.sliding_window, self.block_size)
+        table = []
+        if behind:
+            if self._placeholder is None:
+                self._placeholder = self._take_free().block_id  # its reference is this table's
+            else:
+                self.blocks[self._placeholder].ref_count += 1
+            table = [self._placeholder] * behind
+        return table + [self._take_free().block_id
+                        for _ in range(behind, self.blocks_for(num_tokens))]
 
     def can_append(self, table: list[int], num_tokens: int) -> bool:
         """Whether a sequence holding ``num_tokens`` (after the append) has or can get room."""
@@ -160,7 +217,7 @@ class BlockManager:
         ``num_tokens - 1`` (and so of every later query); their entries point at the placeholder.
         Released entries are a prefix of the table, so ``table[0]`` says whether this table
         already holds its one reference to the placeholder."""
-        behind = max(0, num_tokens - self.sliding_window) // self.block_size
+        behind = blocks_behind_window(num_tokens, self.sliding_window, self.block_size)
         gone = [j for j in range(behind) if table[j] != self._placeholder]
         if not gone:
             return

@@ -76,13 +76,12 @@ def _budget(device: torch.device, kv_cache_memory: int | None, reserve_bytes: in
     return max(0, free_memory_bytes(device, reserve_bytes))
 
 
-def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
-    """Blocks a sliding group of ``window`` tokens can use: one ``max_model_len`` context (a
-    prefill, or a preempted sequence's recomputation, holds its whole prompt's blocks for its step)
-    or ``ceil(window / block_size) + 1`` blocks per sequence (what a decoding sequence keeps),
-    whichever is more, plus the placeholder released table entries point at."""
-    per_seq = -(-window // block_size) + 1
-    return max(-(-max_model_len // block_size), max_num_seqs * per_seq) + 1
+def window_pool_blocks(window: int, block_size: int, max_num_seqs: int) -> int:
+    """Blocks a sliding group of ``window`` tokens in a model of several KV groups can use:
+    ``ceil(window / block_size) + 1`` per sequence (what a sequence keeps from its prefill on,
+    ``localgen.kv.groups``), whatever ``max_model_len``, plus the placeholder released table
+    entries point at."""
+    return max_num_seqs * (-(-window // block_size) + 1) + 1
 
 
 def plan_group_blocks(shape: KVShape, groups: Sequence[KVGroup], block_size: int,
@@ -99,7 +98,7 @@ def plan_group_blocks(shape: KVShape, groups: Sequence[KVGroup], block_size: int
     per_layer = bytes_per_block(shape, block_size, dtype) // shape.num_layers
     budget = _budget(device, kv_cache_memory, reserve_bytes)
     caps = [None if g.window is None else
-            window_pool_blocks(g.window, block_size, max_num_seqs, max_model_len) for g in groups]
+            window_pool_blocks(g.window, block_size, max_num_seqs) for g in groups]
 
     def counts(n: int) -> list[int]:
         return [n if cap is None else min(n, cap) for cap in caps]
@@ -152,8 +151,8 @@ class PagedKVCache:
         self.tensors: list[torch.Tensor] = []
         self.views: list[LayerKV] = [None] * shape.num_layers  # type: ignore[list-item]
         for g, (group, n) in enumerate(zip(groups, counts)):
-            # one extra block past the allocator's range: padded rows of a CUDA-graph batch
-            # write there
+            # one extra block past the allocator's range, written and never read: padded rows of
+            # a CUDA-graph batch and a sliding group's prefill K/V behind the window go there
             dims = (len(group.layers), 2, n + 1, block_size, shape.num_kv_heads, shape.head_dim)
             data = lazy_zeros(dims, dtype, device)
             self.tensors.append(data)
@@ -174,6 +173,10 @@ class PagedKVCache:
         """The block past group 0's allocator range (CUDA graphs replay one-group caches only)."""
         return self.group_blocks[0]
 
+    def group_scratch_block(self, group: int) -> int:
+        """The block past KV group ``group``'s allocator range (written, never read)."""
+        return self.group_blocks[group]
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
@@ -181,7 +184,7 @@ class PagedKVCache:
     @property
     def bytes_per_block(self) -> int:
         """Bytes of K and V, all layers, of one block: what a block of tokens costs held in every
-        group (as a prefill holds it)."""
+        group (a sliding group holds a prompt's blocks of its window only)."""
         return sum(self.group_block_bytes)
 
     @property

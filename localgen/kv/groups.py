@@ -15,6 +15,12 @@ handed out again, the blocks of a cached prefix that lie behind its window, so a
 full-attention group could not be matched in the sliding one, and a prefix the model skips must
 be cached in every group.
 
+So every prefill (and every recomputation after preemption) of such a model starts from an empty
+cache, and its sliding layers attend over the step's own K/V (``AttentionMetadata.fresh_prefill``)
+rather than the cache: a sliding group then holds only its window from the prefill on
+(``BlockManager`` ``window_prefill``), the K/V of the positions behind it going to the pool's
+scratch block, and a long prompt costs its sliding layers no more than a decoding sequence does.
+
 Block counts (``num_blocks``, ``num_free_blocks``, what ``/metrics`` reports as KV blocks used and
 total) are sums over the groups' pools; a block of a group holds K and V of that group's layers
 only (``PagedKVCache.group_block_bytes``).
@@ -40,6 +46,12 @@ class KVGroup:
 
     window: int | None
     layers: tuple[int, ...]
+
+
+def prefills_hold_windows(num_groups: int) -> bool:
+    """Whether the sliding groups of a model of ``num_groups`` KV groups hold only their windows
+    in a prefill: with several groups (module docstring)."""
+    return num_groups > 1
 
 
 def kv_groups(windows: Sequence[int | None]) -> tuple[KVGroup, ...]:
@@ -76,9 +88,12 @@ class GroupedBlockManager:
     def build(cls, pools: Sequence[tuple[int, int | None]], block_size: int,
               enable_prefix_caching: bool = True) -> "GroupedBlockManager":
         """A manager of one pool per ``(num_blocks, sliding_window)`` pair, in group order; prefix
-        caching as asked with one pool, off with several."""
+        caching as asked with one pool, off with several, where a sliding pool's prefill holds
+        only its window (``prefills_hold_windows``)."""
         reuse = enable_prefix_caching and len(pools) == 1
-        return cls([BlockManager(n, block_size, reuse, w) for n, w in pools])
+        windowed = prefills_hold_windows(len(pools))
+        return cls([BlockManager(n, block_size, reuse, w, windowed and w is not None)
+                    for n, w in pools])
 
     @property
     def num_groups(self) -> int:
@@ -110,9 +125,9 @@ class GroupedBlockManager:
         tokens every group has cached. Raises NoFreeBlocksError (nothing held) when a pool lacks
         room."""
         if not self.can_allocate(token_ids):
-            raise NoFreeBlocksError(f"{self.blocks_for(len(token_ids))} blocks needed in each of "
-                                    f"{self.num_groups} KV groups; free: "
-                                    f"{[p.num_free_blocks for p in self.pools]}")
+            raise NoFreeBlocksError(f"KV blocks needed per group: "
+                                    f"{[p.prefill_blocks(len(token_ids)) for p in self.pools]}; "
+                                    f"free: {[p.num_free_blocks for p in self.pools]}")
         got = [p.allocate(token_ids) for p in self.pools]
         return [table for table, _ in got], min(cached for _, cached in got)
 
