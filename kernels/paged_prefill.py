@@ -140,23 +140,33 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
+def fresh_rows(query_lens, device) -> torch.Tensor:
+    """``[num_seqs, max(query_lens)]`` int64: row i lists sequence i's rows of the packed k/v
+    (the block table ``fresh_prefill_attention`` reads them through); entries past a sequence's
+    length repeat the last row and are never read (keys stop at its context length)."""
+    ql = [int(x) for x in query_lens]
+    starts = torch.tensor([0] + ql[:-1]).cumsum(0)
+    rows = (starts[:, None] + torch.arange(max(ql))[None, :]).clamp_(max=sum(ql) - 1)
+    return rows.to(device)
+
+
 def fresh_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_lens,
-                            scale: float, **features) -> torch.Tensor:
+                            scale: float, rows: torch.Tensor | None = None,
+                            **features) -> torch.Tensor:
     """Whole prompts (nothing cached before them) attending over their own packed k/v
     ``[sum(query_lens), num_kv_heads, head_dim]`` instead of a cache; q, ``features`` and the
     result as in ``paged_prefill_attention``. The packed rows are read as a cache of one-token KV
-    blocks whose block table row i lists sequence i's rows, so the same kernel runs (the twin:
-    ``localgen.attention.prefill.fresh_feature_attention``)."""
+    blocks whose block table is ``rows`` (``fresh_rows``, built here when None), so the same
+    kernel runs (the twin: ``localgen.attention.prefill.fresh_feature_attention``)."""
     ql = [int(x) for x in query_lens]
     if not ql or not sum(ql):
         return torch.empty_like(q)
     if k.stride() != v.stride() or k.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()
-    starts = torch.tensor([0] + ql[:-1]).cumsum(0)
-    # entries past a sequence's length are never read (keys stop at its context length)
-    rows = (starts[:, None] + torch.arange(max(ql))[None, :]).clamp_(max=sum(ql) - 1)
-    return paged_prefill_attention(q, k.unsqueeze(1), v.unsqueeze(1), rows.to(q.device), ql, ql,
-                                   scale, **features)
+    if rows is None:
+        rows = fresh_rows(ql, q.device)
+    return paged_prefill_attention(q, k.unsqueeze(1), v.unsqueeze(1), rows, ql, ql, scale,
+                                   **features)
 
 
-__all__ = ["fresh_prefill_attention", "paged_prefill_attention"]
+__all__ = ["fresh_prefill_attention", "fresh_rows", "paged_prefill_attention"]

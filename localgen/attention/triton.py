@@ -10,6 +10,10 @@ written by ``python -m localgen.bench.calibrate_softmax``). Every ``AttentionSpe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+
 from localgen.attention.base import AttentionBackend, ScoreObserver
 from localgen.attention.metadata import AttentionMetadata, LayerKV
 from localgen.attention.spec import AttentionSpec
@@ -27,6 +31,14 @@ def triton_kernels():
         except Exception:  # triton missing or unusable: the reference twins serve
             _mods = False
     return _mods or None
+
+
+@dataclass
+class FreshRows:
+    """A ``fresh_prefill`` step's block table over its packed k/v (``paged_prefill.fresh_rows``),
+    built by its first layer."""
+
+    rows: torch.Tensor
 
 
 class TritonPagedBackend(AttentionBackend):
@@ -65,8 +77,10 @@ class TritonPagedBackend(AttentionBackend):
                                                         spec.scale, **_features(spec))
 
     def fresh_prefill(self, q, k, v, meta: AttentionMetadata, spec: AttentionSpec):
+        rows = meta.plan(FreshRows, lambda: FreshRows(
+            self.prefill_mod.fresh_rows(meta.query_lens, q.device))).rows
         return self.prefill_mod.fresh_prefill_attention(q, k, v, meta.query_lens, spec.scale,
-                                                        **_features(spec))
+                                                        rows, **_features(spec))
 
     def decode(self, kv: LayerKV, q, k, v, meta: AttentionMetadata, spec: AttentionSpec):
         return self.decode_mod.paged_decode_attention(
