@@ -78,6 +78,7 @@ class LLM:
              enable_prefix_caching: bool = True, max_model_len: int | None = None,
              policy=None, offload_dir: str | None = None, gpu_memory: int | None = None,
              cpu_memory: int | None = None, gguf_native: bool = True,
+             cpu_int4: bool = True,
              progress: Callable[[str], None] | None = None) -> "LLM":
         """Load ``model`` (None: the embedded default; a GGUF path; a Hugging Face directory; a
         hub id from the local cache; a ``ModelSource`` already resolved). Raises FileNotFoundError / UnsupportedModelError with the
@@ -86,7 +87,10 @@ class LLM:
 
         ``dtype`` None: bf16 on CUDA; on the CPU float32, except for a Q4_1 GGUF (the embedded
         default) on a CPU with native bf16, which runs bf16 activations and its 4-bit matrices
-        through torch's int4 kernel (``localgen.quant.cpu_int4``).
+        through torch's int4 kernel (``localgen.quant.cpu_int4``) unless ``cpu_int4`` is False.
+        That path prefills about twice as fast from bf16 copies of the matrices, which cost
+        memory and load time that a server or a batch repays and a single prompt does not; with
+        float32 the file's blocks are all the weights.
 
         ``policy`` (a ``localgen.policy.Policy``) runs the offloading runtime: layers on
         GPU / pinned CPU / disk files under ``offload_dir``, KV and activations split by the
@@ -105,12 +109,13 @@ class LLM:
         src = resolve_model(model, revision=revision)
         dev = torch.device(device) if device else default_device()
         if dtype is None and dev.type == "cpu" and policy is None:
-            from localgen.quant import cpu_int4
+            from localgen.quant import cpu_int4 as int4_path
 
             # 4-bit GGUF on a bf16-capable CPU: torch's int4 kernel takes bf16 activations and
             # decode reads the packed 4-bit matrices (the weights are 4-bit already, so float32
             # buys no exactness); float32 stays the default elsewhere (the correctness oracle)
-            dtype = torch.bfloat16 if cpu_int4.fast_cpu_default(src.weights) else None
+            fast = cpu_int4 and int4_path.fast_cpu_default(src.weights)
+            dtype = torch.bfloat16 if fast else None
         cfg = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens,
                            enable_prefix_caching=enable_prefix_caching,

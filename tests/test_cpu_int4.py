@@ -63,3 +63,19 @@ def test_engine_uses_int4_for_a_q4_1_gguf(tmp_path, variant):
     lf = fast.engine.runner.run(fast.engine.scheduler.schedule().seqs, True)[0]
     le = exact.engine.runner.run(exact.engine.scheduler.schedule().seqs, True)[0]
     assert float((lf - le).norm() / le.norm()) < 5e-2
+
+
+def test_dtype_left_open_takes_int4_unless_the_caller_opts_out(tmp_path, monkeypatch):
+    """A Q4_1 GGUF with ``dtype`` unset takes the int4 path where the CPU has native bf16, and the
+    float32 block path when ``cpu_int4=False`` (what ``generate`` and ``chat`` ask)."""
+    from localgen.api import LLM
+    from tests.tiny_models import make_hf_model, write_gguf
+
+    monkeypatch.setattr(cpu_int4, "native_bf16", lambda: True)
+    path = write_gguf(tmp_path / "tiny-q4_1.gguf", make_hf_model(tmp_path, "smollm"), "Q4_1")
+    default = LLM.load(str(path), device="cpu", kv_cache_memory=1 << 22)
+    lean = LLM.load(str(path), device="cpu", kv_cache_memory=1 << 22, cpu_int4=False)
+    assert isinstance(default.engine.model.layers[0]["qkv"], cpu_int4.Int4Linear)
+    assert default.engine.model.dtype == torch.bfloat16
+    assert not isinstance(lean.engine.model.layers[0]["qkv"], cpu_int4.Int4Linear)
+    assert lean.engine.model.dtype == torch.float32

@@ -129,7 +129,10 @@ def make_service(model: str | None, *, kv_cache_memory: int | None = None, dtype
     def load():
         from localgen.api import LLM
 
-        return LLM.load(model, kv_cache_memory=kv_cache_memory, dtype=dtype, device=device, **(offload or {}))
+        # a conversation's turns prefill only their new tokens (prefix reuse): the CPU int4
+        # path's bf16 prefill copies would cost memory and load time for little (LLM.load)
+        return LLM.load(model, kv_cache_memory=kv_cache_memory, dtype=dtype, device=device,
+                        cpu_int4=False, **(offload or {}))
 
     return EngineService(load, hardware=hw, predicted_peak=predicted_peak)
 

@@ -35,8 +35,9 @@ def load_llm(
     from localgen.api import LLM
 
     n = offload["policy"].bls if offload.get("policy") is not None else 1
+    # one prompt does not repay the CPU int4 path's bf16 prefill copies (LLM.load's cpu_int4)
     return LLM.load(source, kv_cache_memory=kv_cache_memory, max_num_seqs=n, dtype=dtype, device=device,
-                    progress=stderr_status(), **offload)
+                    cpu_int4=False, progress=stderr_status(), **offload)
 
 
 @with_offload_flags
