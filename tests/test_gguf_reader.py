@@ -51,6 +51,17 @@ def test_fields_and_tensors_match_the_stock_reader(tiny_gguf):
         assert np.array_equal(s.shape, f.shape) and np.array_equal(s.data, f.data)
 
 
+def test_opening_walks_a_string_array_without_slicing_it(tiny_gguf):
+    """The vocabulary's parts are made at the first read past the field's head, and then equal
+    the stock reader's, negative indices included."""
+    stock, fast = gguf.GGUFReader(str(tiny_gguf)), FastGGUFReader(str(tiny_gguf))
+    a, b = fast.fields["tokenizer.ggml.tokens"], stock.fields["tokenizer.ggml.tokens"]
+    assert a.parts._all is None and len(a.parts) == len(b.parts)
+    assert a.parts[1].tobytes() == b"tokenizer.ggml.tokens" and a.parts._all is None  # the key
+    assert a.parts[-1].tobytes() == b.parts[-1].tobytes() and a.parts._all is not None
+    assert a.contents(0) == b.contents(0)
+
+
 def test_a_vocabulary_cut_short_is_a_corrupt_file(tiny_gguf, tmp_path):
     data = tiny_gguf.read_bytes()
     at = data.index(b"tokenizer.ggml.merges")  # inside the metadata, past the token list

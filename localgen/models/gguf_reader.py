@@ -5,8 +5,10 @@ vocabulary and its merges become a few hundred thousand `numpy.memmap` views, wh
 seconds on a small CPU — longer than loading the weights. `FastGGUFReader` builds the same
 `ReaderField` objects (same ``parts``, ``data`` indices and ``types``, so ``contents()`` and every
 caller see what the stock reader gives) for arrays of scalars and of strings, walking the string
-lengths with `struct` and slicing a plain ndarray view of the map. Anything else (nested arrays,
-a file in the other byte order) goes through the stock code.
+lengths with `struct` and slicing a plain ndarray view of the map. A string array's parts (two
+views a string) are built when a caller first reads them: opening the file only walks the lengths,
+so a load whose tokenizer comes from the cache never slices the vocabulary. Anything else (nested
+arrays, a file in the other byte order) goes through the stock code.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from __future__ import annotations
 import contextlib
 import struct
 import threading
-from typing import Any, Iterator
+from collections.abc import Sequence
+from typing import Any, Callable, Iterator
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
+from gguf.gguf_reader import ReaderField
 
 _U64 = struct.Struct("<Q")
 
@@ -28,6 +32,29 @@ def gguf_field(reader, key: str, default: Any = None) -> Any:
     if f is None:
         return default
     return f.contents()
+
+
+class _LazyParts(Sequence):
+    """A field's parts: ``head`` as given, then ``count`` parts that ``build()`` makes on the
+    first read of any part past the head."""
+
+    def __init__(self, head: list, count: int, build: Callable[[], list]):
+        self._head, self._count, self._build = head, count, build
+        self._all: list | None = None
+
+    def _parts(self) -> list:
+        if self._all is None:
+            self._all = self._head + self._build()
+            self._build = None
+        return self._all
+
+    def __len__(self) -> int:
+        return len(self._head) + self._count
+
+    def __getitem__(self, i):
+        if isinstance(i, int) and 0 <= i < len(self._head):
+            return self._head[i]
+        return self._parts()[i]
 
 
 class FastGGUFReader(GGUFReader):
@@ -45,8 +72,12 @@ class FastGGUFReader(GGUFReader):
         head: list[Any] = [raw_itype, alen]
         offs = orig_offs + 12
         if itype == GGUFValueType.STRING:
-            parts, end = self._string_parts(offs, count)
-        elif itype in self.gguf_scalar_to_np:
+            end = self._strings_end(offs, count)
+            start = offs
+            parts = _LazyParts(head, 2 * count, lambda: self._string_parts(start, count)[0])
+            data = [len(head) + 2 * i + 1 for i in range(count)]
+            return end - orig_offs, parts, data, [GGUFValueType.ARRAY, itype]
+        if itype in self.gguf_scalar_to_np:
             parts, end = self._scalar_parts(offs, count, self.gguf_scalar_to_np[itype])
         else:  # arrays of arrays: rare and small
             return super()._get_field_parts(orig_offs, raw_type)
@@ -54,6 +85,39 @@ class FastGGUFReader(GGUFReader):
         # the stock reader points `data` at each element's last part (a string's bytes)
         data = [len(head) + i * stride + stride - 1 for i in range(count)]
         return end - orig_offs, head + parts, data, [GGUFValueType.ARRAY, itype]
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        """The stock walk over the key-value fields, keeping a string array's parts lazy (the
+        stock code concatenates every field's parts into one list)."""
+        for _ in range(count):
+            orig_offs = offs
+            klen, kdata = self._get_str(offs)
+            offs += int(klen.nbytes + kdata.nbytes)
+            raw_type = self._get(offs, np.uint32)
+            offs += int(raw_type.nbytes)
+            head = [klen, kdata, raw_type]
+            size, parts, data, types = self._get_field_parts(offs, raw_type[0])
+            if isinstance(parts, _LazyParts):
+                parts = _LazyParts(head + parts._head, parts._count, parts._build)
+            else:
+                parts = head + parts
+            field = ReaderField(orig_offs, str(bytes(kdata), encoding="utf-8"), parts,
+                                [i + len(head) for i in data], types)
+            self._push_field(field, skip_sum=True)
+            offs += size
+        return offs
+
+    def _strings_end(self, offs: int, count: int) -> int:
+        """The offset past ``count`` length-prefixed strings from ``offs``, checked against the
+        file's size (ValueError for a string that runs past the end)."""
+        size, buf, unpack = len(self.data), memoryview(self._plain()), _U64.unpack_from
+        for _ in range(count):
+            if offs + 8 > size:
+                raise ValueError(f"string length at offset {offs} runs past the end of the file")
+            offs += 8 + unpack(buf, offs)[0]
+            if offs > size:
+                raise ValueError(f"a string before offset {offs} runs past the end of the file")
+        return offs
 
     def _plain(self) -> np.ndarray:
         """The map as a plain ndarray: its slices skip `numpy.memmap`'s per-view bookkeeping."""
