@@ -45,3 +45,12 @@ def test_a_short_run_against_localgen_serve(tmp_path):
         assert (r.requests, r.errors, r.output_tokens) == (3, 0, 9)
         assert r.ttft_p50 > 0 and r.prompt_tokens >= 4
     assert any("no llama-server peer" in line for line in serve_bench.report(res))
+
+
+def test_the_dtype_reaches_localgen_serve_and_the_report():
+    assert serve_bench.localgen_cmd(None, 8000, 64)[-2:] != ["--dtype", "float32"]
+    cmd = serve_bench.localgen_cmd("m.gguf", 8000, 64, "float32")
+    assert cmd[-4:] == ["--model", "m.gguf", "--dtype", "float32"]
+    res = ServeBenchResult("m", "m.gguf", 128, 64, (1,), dtype="float32")
+    assert serve_bench.report(res)[0].startswith("model m (float32): prompt 128 words")
+    assert res.to_json()["dtype"] == "float32"

@@ -71,6 +71,7 @@ class ServeBenchResult:
     localgen: list[LevelResult] = field(default_factory=list)
     llama_server: list[LevelResult] = field(default_factory=list)
     llama_server_path: str | None = None
+    dtype: str | None = None  # localgen serve's --dtype; None: its default
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -221,11 +222,12 @@ class ServerProcess:
         self._log.close()
 
 
-def localgen_cmd(model: str | None, port: int, max_num_seqs: int) -> list[str]:
+def localgen_cmd(model: str | None, port: int, max_num_seqs: int,
+                 dtype: str | None = None) -> list[str]:
     cmd = [sys.executable, "-c", _LOCALGEN, "serve", "--port", str(port), "--max-num-seqs",
            str(max_num_seqs), "--max-pending", str(max(256, 4 * max_num_seqs)),
            "--served-model-name", "bench", "--log-level", "warning"]
-    return cmd + (["--model", model] if model else [])
+    return cmd + (["--model", model] if model else []) + (["--dtype", dtype] if dtype else [])
 
 
 def llama_server_cmd(binary: Path, gguf: Path, port: int, parallel: int, ctx_per_slot: int) -> list[str]:
@@ -247,20 +249,21 @@ def _level(base_url: str, name: str, c: int, requests: int, prompt_words: int, m
 
 def run(model: str | None, gguf: Path | None, *, levels=LEVELS, prompt_words: int = 128,
         max_tokens: int = 64, requests_per_level: int | None = None,
-        llama_server: str | None = None, log: Callable[[str], None] = lambda m: None
-        ) -> ServeBenchResult:
+        llama_server: str | None = None, log: Callable[[str], None] = lambda m: None,
+        dtype: str | None = None) -> ServeBenchResult:
     """Both servers at each level; ``requests_per_level`` None: 2 x C, at least 8. ``gguf``:
-    the file llama-server loads (None: the peer is skipped)."""
+    the file llama-server loads (None: the peer is skipped); ``dtype``: localgen serve's
+    ``--dtype`` (None: its default)."""
     levels = tuple(sorted(levels))
     res = ServeBenchResult(model or "embedded", str(gguf) if gguf else None, prompt_words,
-                           max_tokens, levels)
+                           max_tokens, levels, dtype=dtype)
     binary = find_tool("llama-server", llama_server) if gguf is not None else None
     res.llama_server_path = str(binary) if binary else None
     count = (lambda c: requests_per_level) if requests_per_level else (lambda c: max(8, 2 * c))
     with tempfile.TemporaryDirectory(prefix="localgen-bench-serve-") as tmp:
         port = free_port()
         log(f"localgen serve (port {port})…")
-        with ServerProcess(localgen_cmd(model, port, max(64, max(levels))), port,
+        with ServerProcess(localgen_cmd(model, port, max(64, max(levels)), dtype), port,
                            Path(tmp) / "localgen.log") as srv:
             for c in levels:
                 res.localgen.append(_level(srv.base_url, "localgen", c, count(c), prompt_words,
@@ -287,7 +290,7 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 def report(res: ServeBenchResult) -> list[str]:
     prompt = next((r.prompt_tokens for r in res.localgen if r.prompt_tokens), None)
-    lines = [f"model {res.model}: prompt {res.prompt_words} words"
+    lines = [f"model {res.model}{f' ({res.dtype})' if res.dtype else ''}: prompt {res.prompt_words} words"
              f"{f' ({prompt:.0f} tokens)' if prompt else ''}, {res.max_tokens} output tokens a "
              f"request (ignore_eos, greedy), streamed /v1/completions",
              f"{'C':>3} {'server':13} {'reqs':>5} {'err':>4} {'out tok/s':>10} {'TTFT p50':>9} "

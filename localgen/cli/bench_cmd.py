@@ -287,6 +287,7 @@ def serve(
     max_tokens: int = typer.Option(64, "--max-tokens", min=2, help="Output tokens of each request (ignore_eos)."),
     requests: Optional[int] = typer.Option(None, "--requests", min=1, help="Requests per level.", show_default="2 x C, at least 8"),
     llama_server: Optional[str] = typer.Option(None, "--llama-server", help="llama.cpp's llama-server, or its folder.", show_default="$LLAMA_CPP_BIN, then PATH"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="localgen serve's --dtype (e.g. float32: the CPU block path).", show_default="serve's default"),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the result as JSON here."),
 ) -> None:
     """`localgen serve` under C concurrent streaming clients (TTFT and inter-token latency p50/p99, output tokens/s) beside llama.cpp's llama-server (--parallel C) on the same GGUF.
@@ -309,7 +310,8 @@ def serve(
     gguf = _peer_gguf(model)
     res = serve_bench.run(model, gguf, levels=levels, prompt_words=prompt_words,
                           max_tokens=max_tokens, requests_per_level=requests,
-                          llama_server=llama_server, log=lambda m: typer.echo(m, err=True))
+                          llama_server=llama_server, log=lambda m: typer.echo(m, err=True),
+                          dtype=dtype)
     _print_and_save(serve_bench.report(res), res, out)
 
 
