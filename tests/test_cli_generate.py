@@ -117,3 +117,18 @@ def test_chat_prompt_from_stdin_drops_the_trailing_newline(engine):
     assert res.exit_code == 0, res.output
     req = next(iter(made[-1].requests.values()))
     assert req.messages[-1]["content"] == "alpha beta"
+
+
+def test_generate_and_chat_load_without_the_cpu_int4_path(monkeypatch):
+    """Both interactive commands ask ``LLM.load`` for the float32 block path (``cpu_int4=False``):
+    one prompt, or a conversation's new tokens, does not repay the int4 path's bf16 copies."""
+    import localgen.service
+    from localgen.api import LLM
+    from localgen.cli import chat_cmd
+
+    calls = []
+    monkeypatch.setattr(LLM, "load", classmethod(lambda cls, *a, **kw: calls.append(kw)))
+    generate_cmd.load_llm(None)
+    monkeypatch.setattr(localgen.service, "EngineService", lambda load, **kw: load)
+    chat_cmd.make_service(None)()
+    assert [kw.get("cpu_int4") for kw in calls] == [False, False]
