@@ -316,7 +316,7 @@ def test_one_batch_decode_when_the_gpu_reads_the_cache_in_place(cache, compress,
         assert t.decode["comp"][-1] < per_batch
 
 
-# The offload runs the cost model is checked against (docs/benchmarks.md, "Offloading"; raw files in docs/results):
+# The offload runs the cost model is checked against (docs/benchmarks.md, "Offloading"):
 # preset, the bench's GPU cap in GiB (None: the whole GPU), the bench's --policy, the result file.
 MEASURED_H100 = [
     ("opt-30b", 16, "32,2,10,90,0,100,100,0", "offload_opt30b_h100_v12_onebatch.json"),

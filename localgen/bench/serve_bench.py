@@ -255,10 +255,11 @@ def run(model: str | None, gguf: Path | None, *, levels=LEVELS, prompt_words: in
     the file llama-server loads (None: the peer is skipped); ``dtype``: localgen serve's
     ``--dtype`` (None: its default)."""
     levels = tuple(sorted(levels))
-    res = ServeBenchResult(model or "embedded", str(gguf) if gguf else None, prompt_words,
+    # file and tool names, not this machine's paths: the result is kept beside the docs
+    res = ServeBenchResult(model or "embedded", gguf.name if gguf else None, prompt_words,
                            max_tokens, levels, dtype=dtype)
     binary = find_tool("llama-server", llama_server) if gguf is not None else None
-    res.llama_server_path = str(binary) if binary else None
+    res.llama_server_path = binary.name if binary else None
     count = (lambda c: requests_per_level) if requests_per_level else (lambda c: max(8, 2 * c))
     with tempfile.TemporaryDirectory(prefix="localgen-bench-serve-") as tmp:
         port = free_port()
