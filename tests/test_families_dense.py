@@ -107,6 +107,21 @@ def test_windowed_fixtures_depend_on_their_window(reference, name):
                                   atol=1e-3)
 
 
+
+def test_mistral_gguf_is_the_model_without_its_window(tmp_path):
+    """llama.cpp's converter writes no sliding window for Mistral, so its GGUF is the full-
+    attention model: greedy tokens equal transformers' with the window widened past the context
+    (and, by the test above, differ from the windowed model's logits)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = json.loads((HERE / "mistral" / "config.json").read_text())
+    cfg["sliding_window"] = 4096
+    wide = AutoModelForCausalLM.from_pretrained(
+        HERE / "mistral", config=AutoConfig.for_model(**cfg), dtype=torch.float32).eval()
+    llm = LLM.load(_path("mistral", "gguf"), device="cpu", dtype="float32",
+                   kv_cache_memory=1 << 22, block_size=4)
+    assert _greedy(llm) == [hf_greedy(wide, p, NEW) for p in _prompts()]
+
 OFFLOAD = Policy(gbs=1, num_gpu_batches=2, wg=0, wc=1, wd=0, cg=0, cc=1, cd=0, hg=0, hc=1)
 
 
