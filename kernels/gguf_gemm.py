@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from . import gguf_gemv
+
 # The types these kernels read; ``_group`` dispatches on their GGMLQuantizationType values.
 KERNEL_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
                 GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
@@ -201,20 +203,19 @@ def dequantize(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype = torch
     return out
 
 
-def split_k(n_programs: int, num_tiles: int, device: torch.device) -> int:
-    """K slices per output tile so that about four programs per multiprocessor run: a decode
-    GEMV has too few output tiles alone to keep every multiprocessor's loads in flight."""
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(num_tiles, -(-4 * sms // n_programs)))
+def _new_kernel_serves(raw: torch.Tensor, qtype: int, cfg: gguf_gemv.DecodeConfig) -> bool:
+    """Whether ``gguf_gemv`` runs ``cfg``: its types, and raw data 16-byte aligned (its word
+    loads read 32-bit words of Q4_K and 16-bit words of Q6_K)."""
+    return cfg.kernel != "file" and qtype in gguf_gemv.TYPES and raw.data_ptr() % 16 == 0
 
 
-def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int, block_n: int = 32,
-           splits: int | None = None) -> torch.Tensor:
+def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
+           cfg: gguf_gemv.DecodeConfig | None = None) -> torch.Tensor:
     """``x [M, k] · Wᵀ`` -> ``[M, N]`` in x's dtype (fp16/bf16/fp32), W the GGUF blocks ``raw``.
-    M <= DECODE_MAX_M runs the fused kernel (``splits`` K slices; None: :func:`split_k`);
-    larger M dequantizes W once and calls cuBLAS.
+    M <= DECODE_MAX_M runs a fused kernel: ``cfg`` (None: ``gguf_gemv.default_config``) picks
+    ``gguf_gemv``'s per-group kernels (Q4_K, Q6_K) or this module's file-layout kernel
+    (``kernel="file"``, every type here; also where raw is not 16-byte aligned). Larger M
+    dequantizes W once and calls cuBLAS.
     Raises ValueError as :func:`dequantize`, or when x is not ``[M, k]``."""
     qtype = _check(raw, qtype, k)
     if x.dim() != 2 or x.shape[1] != k:
@@ -223,8 +224,12 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int, block_n: int 
     if m > DECODE_MAX_M:
         return x @ dequantize(raw, qtype, k, x.dtype).t()
     x = x.contiguous()
+    cfg = cfg or gguf_gemv.default_config(qtype, m)
+    if _new_kernel_serves(raw, qtype, cfg):
+        return gguf_gemv.matmul(x, raw, qtype, k, cfg)
+    block_n = cfg.block_n if cfg.kernel == "file" else gguf_gemv.FILE_CONFIG.block_n
     tiles, n_programs = k // TILE_K, triton.cdiv(n, block_n)
-    splits = splits or split_k(n_programs, tiles, x.device)
+    splits = gguf_gemv.splits_for(cfg, n_programs, tiles, x.device)
     per_split = triton.cdiv(tiles, splits)
     splits = triton.cdiv(tiles, per_split)
     y = (torch.empty if splits == 1 else torch.zeros)(
@@ -234,5 +239,5 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int, block_n: int 
     _gemm_decode[(n_programs, splits)](
         x, raw, y, m, n, tiles, per_split, x.stride(0), raw.stride(0), y.stride(0), QTYPE=qtype,
         BLOCK_M=1 if m == 1 else 16, BLOCK_N=block_n, SPLIT_K=splits, DOT_DTYPE=dot,
-        IEEE=x.dtype == torch.float32, GEMV=m == 1)
+        IEEE=x.dtype == torch.float32, GEMV=m == 1, num_warps=cfg.num_warps)
     return y.to(x.dtype)

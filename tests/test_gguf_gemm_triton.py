@@ -1,4 +1,4 @@
-"""The Triton GGUF matmul (kernels/gguf_gemm.py) against gguf.quants.dequantize and a float64
+"""The Triton GGUF matmuls (kernels/gguf_gemm.py, kernels/gguf_gemv.py) against gguf.quants.dequantize and a float64
 matmul at small shapes: compiled on a GPU, else on the CPU under the Triton interpreter."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("triton")
 pytestmark = pytest.mark.usefixtures("kernel_device")
 
-from localgen.kernels import gguf_gemm  # noqa: E402
+from localgen.kernels import gguf_gemm, gguf_gemv  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 # byte offsets of each block's fp16 fields: random bytes there could be inf/NaN
@@ -40,19 +40,81 @@ def test_dequantize_equals_gguf(qtype, kernel_device):
     np.testing.assert_array_equal(got.cpu().numpy(), reference(raw, qtype, 512).astype(np.float32))
 
 
-@pytest.mark.parametrize("qtype", sorted(gguf_gemm.BLOCK_BYTES))
-@pytest.mark.parametrize("m,splits", [(1, None), (3, 3), (16, 2), (20, None)])
-def test_matmul_matches_float64(qtype, m, splits, kernel_device):
-    n, k = 37, 512  # n not a multiple of the 32-row tile
+def check_matmul(qtype, m: int, cfg, kernel_device, n: int = 37, k: int = 512) -> None:
+    """``gguf_gemm.matmul`` under ``cfg`` against gguf.quants.dequantize and a float64 matmul
+    (n not a multiple of any row tile). Tolerance: float32 products summed in another order,
+    relative to the row's ``|x|·|W|``; the per-group kernels' mantissa-bit codes (``1 + q/2**B``)
+    add the group's ``Σ x`` back, costing about one more rounding of that scale."""
     raw = random_blocks(qtype, n, k, seed=100 + qtype)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m), device="cpu")
     y = gguf_gemm.matmul(x.to(kernel_device), torch.from_numpy(raw).to(kernel_device), qtype, k,
-                         splits=splits).cpu()
-    want = x.double().numpy() @ reference(raw, qtype, k).T
-    # float32 products summed in another order than float64: relative to the row's scale
-    tol = 1e-5 * np.abs(x.double().numpy()) @ np.abs(reference(raw, qtype, k)).T + 1e-6
+                         cfg).cpu()
+    w = reference(raw, qtype, k)
+    want = x.double().numpy() @ w.T
+    tol = 1e-5 * np.abs(x.double().numpy()) @ np.abs(w).T + 1e-6
     assert y.shape == (m, n) and y.dtype == torch.float32
     assert (np.abs(y.double().numpy() - want) <= tol).all()
+
+
+@pytest.mark.parametrize("qtype", sorted(gguf_gemm.BLOCK_BYTES))
+@pytest.mark.parametrize("m,splits", [(1, 0), (3, 3), (16, 2), (20, 0)])
+def test_file_kernel_matches_float64(qtype, m, splits, kernel_device):
+    check_matmul(qtype, m, gguf_gemv.DecodeConfig("file", block_n=32, split_k=splits),
+                 kernel_device)
+
+
+@pytest.mark.parametrize("qtype", gguf_gemv.TYPES)
+@pytest.mark.parametrize("m,cfg", [
+    (1, gguf_gemv.DecodeConfig("gemv", block_n=16, split_k=1)),
+    (1, gguf_gemv.DecodeConfig("gemv", block_n=16, split_k=2, magic=False)),
+    (1, gguf_gemv.DecodeConfig("dot", block_n=32, split_k=2)),
+    (3, gguf_gemv.DecodeConfig("gemv", block_n=16, split_k=1)),  # M > 1: the dot kernel
+    (16, gguf_gemv.DecodeConfig("dot", block_n=16, split_k=2)),
+    (16, None),  # the table's default
+])
+def test_group_kernels_match_float64(qtype, m, cfg, kernel_device):
+    check_matmul(qtype, m, cfg, kernel_device)
+
+
+@pytest.mark.parametrize("qtype", sorted(gguf_gemm.BLOCK_BYTES))
+def test_default_decode_path_matches_float64(qtype, kernel_device):
+    """What ``PackedGGUFWeight`` calls: no config, M = 1."""
+    check_matmul(qtype, 1, None, kernel_device)
+
+
+def test_default_table_names_the_new_kernels():
+    for qtype in gguf_gemv.TYPES:
+        assert gguf_gemv.default_config(qtype, 1).kernel != "file"
+        assert gguf_gemv.default_config(qtype, 16).kernel == "dot"
+    assert gguf_gemv.default_config(Q.Q8_0, 1) == gguf_gemv.FILE_CONFIG
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("qtype", gguf_gemv.TYPES)
+@pytest.mark.parametrize("m", [1, 5])
+def test_group_kernels_half_activations(dtype, qtype, m, kernel_device):
+    """bf16/fp16 activations (a served model's dtype) through the default kernels: the codes
+    are exact in either, so only the output's rounding separates them from the float64
+    product: within one unit in the last place of the dtype (truncation or rounding)."""
+    if dtype == torch.bfloat16 and m > 1 and kernel_device.type == "cpu":
+        pytest.skip("the Triton interpreter's bf16 tl.dot is wrong (the file kernel's as well)")
+    n, k = 33, 256
+    raw = random_blocks(qtype, n, k, seed=7)
+    w = reference(raw, qtype, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    y = gguf_gemm.matmul(x.to(kernel_device), torch.from_numpy(raw).to(kernel_device), qtype,
+                         k).cpu()
+    want = x.double().numpy() @ w.T
+    tol = torch.finfo(dtype).eps * np.abs(want) + 1e-5 * np.abs(x.double().numpy()) @ np.abs(w).T
+    assert y.dtype == dtype and (np.abs(y.double().numpy() - want) <= tol).all()
+
+
+def test_new_kernel_refuses_other_types_and_m():
+    raw = torch.zeros(4, 144, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="Q4_K/Q6_K"):
+        gguf_gemv.matmul(torch.zeros(17, 256), raw, Q.Q4_K, 256)
+    with pytest.raises(ValueError, match="Q4_K/Q6_K"):
+        gguf_gemv.matmul(torch.zeros(1, 256), raw, Q.Q8_0, 256)
 
 
 def test_bad_shapes_are_named():

@@ -1,0 +1,340 @@
+"""Decode matmul (M <= 16) over GGUF Q4_K and Q6_K blocks in the file's layout, scales applied
+once per group rather than once per weight.
+
+``y[m, n] = x[m, k] · W[n, k]ᵀ``, W the raw bytes ``[N, row_bytes]`` of ``block_q4_K`` /
+``block_q6_K`` rows (ggml-common.h; value order as ``gguf.quants`` reads it). Each weight is
+``w = a·q - b`` with the code ``q`` and, per group of weights, ``a`` and ``b`` (Q4_K: 32-weight
+groups, ``a = d·scale``, ``b = dmin·min``; Q6_K: 16-weight groups, ``a = d·scale``,
+``b = 32·a``). A group's share of the output is therefore
+``a · Σ q·x  -  b · Σ x``: the codes meet the activations alone, and the two scale terms are
+applied once per group and row. The activation sums ``Σ x`` of a group serve every row.
+
+* ``gemv`` kernels (M = 1): a program owns ``BLOCK_N`` rows; each 256-weight tile of a row is
+  read as a ``[4, 8]`` grid of 32-bit words (Q4_K: the 128 nibble bytes) or 16-bit words (Q6_K,
+  whose 210-byte blocks are only 2-byte aligned), each word holding several codes whose
+  products with ``x`` are summed in registers before the group's scale multiplies them.
+  With ``MAGIC`` a code becomes a float without an int-to-float conversion: its bits are placed
+  in the mantissa of 1.0, giving ``1 + q / 2**B`` exactly (``B`` the code's bits), and the
+  constant part folds into the group's ``Σ x`` term.
+* ``dot`` kernel (1 < M <= 16): per group, the codes of ``BLOCK_N`` rows meet the ``[16, 32]``
+  (Q6_K: ``[16, 16]``) activations in one ``tl.dot``; the group's scales then multiply the
+  ``[16, BLOCK_N]`` result.
+
+K is split across programs (``split_k``) when the rows alone do not fill the GPU; split programs
+add float32 partial sums atomically. Which kernel and tile serve a shape is the table
+``DECODE_CONFIGS`` (the one place to change after a sweep, ``gguf_gemm_bench --sweep``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+Q4_K, Q6_K = 12, 14  # GGMLQuantizationType values
+TYPES = (Q4_K, Q6_K)
+BLOCK_BYTES = {Q4_K: 144, Q6_K: 210}
+TILE_K = 256
+MAX_M = 16
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """One launch of the decode kernels. ``kernel``: ``gemv`` (M = 1 only), ``dot`` or ``file``
+    (``gguf_gemm``'s kernel over the file's blocks, dequantizing each weight); ``block_n``:
+    output rows a program; ``split_k``: K slices (0: enough for ``programs_per_sm`` programs on
+    every multiprocessor); ``num_warps``; ``magic``: codes to floats by mantissa bits (gemv)."""
+
+    kernel: str = "gemv"
+    block_n: int = 16
+    split_k: int = 0
+    num_warps: int = 4
+    magic: bool = True
+    programs_per_sm: int = 4
+
+
+# (qtype, M = 1 or M > 1) -> config. The defaults follow the bytes a program reads per tile and
+# fill the GPU through K splits; a sweep on the target GPU replaces them.
+DECODE_CONFIGS: dict[tuple[int, bool], DecodeConfig] = {
+    (Q4_K, True): DecodeConfig("gemv", block_n=16, num_warps=4),
+    (Q4_K, False): DecodeConfig("dot", block_n=32, num_warps=4),
+    (Q6_K, True): DecodeConfig("gemv", block_n=16, num_warps=4),
+    (Q6_K, False): DecodeConfig("dot", block_n=32, num_warps=4),
+}
+
+
+# every other type the decode path reads (gguf_gemm.KERNEL_TYPES): the file-layout kernel
+FILE_CONFIG = DecodeConfig("file", block_n=32)
+
+
+def default_config(qtype: int, m: int) -> DecodeConfig:
+    """The table's config for ``qtype`` at ``m`` activation rows (1..16); ``FILE_CONFIG`` for a
+    type the table does not name."""
+    return DECODE_CONFIGS.get((int(qtype), m == 1), FILE_CONFIG)
+
+
+# ---- shared device helpers ----
+
+@triton.jit
+def _f16_at(ptr):
+    """float32 of the fp16 stored at ``ptr`` (any integer pointer tensor, 2-byte aligned)."""
+    return tl.load(ptr.to(tl.pointer_type(tl.float16))).to(tl.float32)
+
+
+@triton.jit
+def _code_float(q, BITS: tl.constexpr, MAGIC: tl.constexpr):
+    """float32 of non-negative int32 codes ``q < 2**BITS``: ``1 + q / 2**BITS`` by mantissa bits
+    (MAGIC) or ``q`` itself. :func:`_coefs` undoes either form per group."""
+    if MAGIC:
+        f = ((q << (23 - BITS)) | 0x3F800000).to(tl.float32, bitcast=True)
+    else:
+        f = q.to(tl.float32)
+    return f
+
+
+@triton.jit
+def _coefs(a, b, BITS: tl.constexpr, MAGIC: tl.constexpr):
+    """The multipliers of ``Σ f·x`` and of ``Σ x`` for a group whose weights are ``a·q - b`` and
+    whose codes were read as ``f = _code_float(q)``: ``a·q = a·2**B·(f - 1)`` under MAGIC."""
+    if MAGIC:
+        ca = a * (1 << BITS)
+        cb = ca + b
+    else:
+        ca = a
+        cb = b
+    return ca, cb
+
+
+@triton.jit
+def _k4_scale_min(blk8, g):
+    """6-bit scale and min of 32-weight groups ``g`` (int tensor, 0..7) of Q4_K blocks
+    (``blk8``: uint8 pointers to each block, broadcast against ``g``; bytes 4..15 as in
+    ggml's ``get_scale_min_k4``), float32 of the broadcast shape."""
+    lane = g % 4
+    sc_byte = tl.load(blk8 + 4 + lane).to(tl.int32)
+    mn_byte = tl.load(blk8 + 8 + lane).to(tl.int32)
+    hi_byte = tl.load(blk8 + 12 + lane).to(tl.int32)
+    sc = tl.where(g < 4, sc_byte & 63, (hi_byte & 15) | ((sc_byte >> 6) << 4))
+    mn = tl.where(g < 4, mn_byte & 63, (hi_byte >> 4) | ((mn_byte >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _finish(out, y_ptr, offs_n, N, SPLIT_K: tl.constexpr):
+    """Store ``out`` ``[BLOCK_N]`` of one activation row, or add it atomically under split K."""
+    mask = offs_n < N
+    if SPLIT_K == 1:
+        tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(y_ptr + offs_n, out, mask=mask)
+
+
+# ---- M = 1 ----
+
+@triton.jit
+def _q4k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
+              BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, MAGIC: tl.constexpr):
+    """Program (n, s): rows ``n*BLOCK_N ..`` over K tiles ``s*tiles_per_split ..``. A tile's
+    128 nibble bytes are 32 words ``[chunk c, word i]``; byte ``b`` of word (c, i) holds weight
+    ``64c + 4i + b`` (low nibble, group 2c) and ``64c + 32 + 4i + b`` (high nibble, group 2c+1).
+    ``row_16b``: the row stride in 16-byte units (a row is whole 144-byte blocks), so that the
+    compiler knows every tile's words start 16-byte aligned and loads them four at a time."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (w_ptr.to(tl.pointer_type(tl.int32))
+            + tl.minimum(offs_n, N - 1).to(tl.int64) * (row_16b * 4))
+    c2 = tl.arange(0, 4)[None, :]
+    c3 = c2[:, :, None]
+    i3 = tl.arange(0, 8)[None, None, :]
+    acc = tl.zeros([BLOCK_N, 4, 8], tl.float32)
+    acc_x = tl.zeros([BLOCK_N, 4], tl.float32)
+    kt0 = pid_k * tiles_per_split
+    for kt in range(kt0, tl.minimum(kt0 + tiles_per_split, num_tiles)):
+        blk = rows + kt * 36
+        words = tl.load(blk[:, None, None] + 4 + 8 * c3 + i3)
+        blk8 = blk.to(tl.pointer_type(tl.uint8))[:, None]
+        d = _f16_at(blk8)
+        dmin = _f16_at(blk8 + 2)
+        for h in tl.static_range(2):
+            s = tl.zeros([BLOCK_N, 4, 8], tl.float32)
+            xs = tl.zeros([1, 4, 8], tl.float32)
+            for b in tl.static_range(4):
+                xv = tl.load(x_ptr + kt * 256 + 64 * c3 + 32 * h + 4 * i3 + b).to(tl.float32)
+                s += _code_float((words >> (8 * b + 4 * h)) & 15, 4, MAGIC) * xv
+                xs += xv
+            sc, mn = _k4_scale_min(blk8, 2 * c2 + h)
+            ca, cb = _coefs(d * sc, dmin * mn, 4, MAGIC)
+            acc += s * ca[:, :, None]
+            acc_x += cb * tl.sum(xs, axis=2)
+    out = tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(acc_x, axis=1)
+    _finish(out, y_ptr, offs_n, N, SPLIT_K)
+
+
+@triton.jit
+def _q6k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, stride_wn,
+              BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, MAGIC: tl.constexpr):
+    """Q6_K as :func:`_q4k_gemv`, over 16-bit words (``stride_wn`` in them). A tile is two
+    128-weight halves ``hf``; with ``l = 2v + e`` (``v`` 0..15, ``e`` the byte of a word) and
+    quarter ``t``, weight ``128hf + 32t + l`` takes its low 4 bits from ql byte ``64hf + l``
+    (t = 0, 2) or ``64hf + 32 + l`` (t = 1, 3), nibble ``t // 2``, its high 2 bits from qh byte
+    ``128 + 32hf + l`` at bit ``2t``, and scale ``8hf + 2t + l // 16``. The word grid is
+    ``[j = 2hf + v // 8, v % 8]``, so a grid row shares one scale per quarter."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = w_ptr.to(tl.pointer_type(tl.int16)) + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
+    j2 = tl.arange(0, 4)[None, :]
+    j3 = j2[:, :, None]
+    vl3 = tl.arange(0, 8)[None, None, :]
+    hf3 = j3 // 2
+    v3 = 8 * (j3 % 2) + vl3
+    acc = tl.zeros([BLOCK_N, 4, 8], tl.float32)
+    acc_x = tl.zeros([BLOCK_N, 4], tl.float32)
+    kt0 = pid_k * tiles_per_split
+    for kt in range(kt0, tl.minimum(kt0 + tiles_per_split, num_tiles)):
+        blk = rows + kt * 105
+        w3 = blk[:, None, None] + 32 * hf3 + v3
+        ql_a = tl.load(w3).to(tl.int32)
+        ql_b = tl.load(w3 + 16).to(tl.int32)
+        qh = tl.load(w3 + 64 - 16 * hf3).to(tl.int32)
+        blk8 = blk.to(tl.pointer_type(tl.uint8))[:, None]
+        d = _f16_at(blk8 + 208)
+        for t in tl.static_range(4):
+            src = ql_a if t % 2 == 0 else ql_b
+            s = tl.zeros([BLOCK_N, 4, 8], tl.float32)
+            xs = tl.zeros([1, 4, 8], tl.float32)
+            for e in tl.static_range(2):
+                xv = tl.load(x_ptr + kt * 256 + 128 * hf3 + 32 * t + 2 * v3 + e).to(tl.float32)
+                q = ((src >> (8 * e + 4 * (t // 2))) & 15) | (((qh >> (8 * e + 2 * t)) & 3) << 4)
+                s += _code_float(q, 6, MAGIC) * xv
+                xs += xv
+            scale = tl.load(blk8 + 192 + 8 * (j2 // 2) + 2 * t + j2 % 2).to(tl.int8, bitcast=True)
+            a = d * scale.to(tl.float32)
+            ca, cb = _coefs(a, 32 * a, 6, MAGIC)
+            acc += s * ca[:, :, None]
+            acc_x += cb * tl.sum(xs, axis=2)
+    out = tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(acc_x, axis=1)
+    _finish(out, y_ptr, offs_n, N, SPLIT_K)
+
+
+# ---- 1 < M <= 16 ----
+
+@triton.jit
+def _group_codes(blk8, G: tl.constexpr, QTYPE: tl.constexpr):
+    """int32 codes ``[BLOCK_N, GS]`` of group ``G`` of a tile (``blk8``: ``[BLOCK_N]`` uint8
+    pointers to each row's block), with the group's ``a`` and ``b`` ``[BLOCK_N]`` (weight
+    ``a·q - b``). Q4_K: 32-weight groups ``G`` 0..7; Q6_K: 16-weight groups 0..15 (the
+    ``_q6k_gemv`` docstring's layout, ``G = 8hf + 2t + l // 16``)."""
+    if QTYPE == 12:
+        lane = tl.arange(0, 32)[None, :]
+        q = (tl.load(blk8[:, None] + 16 + 32 * (G // 2) + lane).to(tl.int32) >> (4 * (G % 2))) & 15
+        sc, mn = _k4_scale_min(blk8, G)
+        a = _f16_at(blk8) * sc
+        b = _f16_at(blk8 + 2) * mn
+    else:
+        hf = G // 8
+        t = (G % 8) // 2
+        lane = 16 * (G % 2) + tl.arange(0, 16)[None, :]
+        lo = tl.load(blk8[:, None] + 64 * hf + 32 * (t % 2) + lane).to(tl.int32) >> (4 * (t // 2))
+        hi = tl.load(blk8[:, None] + 128 + 32 * hf + lane).to(tl.int32) >> (2 * t)
+        q = (lo & 15) | ((hi & 3) << 4)
+        a = _f16_at(blk8 + 208) * tl.load(blk8 + 192 + G).to(tl.int8, bitcast=True).to(tl.float32)
+        b = 32 * a
+    return q, a, b
+
+
+@triton.jit
+def _gemm_dot(x_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_xm, stride_wn,
+              stride_ym, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+              DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+    """Program (n, s) of ``[16, BLOCK_N]`` outputs over K tiles ``s*tiles_per_split ..``: per
+    group, ``P = x_g · q_gᵀ`` by ``tl.dot`` on the bare codes (exact in bf16/fp16), then
+    ``acc += P·a - (Σ x_g)·b``."""
+    GS: tl.constexpr = 32 if QTYPE == 12 else 16
+    BB: tl.constexpr = 144 if QTYPE == 12 else 210
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, 16)
+    rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + tl.arange(0, GS)[None, :]
+    m_mask = (offs_m < M)[:, None]
+    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    kt0 = pid_k * tiles_per_split
+    for kt in range(kt0, tl.minimum(kt0 + tiles_per_split, num_tiles)):
+        blk8 = rows + kt * BB
+        for g in tl.static_range(256 // GS):
+            x = tl.load(x_rows + kt * 256 + GS * g, mask=m_mask, other=0.0)
+            q, a, b = _group_codes(blk8, g, QTYPE)
+            # through float32: the Triton interpreter turns int32 into bf16 bits, not values
+            qf = q.to(tl.float32)
+            if IEEE:  # float32 activations: no TF32 rounding
+                p = tl.dot(x, tl.trans(qf), input_precision="ieee")
+            else:
+                p = tl.dot(x.to(DOT_DTYPE), tl.trans(qf.to(DOT_DTYPE)))
+            xsum = tl.sum(x.to(tl.float32), axis=1)
+            acc += p * a[None, :] - xsum[:, None] * b[None, :]
+    y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    mask = m_mask & (offs_n < N)[None, :]
+    if SPLIT_K == 1:
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(y, acc, mask=mask)
+
+
+# ---- host side ----
+
+def splits_for(cfg: DecodeConfig, n_programs: int, num_tiles: int, device: torch.device) -> int:
+    """K slices: ``cfg.split_k``, or where 0 enough for ``cfg.programs_per_sm`` programs on each
+    multiprocessor (one on a CPU), at most one slice per tile."""
+    if cfg.split_k:
+        want = cfg.split_k
+    elif device.type != "cuda":
+        want = 1
+    else:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        want = -(-cfg.programs_per_sm * sms // n_programs)
+    return max(1, min(num_tiles, want))
+
+
+def _dot_dtype(dtype: torch.dtype):
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}.get(dtype, tl.float16)
+
+
+def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
+           cfg: DecodeConfig | None = None) -> torch.Tensor:
+    """``x [M, k] · Wᵀ`` -> ``[M, N]`` in x's dtype for ``1 <= M <= 16``, W the Q4_K or Q6_K
+    blocks ``raw`` (uint8 ``[N, row_bytes]``, contiguous rows, 16-byte aligned data; the caller,
+    ``gguf_gemm.matmul``, checks the shapes). ``cfg`` (default :func:`default_config`) must not
+    be ``file``; a ``gemv`` config at M > 1 runs the ``dot`` kernel with its tile.
+    Raises ValueError for another type or M."""
+    qtype, (m, n) = int(qtype), (x.shape[0], raw.shape[0])
+    if qtype not in TYPES or not 1 <= m <= MAX_M:
+        raise ValueError(f"gguf_gemv serves Q4_K/Q6_K (12, 14) at 1 <= M <= {MAX_M}, "
+                         f"got type {qtype}, M={m}")
+    cfg = cfg or default_config(qtype, m)
+    if cfg.kernel == "file":
+        raise ValueError("a file-layout config runs through gguf_gemm.matmul")
+    if cfg.kernel == "gemv" and m > 1:
+        cfg = replace(cfg, kernel="dot")
+    tiles, n_programs = k // TILE_K, triton.cdiv(n, cfg.block_n)
+    splits = splits_for(cfg, n_programs, tiles, x.device)
+    per_split = triton.cdiv(tiles, splits)
+    splits = triton.cdiv(tiles, per_split)
+    y = (torch.empty if splits == 1 else torch.zeros)(
+        m, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
+    grid = (n_programs, splits)
+    if cfg.kernel == "gemv":
+        kern, stride = (_q4k_gemv, raw.stride(0) // 16) if qtype == Q4_K else (
+            _q6k_gemv, raw.stride(0) // 2)
+        kern[grid](x, raw, y, n, tiles, per_split, stride, BLOCK_N=cfg.block_n, SPLIT_K=splits,
+                   MAGIC=cfg.magic, num_warps=cfg.num_warps)
+    else:
+        _gemm_dot[grid](x, raw, y, m, n, tiles, per_split, x.stride(0), raw.stride(0), y.stride(0),
+                        QTYPE=qtype, BLOCK_N=cfg.block_n, SPLIT_K=splits,
+                        DOT_DTYPE=_dot_dtype(x.dtype), IEEE=x.dtype == torch.float32,
+                        num_warps=cfg.num_warps)
+    return y.to(x.dtype)
