@@ -376,6 +376,34 @@ def test_a_fresh_prefill_attends_over_the_steps_kv_and_never_the_cache(backend):
     torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=1e-4)
 
 
+
+@pytest.mark.parametrize("window", [5, None])
+def test_a_feature_prefill_in_query_chunks_sees_only_the_keys_it_needs(monkeypatch, window):
+    """Prompts of 7, 20 and 3 tokens in chunks of 4 queries (soft-cap and sinks, window 5 or
+    none) equal one call a prompt, and each chunk's call gets at most its own rows plus the
+    window's keys behind them (none: the keys up to its last row), not the whole prompt."""
+    from localgen.attention.prefill import fresh_feature_attention
+    from localgen.attention.spec import AttentionSpec
+    from localgen.kernels import paged_attention_ref as ref
+
+    lens = [7, 20, 3]
+    q, k, v = _packed(lens)
+    spec = AttentionSpec(16 ** -0.5, window, 2.0, torch.linspace(-1.0, 1.0, 4))
+    whole = fresh_feature_attention(q, k, v, lens, spec, query_chunk=64)
+    spans, inner = [], ref.feature_attention
+
+    def spy(qc, keys, vals, first, *rest):
+        spans.append((qc.shape[0], keys.shape[0], first))
+        return inner(qc, keys, vals, first, *rest)
+
+    monkeypatch.setattr(ref, "feature_attention", spy)
+    chunked = fresh_feature_attention(q, k, v, lens, spec, query_chunk=4)
+    torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-5)
+    assert len(spans) == 2 + 5 + 1
+    for rows, keys, first in spans:
+        assert keys == first + rows  # the chunk's last query sees the last key given
+        assert window is None or first <= window - 1
+
 def test_a_window_prefill_pool_allocates_the_window_and_the_placeholder():
     """Window 8, 4-token blocks, 5 blocks: a 21-token prompt takes (21 - 8) // 4 = 3 placeholder
     entries and blocks 3..5 (3 live) plus the placeholder itself: 4 blocks, 1 left; another

@@ -18,6 +18,9 @@ from localgen.kernels import paged_attention_ref as ref
 # against all keys even when causal (one 512-key block), so chunks of 64 queries that see only
 # the keys up to their last position skip the masked upper triangle.
 PREFILL_QUERY_CHUNK = 64
+# Queries per call of the float32 reference attention with score features (window, soft-cap,
+# sinks): it materialises the scores, so a call's memory is this many rows of keys per head.
+FEATURE_QUERY_CHUNK = 256
 
 
 @functools.lru_cache(maxsize=256)
@@ -78,18 +81,27 @@ def fresh_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def fresh_feature_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            query_lens: list[int], spec: AttentionSpec) -> torch.Tensor:
+                            query_lens: list[int], spec: AttentionSpec,
+                            query_chunk: int = FEATURE_QUERY_CHUNK) -> torch.Tensor:
     """Packed whole prompts (nothing cached before them; ``query_lens[i]`` rows of sequence i)
     attending causally over their own k/v with ``spec``'s window, soft-cap and sinks
     (``paged_attention_ref.feature_attention``, float32 arithmetic): q ``[num_tokens, num_heads,
-    head_dim]``, k/v ``[num_tokens, num_kv_heads, head_dim]``; returns q's shape and dtype."""
+    head_dim]``, k/v ``[num_tokens, num_kv_heads, head_dim]``; returns q's shape and dtype.
+
+    ``query_chunk`` queries a call, each chunk over only the keys it can see (up to its last
+    position, and no further back than the window), so the float32 scores of a call are at most
+    ``num_heads × query_chunk × keys`` however long the prompt: a sliding layer's are bounded by
+    the window, a full layer's grow with the prompt but not with its square."""
     out, start = torch.empty_like(q), 0
+    window = spec.sliding_window
     for n in query_lens:
-        end = start + n
-        out[start:end] = ref.feature_attention(q[start:end], k[start:end], v[start:end], 0,
-                                               spec.scale, spec.sliding_window,
-                                               spec.logit_softcap, spec.sinks)
-        start = end
+        for a in range(0, n, query_chunk):
+            e = min(n, a + query_chunk)
+            ks = 0 if window is None else max(0, a - window + 1)
+            out[start + a:start + e] = ref.feature_attention(
+                q[start + a:start + e], k[start + ks:start + e], v[start + ks:start + e], a - ks,
+                spec.scale, window, spec.logit_softcap, spec.sinks)
+        start += n
     return out
 
 
