@@ -127,12 +127,15 @@ def make_service(model: str | None, *, kv_cache_memory: int | None = None, dtype
             raise typer.BadParameter(f"no hardware profile {profile!r}", param_hint="--profile") from None
 
     def load():
-        from localgen.api import LLM
+        from localgen.cli.startup_gc import collector_paused
 
-        # a conversation's turns prefill only their new tokens (prefix reuse): the CPU int4
-        # path's bf16 prefill copies would cost memory and load time for little (LLM.load)
-        return LLM.load(model, kv_cache_memory=kv_cache_memory, dtype=dtype, device=device,
-                        cpu_int4=False, **(offload or {}))
+        with collector_paused():  # the imports and the load leave almost no garbage to look for
+            from localgen.api import LLM
+
+            # a conversation's turns prefill only their new tokens (prefix reuse): the CPU int4
+            # path's bf16 prefill copies would cost memory and load time for little (LLM.load)
+            return LLM.load(model, kv_cache_memory=kv_cache_memory, dtype=dtype, device=device,
+                            cpu_int4=False, **(offload or {}))
 
     return EngineService(load, hardware=hw, predicted_peak=predicted_peak)
 

@@ -25,19 +25,21 @@ def load_llm(
     **offload: Any,
 ) -> Any:
     """Load the engine (tests replace this function with a fake); ``offload`` as in batch_cmd."""
+    from localgen.cli.startup_gc import collector_paused
     from localgen.cli.status import announce, stderr_status
 
     from localgen.models.sources import resolve_model
 
-    # a missing or mistyped model fails here, before the runtime (torch) is imported
-    source = resolve_model(model) if model is not None else None
-    announce()
-    from localgen.api import LLM
+    with collector_paused():  # the imports and the load leave almost no garbage to look for
+        # a missing or mistyped model fails here, before the runtime (torch) is imported
+        source = resolve_model(model) if model is not None else None
+        announce()
+        from localgen.api import LLM
 
-    n = offload["policy"].bls if offload.get("policy") is not None else 1
-    # one prompt does not repay the CPU int4 path's bf16 prefill copies (LLM.load's cpu_int4)
-    return LLM.load(source, kv_cache_memory=kv_cache_memory, max_num_seqs=n, dtype=dtype, device=device,
-                    cpu_int4=False, progress=stderr_status(), **offload)
+        n = offload["policy"].bls if offload.get("policy") is not None else 1
+        # one prompt does not repay the CPU int4 path's bf16 prefill copies (LLM.load's cpu_int4)
+        return LLM.load(source, kv_cache_memory=kv_cache_memory, max_num_seqs=n, dtype=dtype,
+                        device=device, cpu_int4=False, progress=stderr_status(), **offload)
 
 
 @with_offload_flags
