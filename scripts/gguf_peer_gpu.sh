@@ -6,6 +6,9 @@
 #                                            tests meanwhile, then wait for the build
 #   scripts/gguf_peer_gpu.sh bench WORK OUT  `localgen bench decode` on WORK/m7b.gguf, batches 1, 16, 64,
 #                                            with llama-bench / llama-batched-bench as the peer (-ngl 99)
+#   scripts/gguf_peer_gpu.sh serve WORK OUT  `localgen bench serve` on WORK/m7b.gguf at concurrency 1 and
+#                                            16 beside llama-server (-ngl 99); the file's test
+#                                            tokenizer splits words finely, hence --peer-ctx
 # WORK holds llama.cpp-src.tar.gz and build-llama-cpp.sh (from the shared tools' folder).
 set -euo pipefail
 cmd=$1
@@ -31,5 +34,11 @@ case "$cmd" in
     python3 -m localgen.bench.decode_bench --model "$work/m7b.gguf" --batches 1,16,64 --prompt-len 128 \
       --gen-len 128 --dtype bf16 --no-hf --repeat 3 --llama-cpp-bin "$work/llama.cpp/build/bin" \
       --out "$out/decode_7b_q4km.json" ;;
-  *) sed -n 2,10p "$0"; exit 2 ;;
+  serve)
+    out=$3
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+    python3 -c "from localgen.cli.main import app; app(prog_name='localgen')" bench serve --model "$work/m7b.gguf" --concurrency 1,16 \
+      --prompt-words 128 --max-tokens 64 --peer-ctx 1536 \
+      --llama-server "$work/llama.cpp/build/bin/llama-server" --out "$out/serve_7b_q4km.json" ;;
+  *) sed -n 2,13p "$0"; exit 2 ;;
 esac

@@ -3,6 +3,8 @@ short real run that starts `localgen serve` as a process (a tiny model) and driv
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from localgen.bench import serve_bench
@@ -54,3 +56,10 @@ def test_the_dtype_reaches_localgen_serve_and_the_report():
     res = ServeBenchResult("m", "m.gguf", 128, 64, (1,), dtype="float32")
     assert serve_bench.report(res)[0].startswith("model m (float32): prompt 128 words")
     assert res.to_json()["dtype"] == "float32"
+
+
+def test_llama_server_takes_every_layer_to_the_gpu_only_when_asked():
+    cpu = serve_bench.llama_server_cmd(Path("llama-server"), Path("m.gguf"), 8000, 16, 320)
+    gpu = serve_bench.llama_server_cmd(Path("llama-server"), Path("m.gguf"), 8000, 16, 320, True)
+    assert "-ngl" not in cpu and gpu[-2:] == ["-ngl", "99"]
+    assert cpu[cpu.index("-c") + 1] == str(16 * 320) and cpu[cpu.index("--parallel") + 1] == "16"

@@ -230,10 +230,19 @@ def localgen_cmd(model: str | None, port: int, max_num_seqs: int,
     return cmd + (["--model", model] if model else []) + (["--dtype", dtype] if dtype else [])
 
 
-def llama_server_cmd(binary: Path, gguf: Path, port: int, parallel: int, ctx_per_slot: int) -> list[str]:
+def llama_server_cmd(binary: Path, gguf: Path, port: int, parallel: int, ctx_per_slot: int,
+                     gpu: bool = False) -> list[str]:
+    """llama-server with ``parallel`` slots of ``ctx_per_slot`` tokens; ``gpu``: every layer on
+    the GPU (``-ngl 99``), as `localgen serve` runs where CUDA is present."""
     return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "--parallel", str(parallel), "--cont-batching", "-c", str(parallel * ctx_per_slot),
-            "-t", str(os.cpu_count() or 1), "--alias", "bench"]
+            "-t", str(os.cpu_count() or 1), "--alias", "bench"] + (["-ngl", "99"] if gpu else [])
+
+
+def _cuda_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _level(base_url: str, name: str, c: int, requests: int, prompt_words: int, max_tokens: int,
@@ -250,10 +259,12 @@ def _level(base_url: str, name: str, c: int, requests: int, prompt_words: int, m
 def run(model: str | None, gguf: Path | None, *, levels=LEVELS, prompt_words: int = 128,
         max_tokens: int = 64, requests_per_level: int | None = None,
         llama_server: str | None = None, log: Callable[[str], None] = lambda m: None,
-        dtype: str | None = None) -> ServeBenchResult:
+        dtype: str | None = None, peer_ctx: int | None = None) -> ServeBenchResult:
     """Both servers at each level; ``requests_per_level`` None: 2 x C, at least 8. ``gguf``:
     the file llama-server loads (None: the peer is skipped); ``dtype``: localgen serve's
-    ``--dtype`` (None: its default)."""
+    ``--dtype`` (None: its default); ``peer_ctx``: llama-server's tokens per slot (None: room
+    for a prompt of about two tokens a word and the output). Where CUDA is present (localgen
+    serve's device then), llama-server runs with every layer on the GPU."""
     levels = tuple(sorted(levels))
     # file and tool names, not this machine's paths: the result is kept beside the docs
     res = ServeBenchResult(model or "embedded", gguf.name if gguf else None, prompt_words,
@@ -270,11 +281,12 @@ def run(model: str | None, gguf: Path | None, *, levels=LEVELS, prompt_words: in
                 res.localgen.append(_level(srv.base_url, "localgen", c, count(c), prompt_words,
                                            max_tokens, log))
         if binary is not None:
-            ctx = 2 * prompt_words + max_tokens + 64  # a word is about one token
+            ctx = peer_ctx or 2 * prompt_words + max_tokens + 64  # a word is about one token
+            gpu = _cuda_present()
             for c in levels:
                 port = free_port()
                 log(f"llama-server --parallel {c} (port {port})…")
-                with ServerProcess(llama_server_cmd(binary, gguf, port, c, ctx), port,
+                with ServerProcess(llama_server_cmd(binary, gguf, port, c, ctx, gpu), port,
                                    Path(tmp) / f"llama-server-{c}.log") as srv:
                     res.llama_server.append(_level(srv.base_url, "llama-server", c, count(c),
                                                    prompt_words, max_tokens, log))
