@@ -229,11 +229,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
         return gguf_gemv.matmul(x, raw, qtype, k, cfg)
     block_n = cfg.block_n if cfg.kernel == "file" else gguf_gemv.FILE_CONFIG.block_n
     tiles, n_programs = k // TILE_K, triton.cdiv(n, block_n)
-    splits = gguf_gemv.splits_for(cfg, n_programs, tiles, x.device)
-    per_split = triton.cdiv(tiles, splits)
-    splits = triton.cdiv(tiles, per_split)
-    y = (torch.empty if splits == 1 else torch.zeros)(
-        m, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
+    splits, per_split, y = gguf_gemv.split_output(cfg, x, n, n_programs, tiles)
     dot = tl.float32 if x.dtype == torch.float32 else (
         tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16)
     _gemm_decode[(n_programs, splits)](

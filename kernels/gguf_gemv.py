@@ -122,10 +122,10 @@ def _k4_scale_min(blk8, g):
 
 
 @triton.jit
-def _finish(out, y_ptr, offs_n, N, SPLIT_K: tl.constexpr):
-    """Store ``out`` ``[BLOCK_N]`` of one activation row, or add it atomically under split K."""
+def _finish(out, y_ptr, offs_n, N, ATOMIC: tl.constexpr):
+    """Store ``out`` ``[BLOCK_N]`` of one activation row, or add it atomically (split K)."""
     mask = offs_n < N
-    if SPLIT_K == 1:
+    if not ATOMIC:
         tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(y_ptr + offs_n, out, mask=mask)
@@ -135,7 +135,7 @@ def _finish(out, y_ptr, offs_n, N, SPLIT_K: tl.constexpr):
 
 @triton.jit
 def _q4k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
-              BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, MAGIC: tl.constexpr):
+              BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr, MAGIC: tl.constexpr):
     """Program (n, s): rows ``n*BLOCK_N ..`` over K tiles ``s*tiles_per_split ..``. A tile's
     128 nibble bytes are 32 words ``[chunk c, word i]``; byte ``b`` of word (c, i) holds weight
     ``64c + 4i + b`` (low nibble, group 2c) and ``64c + 32 + 4i + b`` (high nibble, group 2c+1).
@@ -170,12 +170,12 @@ def _q4k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
             acc += s * ca[:, :, None]
             acc_x += cb * tl.sum(xs, axis=2)
     out = tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(acc_x, axis=1)
-    _finish(out, y_ptr, offs_n, N, SPLIT_K)
+    _finish(out, y_ptr, offs_n, N, ATOMIC)
 
 
 @triton.jit
 def _q6k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, stride_wn,
-              BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, MAGIC: tl.constexpr):
+              BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr, MAGIC: tl.constexpr):
     """Q6_K as :func:`_q4k_gemv`, over 16-bit words (``stride_wn`` in them). A tile is two
     128-weight halves ``hf``; with ``l = 2v + e`` (``v`` 0..15, ``e`` the byte of a word) and
     quarter ``t``, weight ``128hf + 32t + l`` takes its low 4 bits from ql byte ``64hf + l``
@@ -217,7 +217,7 @@ def _q6k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, stride_wn,
             acc += s * ca[:, :, None]
             acc_x += cb * tl.sum(xs, axis=2)
     out = tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(acc_x, axis=1)
-    _finish(out, y_ptr, offs_n, N, SPLIT_K)
+    _finish(out, y_ptr, offs_n, N, ATOMIC)
 
 
 # ---- 1 < M <= 16 ----
@@ -248,7 +248,7 @@ def _group_codes(blk8, G: tl.constexpr, QTYPE: tl.constexpr):
 
 @triton.jit
 def _gemm_dot(x_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_xm, stride_wn,
-              stride_ym, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+              stride_ym, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr,
               DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
     """Program (n, s) of ``[16, BLOCK_N]`` outputs over K tiles ``s*tiles_per_split ..``: per
     group, ``P = x_g · q_gᵀ`` by ``tl.dot`` on the bare codes (exact in bf16/fp16), then
@@ -279,7 +279,7 @@ def _gemm_dot(x_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_xm, 
             acc += p * a[None, :] - xsum[:, None] * b[None, :]
     y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     mask = m_mask & (offs_n < N)[None, :]
-    if SPLIT_K == 1:
+    if not ATOMIC:
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(y, acc, mask=mask)
@@ -298,6 +298,17 @@ def splits_for(cfg: DecodeConfig, n_programs: int, num_tiles: int, device: torch
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         want = -(-cfg.programs_per_sm * sms // n_programs)
     return max(1, min(num_tiles, want))
+
+
+def split_output(cfg: DecodeConfig, x: torch.Tensor, n: int, n_programs: int,
+                 num_tiles: int) -> tuple[int, int, torch.Tensor]:
+    """(K slices, tiles a slice, the output ``[M, n]``): in x's dtype for one slice, else
+    float32 zeros that the slices add into."""
+    per_split = triton.cdiv(num_tiles, splits_for(cfg, n_programs, num_tiles, x.device))
+    splits = triton.cdiv(num_tiles, per_split)
+    y = (torch.empty if splits == 1 else torch.zeros)(
+        x.shape[0], n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
+    return splits, per_split, y
 
 
 def _dot_dtype(dtype: torch.dtype):
@@ -321,20 +332,16 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     if cfg.kernel == "gemv" and m > 1:
         cfg = replace(cfg, kernel="dot")
     tiles, n_programs = k // TILE_K, triton.cdiv(n, cfg.block_n)
-    splits = splits_for(cfg, n_programs, tiles, x.device)
-    per_split = triton.cdiv(tiles, splits)
-    splits = triton.cdiv(tiles, per_split)
-    y = (torch.empty if splits == 1 else torch.zeros)(
-        m, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
+    splits, per_split, y = split_output(cfg, x, n, n_programs, tiles)
     grid = (n_programs, splits)
     if cfg.kernel == "gemv":
         kern, stride = (_q4k_gemv, raw.stride(0) // 16) if qtype == Q4_K else (
             _q6k_gemv, raw.stride(0) // 2)
-        kern[grid](x, raw, y, n, tiles, per_split, stride, BLOCK_N=cfg.block_n, SPLIT_K=splits,
-                   MAGIC=cfg.magic, num_warps=cfg.num_warps)
+        kern[grid](x, raw, y, n, tiles, per_split, stride, BLOCK_N=cfg.block_n,
+                   ATOMIC=splits > 1, MAGIC=cfg.magic, num_warps=cfg.num_warps)
     else:
-        _gemm_dot[grid](x, raw, y, m, n, tiles, per_split, x.stride(0), raw.stride(0), y.stride(0),
-                        QTYPE=qtype, BLOCK_N=cfg.block_n, SPLIT_K=splits,
+        _gemm_dot[grid](x, raw, y, m, n, tiles, per_split, x.stride(0), raw.stride(0),
+                        y.stride(0), QTYPE=qtype, BLOCK_N=cfg.block_n, ATOMIC=splits > 1,
                         DOT_DTYPE=_dot_dtype(x.dtype), IEEE=x.dtype == torch.float32,
                         num_warps=cfg.num_warps)
     return y.to(x.dtype)

@@ -1,5 +1,6 @@
-"""The Triton GGUF matmuls (kernels/gguf_gemm.py, kernels/gguf_gemv.py) against gguf.quants.dequantize and a float64
-matmul at small shapes: compiled on a GPU, else on the CPU under the Triton interpreter."""
+"""The Triton GGUF matmuls (kernels/gguf_gemm.py, kernels/gguf_gemv.py) against
+gguf.quants.dequantize and a float64 matmul at small shapes: compiled on a GPU, else on the CPU
+under the Triton interpreter."""
 
 from __future__ import annotations
 
@@ -123,3 +124,18 @@ def test_bad_shapes_are_named():
         gguf_gemm.matmul(torch.zeros(1, 512), raw, Q.Q4_K, 512)
     with pytest.raises(ValueError, match="no Triton kernel"):
         gguf_gemm.matmul(torch.zeros(1, 256), raw, Q.IQ2_XS, 256)
+
+
+def test_sweep_runs_every_config(kernel_device):
+    """``gguf_gemm_bench --sweep``'s code at a tiny shape (on the CPU: each config once under
+    the interpreter, untimed): every config runs and agrees with the reference."""
+    from localgen.bench import gguf_gemm_bench
+
+    result = gguf_gemm_bench.sweep({"tiny": (20, 256)}, gguf_gemm_bench.SWEEP_QTYPES, (1, 2),
+                                   kernel_device, torch.float16)
+    cells = result["cells"]
+    assert [c for c in cells if "error" in c] == []
+    per_type_m = len(gguf_gemm_bench.sweep_configs())
+    gemv = sum(c.kernel == "gemv" for c in gguf_gemm_bench.sweep_configs())
+    assert len(cells) == 2 * (per_type_m + per_type_m - gemv)
+    assert set(result["ranking"]) == {"type 12 M=1", "type 12 M=2", "type 14 M=1", "type 14 M=2"}

@@ -2,6 +2,8 @@
 read-bandwidth bound and cuBLAS on the same weights in bf16, measured in one run.
 
     python -m localgen.bench.gguf_gemm_bench --out gguf_gemm.json
+    python -m localgen.bench.gguf_gemm_bench --sweep --out gguf_gemv_sweep.json
+    python -m localgen.bench.gguf_gemm_bench --dry-run     # the sweep's code on the CPU
 
 For each weight shape (Llama-2-7B's by default), type and M: the kernel's time per call (CUDA-graph
 replays over weight copies that together exceed L2, as in a decode step), the bytes of
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 
 import torch
 
@@ -66,6 +69,15 @@ def read_gbps(device) -> float:
     return src.numel() * 4 / us / 1e3
 
 
+def _block_n_config(qtype: int, m: int, block_n: int):
+    """The default decode config of (qtype, m) with ``block_n`` output rows a program."""
+    from dataclasses import replace
+
+    from localgen.kernels import gguf_gemv
+
+    return replace(gguf_gemv.default_config(qtype, m), block_n=block_n)
+
+
 def run(shapes: dict[str, tuple[int, int]], qtypes: list[int], ms: list[int],
         block_ns: list[int], dtype: torch.dtype = torch.bfloat16) -> dict:
     """One row per (shape, type, M): the best of ``block_ns`` (output rows a program) for the
@@ -85,7 +97,8 @@ def run(shapes: dict[str, tuple[int, int]], qtypes: list[int], ms: list[int],
                 ref = x.float() @ w16.float().t()
                 err = (gguf_gemm.matmul(x, raw, qt, k).float() - ref).abs().max()
                 blocks = block_ns if m <= gguf_gemm.DECODE_MAX_M else block_ns[:1]
-                tried = {bn: _time_us([functools.partial(gguf_gemm.matmul, x, r, qt, k, block_n=bn)
+                tried = {bn: _time_us([functools.partial(gguf_gemm.matmul, x, r, qt, k,
+                                                         _block_n_config(qt, m, bn))
                                        for r in raws]) for bn in blocks}
                 block_n = min(tried, key=tried.get)
                 ours = tried[block_n]
@@ -105,15 +118,157 @@ def run(shapes: dict[str, tuple[int, int]], qtypes: list[int], ms: list[int],
                 rows=rows)
 
 
+# ---- --sweep: every decode kernel config beside the file kernel and cuBLAS, in one process ----
+
+SWEEP_SHAPES = {**SHAPES, "7b_output": (32000, 4096)}
+SWEEP_QTYPES = (12, 14)  # Q4_K, Q6_K
+SWEEP_MS = (1, 16)
+BAD_REL_ERR = 2e-2  # a config whose output is this far from the bf16 reference is broken
+
+
+def sweep_configs() -> list:
+    """The configs ``--sweep`` times (gemv ones at M = 1 only: at M > 1 they run ``dot``)."""
+    from localgen.kernels.gguf_gemv import DecodeConfig as C
+
+    return [C("file", 32), C("gemv", 8, num_warps=2), C("gemv", 16, num_warps=2),
+            C("gemv", 16, num_warps=4), C("gemv", 32, num_warps=4), C("gemv", 32, num_warps=8),
+            C("gemv", 16, num_warps=4, magic=False), C("gemv", 8, split_k=1, num_warps=2),
+            C("gemv", 16, split_k=1, num_warps=4), C("gemv", 16, programs_per_sm=8),
+            C("dot", 16), C("dot", 32), C("dot", 32, num_warps=8), C("dot", 64, num_warps=8),
+            C("dot", 32, split_k=1), C("dot", 32, programs_per_sm=8)]
+
+
+def label(cfg) -> str:
+    split = f"sk{cfg.split_k}" if cfg.split_k else f"auto{cfg.programs_per_sm}/SM"
+    magic = " i2f" if cfg.kernel == "gemv" and not cfg.magic else ""
+    return f"{cfg.kernel} bn{cfg.block_n} w{cfg.num_warps} {split}{magic}"
+
+
+def _time_or_once(fns, dev) -> float:
+    """:func:`_time_us` on CUDA; elsewhere (``--dry-run``) each call once and NaN."""
+    if dev.type == "cuda":
+        return _time_us(fns, reps=10)
+    for fn in fns:
+        fn()
+    return float("nan")
+
+
+def _sweep_cell(cells: list, floor: float, name: str, qt: int, m: int, raws, x, ref,
+                cublas: float, dev, deadline: float) -> None:
+    """Time every config on one (shape, type, M) into ``cells``; a config that fails to compile
+    or run, or gives wrong values, is reported and skipped."""
+    import time
+
+    from localgen.kernels import gguf_gemm
+
+    n, k = raws[0].shape[0], x.shape[1]
+    for cfg in sweep_configs():
+        if (cfg.kernel == "gemv" and m > 1) or time.monotonic() > deadline:
+            continue
+        cell = dict(shape=name, n=n, k=k, qtype=qt, m=m, config=label(cfg),
+                    cfg=cfg.__dict__, weight_bytes=raws[0].numel(), cublas_bf16_us=cublas)
+        try:
+            got = gguf_gemm.matmul(x, raws[0], qt, k, cfg).float()
+            cell["rel_err"] = float((got - ref).abs().max() / ref.abs().max())
+            if cell["rel_err"] > BAD_REL_ERR:
+                raise ArithmeticError(f"relative error {cell['rel_err']:.2e}")
+            us = _time_or_once([functools.partial(gguf_gemm.matmul, x, r, qt, k, cfg)
+                                for r in raws], dev)
+        except Exception as exc:  # noqa: BLE001 - one bad config must not end the sweep
+            cell["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            print(f"{name:10s} type {qt:2d} M={m:2d} {cell['config']:26s} FAILED {cell['error']}",
+                  flush=True)
+            cells.append(cell)
+            continue
+        gbps = raws[0].numel() / us / 1e3
+        cell.update(us=us, gbps=gbps, share_of_read=gbps / floor, speedup_vs_bf16=cublas / us)
+        cells.append(cell)
+        print(f"{name:10s} type {qt:2d} M={m:2d} {cell['config']:26s} {us:7.1f} us "
+              f"{gbps:6.0f} GB/s {gbps / floor:6.1%} of read  x cuBLAS {cublas / us:5.2f}  "
+              f"err {cell['rel_err']:.1e}", flush=True)
+
+
+def _sweep_weights(qt: int, n: int, k: int, dev, dtype):
+    """Weight copies (together more than L2 on CUDA; one elsewhere) and their bf16 twins."""
+    from localgen.kernels import gguf_gemm
+
+    copies = (lambda b: _copies(b)) if dev.type == "cuda" else (lambda b: 1)
+    raws = [_random_blocks(qt, n, k, dev) for _ in range(copies(n * k // 2))]
+    w16s = [gguf_gemm.dequantize(r, qt, k, dtype) for r in raws[:copies(n * k * 2)]]
+    return raws, w16s
+
+
+def sweep(shapes: dict[str, tuple[int, int]], qtypes, ms, dev, dtype=torch.bfloat16,
+          budget_s: float = 330.0) -> dict:
+    """Every config of :func:`sweep_configs` on every (shape, type, M), beside bf16 cuBLAS, in
+    one process; rows past ``budget_s`` seconds are skipped. Prints one line a cell and, per
+    (type, M), the configs ranked by their summed time over the shapes."""
+    import time
+
+    deadline = time.monotonic() + budget_s
+    floor = read_gbps(dev) if dev.type == "cuda" else float("nan")
+    cells: list[dict] = []
+    for name, (n, k) in shapes.items():
+        for qt in qtypes:
+            raws, w16s = _sweep_weights(qt, n, k, dev, dtype)
+            for m in ms:
+                x = torch.randn(m, k, device=dev, dtype=dtype)
+                ref = x.float() @ w16s[0].float().t()
+                cublas = _time_or_once([functools.partial(torch.matmul, x, w.t()) for w in w16s],
+                                       dev)
+                _sweep_cell(cells, floor, name, qt, m, raws, x, ref, cublas, dev, deadline)
+            del raws, w16s
+    ranking = _rank(cells, len(shapes))
+    return dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (dry run)",
+                read_gbps=floor, dtype=str(dtype), cells=cells, ranking=ranking)
+
+
+def _rank(cells: list[dict], n_shapes: int) -> dict:
+    """Per ``"type T M=m"``: ``[(config, summed us)]`` best first, over configs that ran on
+    every shape; printed with the config to put in ``gguf_gemv.DECODE_CONFIGS``."""
+    sums: dict[tuple, dict] = {}
+    for c in cells:
+        if "us" in c:
+            per = sums.setdefault((c["qtype"], c["m"]), {}).setdefault(c["config"], [0.0, 0, c])
+            per[0] += c["us"]
+            per[1] += 1
+    out = {}
+    for (qt, m), per in sorted(sums.items()):
+        ranked = sorted((v[0], lab, v[2]["cfg"]) for lab, v in per.items() if v[1] == n_shapes)
+        out[f"type {qt} M={m}"] = [(lab, us) for us, lab, _ in ranked]
+        if ranked:
+            print(f"type {qt} M={m}: best {ranked[0][1]} ({ranked[0][0]:.1f} us over the shapes): "
+                  f"DecodeConfig(**{ranked[0][2]})", flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="JSON results (required without --sweep / --dry-run)")
     p.add_argument("--qtypes", default="12,14,8,13,2", help="GGMLQuantizationType values")
     p.add_argument("--ms", default="1,4,16,64,512")
     p.add_argument("--block-n", default="32,64,128", help="output rows a program, tried per cell")
+    p.add_argument("--sweep", action="store_true",
+                   help="time every decode config (Q4_K, Q6_K; M 1 and 16) in one process")
+    p.add_argument("--dry-run", action="store_true",
+                   help="the sweep at a tiny shape on the CPU under the Triton interpreter")
+    p.add_argument("--budget-s", type=float, default=330.0, help="the sweep's time limit")
     a = p.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
-    atomic_write_json(a.out, run(SHAPES, ints(a.qtypes), ints(a.ms), ints(a.block_n)))
+    if a.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels' module is imported
+        # fp16: the interpreter's bf16 tl.dot is wrong
+        result = sweep({"tiny": (40, 512)}, SWEEP_QTYPES, (1, 3), torch.device("cpu"),
+                       torch.float16, budget_s=a.budget_s)
+    elif a.sweep:
+        result = sweep(SWEEP_SHAPES, SWEEP_QTYPES, SWEEP_MS, torch.device("cuda"),
+                       budget_s=a.budget_s)
+    elif a.out:
+        result = run(SHAPES, ints(a.qtypes), ints(a.ms), ints(a.block_n))
+    else:
+        p.error("--out is required without --sweep or --dry-run")
+    if a.out:
+        atomic_write_json(a.out, result)
 
 
 if __name__ == "__main__":
