@@ -13,9 +13,9 @@ applied once per group and row. The activation sums ``Σ x`` of a group serve ev
   read as a ``[4, 8]`` grid of 32-bit words (Q4_K: the 128 nibble bytes) or 16-bit words (Q6_K,
   whose 210-byte blocks are only 2-byte aligned), each word holding several codes whose
   products with ``x`` are summed in registers before the group's scale multiplies them.
-  With ``MAGIC`` a code becomes a float without an int-to-float conversion: its bits are placed
-  in the mantissa of 1.0, giving ``1 + q / 2**B`` exactly (``B`` the code's bits), and the
-  constant part folds into the group's ``Σ x`` term.
+  A code becomes a float without an int-to-float conversion (``CODE_MODES``): its bits, masked
+  in place or shifted, are ORed into the mantissa of 1.0, and the constant and the power of two
+  that this adds come off exactly, through the activation or the group's ``Σ x`` term.
 * ``dot`` kernel (1 < M <= 16): per group, the codes of ``BLOCK_N`` rows meet the ``[16, 32]``
   (Q6_K: ``[16, 16]``) activations in one ``tl.dot``; the group's scales then multiply the
   ``[16, BLOCK_N]`` result.
@@ -45,14 +45,22 @@ class DecodeConfig:
     """One launch of the decode kernels. ``kernel``: ``gemv`` (M = 1 only), ``dot`` or ``file``
     (``gguf_gemm``'s kernel over the file's blocks, dequantizing each weight); ``block_n``:
     output rows a program; ``split_k``: K slices (0: enough for ``programs_per_sm`` programs on
-    every multiprocessor); ``num_warps``; ``magic``: codes to floats by mantissa bits (gemv)."""
+    every multiprocessor); ``num_warps``; ``codes``: how the gemv kernels turn codes into floats
+    (``CODE_MODES``)."""
 
     kernel: str = "gemv"
     block_n: int = 16
     split_k: int = 0
     num_warps: int = 4
-    magic: bool = True
+    codes: str = "mask"
     programs_per_sm: int = 4
+
+
+# gemv code-to-float modes (the MODE constexpr): "i2f" converts the integer; "shift" moves the
+# code into the mantissa of 1.0 (``1 + q/2**B``, undone per group); "mask" keeps the code where
+# it sits in its word and ORs in 1.0's exponent, so one mask and one subtraction give
+# ``q·2**-s`` exactly and the activation carries the ``2**s``.
+CODE_MODES = {"i2f": 0, "shift": 1, "mask": 2}
 
 
 # (qtype, M = 1 or M > 1) -> config. The defaults follow the bytes a program reads per tile and
@@ -92,6 +100,24 @@ def _code_float(q, BITS: tl.constexpr, MAGIC: tl.constexpr):
     else:
         f = q.to(tl.float32)
     return f
+
+
+@triton.jit
+def _code_x(words, P: tl.constexpr, BITS: tl.constexpr, xv, MODE: tl.constexpr):
+    """``f(q)·x`` for the ``BITS``-bit codes ``q`` at bit ``P`` of int32 ``words``: ``q·x``
+    (MODE 0, 2) or ``(1 + q/2**BITS)·x`` (MODE 1). MODE 2 needs the field below bit 23, or
+    (``P >= 20``) below bit 35, read from ``words >> 12``."""
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if MODE == 2:
+        if P + BITS <= 23:
+            f = ((words & (MASK << P)) | 0x3F800000).to(tl.float32, bitcast=True)
+            out = (f - 1.0) * (xv * (1 << (23 - P)))
+        else:
+            f = (((words >> 12) & (MASK << (P - 12))) | 0x3F800000).to(tl.float32, bitcast=True)
+            out = (f - 1.0) * (xv * (1 << (35 - P)))
+    else:
+        out = _code_float((words >> P) & MASK, BITS, MODE == 1) * xv
+    return out
 
 
 @triton.jit
@@ -135,7 +161,7 @@ def _finish(out, y_ptr, offs_n, N, ATOMIC: tl.constexpr):
 
 @triton.jit
 def _q4k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
-              BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr, MAGIC: tl.constexpr):
+              BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr, MODE: tl.constexpr):
     """Program (n, s): rows ``n*BLOCK_N ..`` over K tiles ``s*tiles_per_split ..``. A tile's
     128 nibble bytes are 32 words ``[chunk c, word i]``; byte ``b`` of word (c, i) holds weight
     ``64c + 4i + b`` (low nibble, group 2c) and ``64c + 32 + 4i + b`` (high nibble, group 2c+1).
@@ -163,10 +189,10 @@ def _q4k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
             xs = tl.zeros([1, 4, 8], tl.float32)
             for b in tl.static_range(4):
                 xv = tl.load(x_ptr + kt * 256 + 64 * c3 + 32 * h + 4 * i3 + b).to(tl.float32)
-                s += _code_float((words >> (8 * b + 4 * h)) & 15, 4, MAGIC) * xv
+                s += _code_x(words, 8 * b + 4 * h, 4, xv, MODE)
                 xs += xv
             sc, mn = _k4_scale_min(blk8, 2 * c2 + h)
-            ca, cb = _coefs(d * sc, dmin * mn, 4, MAGIC)
+            ca, cb = _coefs(d * sc, dmin * mn, 4, MODE == 1)
             acc += s * ca[:, :, None]
             acc_x += cb * tl.sum(xs, axis=2)
     out = tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(acc_x, axis=1)
@@ -175,7 +201,7 @@ def _q4k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
 
 @triton.jit
 def _q6k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, stride_wn,
-              BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr, MAGIC: tl.constexpr):
+              BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr, MODE: tl.constexpr):
     """Q6_K as :func:`_q4k_gemv`, over 16-bit words (``stride_wn`` in them). A tile is two
     128-weight halves ``hf``; with ``l = 2v + e`` (``v`` 0..15, ``e`` the byte of a word) and
     quarter ``t``, weight ``128hf + 32t + l`` takes its low 4 bits from ql byte ``64hf + l``
@@ -204,16 +230,17 @@ def _q6k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, stride_wn,
         d = _f16_at(blk8 + 208)
         for t in tl.static_range(4):
             src = ql_a if t % 2 == 0 else ql_b
+            # both bytes' 6-bit codes at once: byte e of q2 is the code of l = 2v + e
+            q2 = ((src >> (4 * (t // 2))) & 0x0F0F) | (((qh >> (2 * t)) & 0x0303) << 4)
             s = tl.zeros([BLOCK_N, 4, 8], tl.float32)
             xs = tl.zeros([1, 4, 8], tl.float32)
             for e in tl.static_range(2):
                 xv = tl.load(x_ptr + kt * 256 + 128 * hf3 + 32 * t + 2 * v3 + e).to(tl.float32)
-                q = ((src >> (8 * e + 4 * (t // 2))) & 15) | (((qh >> (8 * e + 2 * t)) & 3) << 4)
-                s += _code_float(q, 6, MAGIC) * xv
+                s += _code_x(q2, 8 * e, 6, xv, MODE)
                 xs += xv
             scale = tl.load(blk8 + 192 + 8 * (j2 // 2) + 2 * t + j2 % 2).to(tl.int8, bitcast=True)
             a = d * scale.to(tl.float32)
-            ca, cb = _coefs(a, 32 * a, 6, MAGIC)
+            ca, cb = _coefs(a, 32 * a, 6, MODE == 1)
             acc += s * ca[:, :, None]
             acc_x += cb * tl.sum(xs, axis=2)
     out = tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(acc_x, axis=1)
@@ -338,7 +365,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
         kern, stride = (_q4k_gemv, raw.stride(0) // 16) if qtype == Q4_K else (
             _q6k_gemv, raw.stride(0) // 2)
         kern[grid](x, raw, y, n, tiles, per_split, stride, BLOCK_N=cfg.block_n,
-                   ATOMIC=splits > 1, MAGIC=cfg.magic, num_warps=cfg.num_warps)
+                   ATOMIC=splits > 1, MODE=CODE_MODES[cfg.codes], num_warps=cfg.num_warps)
     else:
         _gemm_dot[grid](x, raw, y, m, n, tiles, per_split, x.stride(0), raw.stride(0),
                         y.stride(0), QTYPE=qtype, BLOCK_N=cfg.block_n, ATOMIC=splits > 1,

@@ -44,8 +44,8 @@ def test_dequantize_equals_gguf(qtype, kernel_device):
 def check_matmul(qtype, m: int, cfg, kernel_device, n: int = 37, k: int = 512) -> None:
     """``gguf_gemm.matmul`` under ``cfg`` against gguf.quants.dequantize and a float64 matmul
     (n not a multiple of any row tile). Tolerance: float32 products summed in another order,
-    relative to the row's ``|x|·|W|``; the per-group kernels' mantissa-bit codes (``1 + q/2**B``)
-    add the group's ``Σ x`` back, costing about one more rounding of that scale."""
+    relative to the row's ``|x|·|W|`` (the "shift" codes, ``1 + q/2**B``, take the group's ``Σ x``
+    back off, about one more rounding of that scale)."""
     raw = random_blocks(qtype, n, k, seed=100 + qtype)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m), device="cpu")
     y = gguf_gemm.matmul(x.to(kernel_device), torch.from_numpy(raw).to(kernel_device), qtype, k,
@@ -67,7 +67,8 @@ def test_file_kernel_matches_float64(qtype, m, splits, kernel_device):
 @pytest.mark.parametrize("qtype", gguf_gemv.TYPES)
 @pytest.mark.parametrize("m,cfg", [
     (1, gguf_gemv.DecodeConfig("gemv", block_n=16, split_k=1)),
-    (1, gguf_gemv.DecodeConfig("gemv", block_n=16, split_k=2, magic=False)),
+    (1, gguf_gemv.DecodeConfig("gemv", block_n=16, split_k=2, codes="i2f")),
+    (1, gguf_gemv.DecodeConfig("gemv", block_n=8, split_k=3, codes="shift")),
     (1, gguf_gemv.DecodeConfig("dot", block_n=32, split_k=2)),
     (3, gguf_gemv.DecodeConfig("gemv", block_n=16, split_k=1)),  # M > 1: the dot kernel
     (16, gguf_gemv.DecodeConfig("dot", block_n=16, split_k=2)),

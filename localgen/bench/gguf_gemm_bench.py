@@ -132,7 +132,8 @@ def sweep_configs() -> list:
 
     return [C("file", 32), C("gemv", 8, num_warps=2), C("gemv", 16, num_warps=2),
             C("gemv", 16, num_warps=4), C("gemv", 32, num_warps=4), C("gemv", 32, num_warps=8),
-            C("gemv", 16, num_warps=4, magic=False), C("gemv", 8, split_k=1, num_warps=2),
+            C("gemv", 16, num_warps=4, codes="i2f"), C("gemv", 16, num_warps=4, codes="shift"),
+            C("gemv", 8, split_k=1, num_warps=2),
             C("gemv", 16, split_k=1, num_warps=4), C("gemv", 16, programs_per_sm=8),
             C("dot", 16), C("dot", 32), C("dot", 32, num_warps=8), C("dot", 64, num_warps=8),
             C("dot", 32, split_k=1), C("dot", 32, programs_per_sm=8)]
@@ -140,8 +141,8 @@ def sweep_configs() -> list:
 
 def label(cfg) -> str:
     split = f"sk{cfg.split_k}" if cfg.split_k else f"auto{cfg.programs_per_sm}/SM"
-    magic = " i2f" if cfg.kernel == "gemv" and not cfg.magic else ""
-    return f"{cfg.kernel} bn{cfg.block_n} w{cfg.num_warps} {split}{magic}"
+    codes = f" {cfg.codes}" if cfg.kernel == "gemv" else ""
+    return f"{cfg.kernel} bn{cfg.block_n} w{cfg.num_warps} {split}{codes}"
 
 
 def _time_or_once(fns, dev) -> float:
