@@ -46,7 +46,7 @@ class DecodeConfig:
     (``gguf_gemm``'s kernel over the file's blocks, dequantizing each weight); ``block_n``:
     output rows a program; ``split_k``: K slices (0: enough for ``programs_per_sm`` programs on
     every multiprocessor); ``num_warps``; ``codes``: how the gemv kernels turn codes into floats
-    (``CODE_MODES``)."""
+    (``CODE_MODES``); ``blocks_per_step``: blocks of each row a gemv loop step loads (1, 2, 4)."""
 
     kernel: str = "gemv"
     block_n: int = 16
@@ -54,6 +54,7 @@ class DecodeConfig:
     num_warps: int = 4
     codes: str = "mask"
     programs_per_sm: int = 4
+    blocks_per_step: int = 1
 
 
 # gemv code-to-float modes (the MODE constexpr): "i2f" converts the integer; "shift" moves the
@@ -160,35 +161,51 @@ def _finish(out, y_ptr, offs_n, N, ATOMIC: tl.constexpr):
 # ---- M = 1 ----
 
 @triton.jit
+def _slots(pid_n, pid_k, N, num_tiles, tiles_per_split, BLOCK_N: tl.constexpr,
+           KB: tl.constexpr):
+    """Output rows of the program, and its loop bounds and slot grid: a loop step reads ``KB``
+    consecutive blocks of every row, as ``4·KB`` slots ``j`` of 8 words (block ``j // 4`` of the
+    step, part ``j % 4`` of it), so that ``KB`` blocks' loads are in flight at once."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kt0 = pid_k * tiles_per_split
+    end = tl.minimum(kt0 + tiles_per_split, num_tiles)
+    j2 = tl.arange(0, 4 * KB)[None, :]
+    return offs_n, kt0, end, j2
+
+
+@triton.jit
 def _q4k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
-              BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr, MODE: tl.constexpr):
+              BLOCK_N: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr,
+              MODE: tl.constexpr):
     """Program (n, s): rows ``n*BLOCK_N ..`` over K tiles ``s*tiles_per_split ..``. A tile's
     128 nibble bytes are 32 words ``[chunk c, word i]``; byte ``b`` of word (c, i) holds weight
     ``64c + 4i + b`` (low nibble, group 2c) and ``64c + 32 + 4i + b`` (high nibble, group 2c+1).
     ``row_16b``: the row stride in 16-byte units (a row is whole 144-byte blocks), so that the
-    compiler knows every tile's words start 16-byte aligned and loads them four at a time."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    compiler knows every tile's words start 16-byte aligned and loads them four at a time.
+    Blocks past the slice are read from its last block with their activations masked to 0."""
+    offs_n, kt0, end, j2 = _slots(tl.program_id(0), tl.program_id(1), N, num_tiles,
+                                  tiles_per_split, BLOCK_N, KB)
     rows = (w_ptr.to(tl.pointer_type(tl.int32))
-            + tl.minimum(offs_n, N - 1).to(tl.int64) * (row_16b * 4))
-    c2 = tl.arange(0, 4)[None, :]
+            + tl.minimum(offs_n, N - 1).to(tl.int64) * (row_16b * 4))[:, None]
+    c2 = j2 % 4
     c3 = c2[:, :, None]
     i3 = tl.arange(0, 8)[None, None, :]
-    acc = tl.zeros([BLOCK_N, 4, 8], tl.float32)
-    acc_x = tl.zeros([BLOCK_N, 4], tl.float32)
-    kt0 = pid_k * tiles_per_split
-    for kt in range(kt0, tl.minimum(kt0 + tiles_per_split, num_tiles)):
-        blk = rows + kt * 36
-        words = tl.load(blk[:, None, None] + 4 + 8 * c3 + i3)
-        blk8 = blk.to(tl.pointer_type(tl.uint8))[:, None]
+    acc = tl.zeros([BLOCK_N, 4 * KB, 8], tl.float32)
+    acc_x = tl.zeros([BLOCK_N, 4 * KB], tl.float32)
+    for kt in range(kt0, end, KB):
+        kb2 = kt + j2 // 4
+        blk = rows + tl.minimum(kb2, end - 1) * 36
+        words = tl.load(blk[:, :, None] + 4 + 8 * c3 + i3)
+        blk8 = blk.to(tl.pointer_type(tl.uint8))
         d = _f16_at(blk8)
         dmin = _f16_at(blk8 + 2)
+        x_tile = x_ptr + (kb2 * 256 + 64 * c2)[:, :, None] + 4 * i3
+        live = (kb2 < end)[:, :, None]
         for h in tl.static_range(2):
-            s = tl.zeros([BLOCK_N, 4, 8], tl.float32)
-            xs = tl.zeros([1, 4, 8], tl.float32)
+            s = tl.zeros([BLOCK_N, 4 * KB, 8], tl.float32)
+            xs = tl.zeros([1, 4 * KB, 8], tl.float32)
             for b in tl.static_range(4):
-                xv = tl.load(x_ptr + kt * 256 + 64 * c3 + 32 * h + 4 * i3 + b).to(tl.float32)
+                xv = tl.load(x_tile + 32 * h + b, mask=live, other=0.0).to(tl.float32)
                 s += _code_x(words, 8 * b + 4 * h, 4, xv, MODE)
                 xs += xv
             sc, mn = _k4_scale_min(blk8, 2 * c2 + h)
@@ -201,44 +218,46 @@ def _q4k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
 
 @triton.jit
 def _q6k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, stride_wn,
-              BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr, MODE: tl.constexpr):
+              BLOCK_N: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr,
+              MODE: tl.constexpr):
     """Q6_K as :func:`_q4k_gemv`, over 16-bit words (``stride_wn`` in them). A tile is two
     128-weight halves ``hf``; with ``l = 2v + e`` (``v`` 0..15, ``e`` the byte of a word) and
     quarter ``t``, weight ``128hf + 32t + l`` takes its low 4 bits from ql byte ``64hf + l``
     (t = 0, 2) or ``64hf + 32 + l`` (t = 1, 3), nibble ``t // 2``, its high 2 bits from qh byte
-    ``128 + 32hf + l`` at bit ``2t``, and scale ``8hf + 2t + l // 16``. The word grid is
-    ``[j = 2hf + v // 8, v % 8]``, so a grid row shares one scale per quarter."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = w_ptr.to(tl.pointer_type(tl.int16)) + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
-    j2 = tl.arange(0, 4)[None, :]
-    j3 = j2[:, :, None]
-    vl3 = tl.arange(0, 8)[None, None, :]
-    hf3 = j3 // 2
-    v3 = 8 * (j3 % 2) + vl3
-    acc = tl.zeros([BLOCK_N, 4, 8], tl.float32)
-    acc_x = tl.zeros([BLOCK_N, 4], tl.float32)
-    kt0 = pid_k * tiles_per_split
-    for kt in range(kt0, tl.minimum(kt0 + tiles_per_split, num_tiles)):
-        blk = rows + kt * 105
-        w3 = blk[:, None, None] + 32 * hf3 + v3
+    ``128 + 32hf + l`` at bit ``2t``, and scale ``8hf + 2t + l // 16``. A block's part
+    ``p = j % 4`` is ``hf = p // 2``, ``v = 8(p % 2) + 0..7``, so a slot shares one scale per
+    quarter."""
+    offs_n, kt0, end, j2 = _slots(tl.program_id(0), tl.program_id(1), N, num_tiles,
+                                  tiles_per_split, BLOCK_N, KB)
+    rows = (w_ptr.to(tl.pointer_type(tl.int16))
+            + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn)[:, None]
+    p2 = j2 % 4
+    hf3 = (p2 // 2)[:, :, None]
+    v3 = 8 * (p2 % 2)[:, :, None] + tl.arange(0, 8)[None, None, :]
+    acc = tl.zeros([BLOCK_N, 4 * KB, 8], tl.float32)
+    acc_x = tl.zeros([BLOCK_N, 4 * KB], tl.float32)
+    for kt in range(kt0, end, KB):
+        kb2 = kt + j2 // 4
+        blk = rows + tl.minimum(kb2, end - 1) * 105
+        w3 = blk[:, :, None] + 32 * hf3 + v3
         ql_a = tl.load(w3).to(tl.int32)
         ql_b = tl.load(w3 + 16).to(tl.int32)
         qh = tl.load(w3 + 64 - 16 * hf3).to(tl.int32)
-        blk8 = blk.to(tl.pointer_type(tl.uint8))[:, None]
+        blk8 = blk.to(tl.pointer_type(tl.uint8))
         d = _f16_at(blk8 + 208)
+        x_tile = x_ptr + (kb2 * 256)[:, :, None] + 128 * hf3 + 2 * v3
+        live = (kb2 < end)[:, :, None]
         for t in tl.static_range(4):
             src = ql_a if t % 2 == 0 else ql_b
             # both bytes' 6-bit codes at once: byte e of q2 is the code of l = 2v + e
             q2 = ((src >> (4 * (t // 2))) & 0x0F0F) | (((qh >> (2 * t)) & 0x0303) << 4)
-            s = tl.zeros([BLOCK_N, 4, 8], tl.float32)
-            xs = tl.zeros([1, 4, 8], tl.float32)
+            s = tl.zeros([BLOCK_N, 4 * KB, 8], tl.float32)
+            xs = tl.zeros([1, 4 * KB, 8], tl.float32)
             for e in tl.static_range(2):
-                xv = tl.load(x_ptr + kt * 256 + 128 * hf3 + 32 * t + 2 * v3 + e).to(tl.float32)
+                xv = tl.load(x_tile + 32 * t + e, mask=live, other=0.0).to(tl.float32)
                 s += _code_x(q2, 8 * e, 6, xv, MODE)
                 xs += xv
-            scale = tl.load(blk8 + 192 + 8 * (j2 // 2) + 2 * t + j2 % 2).to(tl.int8, bitcast=True)
+            scale = tl.load(blk8 + 192 + 8 * (p2 // 2) + 2 * t + p2 % 2).to(tl.int8, bitcast=True)
             a = d * scale.to(tl.float32)
             ca, cb = _coefs(a, 32 * a, 6, MODE == 1)
             acc += s * ca[:, :, None]
@@ -365,7 +384,8 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
         kern, stride = (_q4k_gemv, raw.stride(0) // 16) if qtype == Q4_K else (
             _q6k_gemv, raw.stride(0) // 2)
         kern[grid](x, raw, y, n, tiles, per_split, stride, BLOCK_N=cfg.block_n,
-                   ATOMIC=splits > 1, MODE=CODE_MODES[cfg.codes], num_warps=cfg.num_warps)
+                   KB=cfg.blocks_per_step, ATOMIC=splits > 1, MODE=CODE_MODES[cfg.codes],
+                   num_warps=cfg.num_warps)
     else:
         _gemm_dot[grid](x, raw, y, m, n, tiles, per_split, x.stride(0), raw.stride(0),
                         y.stride(0), QTYPE=qtype, BLOCK_N=cfg.block_n, ATOMIC=splits > 1,

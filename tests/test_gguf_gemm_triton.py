@@ -78,6 +78,17 @@ def test_group_kernels_match_float64(qtype, m, cfg, kernel_device):
     check_matmul(qtype, m, cfg, kernel_device)
 
 
+@pytest.mark.parametrize("qtype", gguf_gemv.TYPES)
+@pytest.mark.parametrize("cfg", [
+    gguf_gemv.DecodeConfig("gemv", block_n=16, split_k=1, blocks_per_step=2),
+    gguf_gemv.DecodeConfig("gemv", block_n=8, split_k=2, blocks_per_step=4, codes="shift"),
+])
+def test_gemv_blocks_per_step(qtype, cfg, kernel_device):
+    """Several blocks a loop step over 3 tiles a row: a step past the slice's end reads its last
+    block again, with those activations masked to 0."""
+    check_matmul(qtype, 1, cfg, kernel_device, k=768)
+
+
 @pytest.mark.parametrize("qtype", sorted(gguf_gemm.BLOCK_BYTES))
 def test_default_decode_path_matches_float64(qtype, kernel_device):
     """What ``PackedGGUFWeight`` calls: no config, M = 1."""

@@ -130,18 +130,23 @@ def sweep_configs() -> list:
     """The configs ``--sweep`` times (gemv ones at M = 1 only: at M > 1 they run ``dot``)."""
     from localgen.kernels.gguf_gemv import DecodeConfig as C
 
-    return [C("file", 32), C("gemv", 8, num_warps=2), C("gemv", 16, num_warps=2),
-            C("gemv", 16, num_warps=4), C("gemv", 32, num_warps=4), C("gemv", 32, num_warps=8),
+    return [C("file", 32),
+            C("gemv", 16, num_warps=4), C("gemv", 16, num_warps=2), C("gemv", 32, num_warps=4),
             C("gemv", 16, num_warps=4, codes="i2f"), C("gemv", 16, num_warps=4, codes="shift"),
-            C("gemv", 8, split_k=1, num_warps=2),
-            C("gemv", 16, split_k=1, num_warps=4), C("gemv", 16, programs_per_sm=8),
+            C("gemv", 8, split_k=1, num_warps=1, blocks_per_step=2),
+            C("gemv", 8, split_k=1, num_warps=2, blocks_per_step=2),
+            C("gemv", 16, split_k=1, num_warps=2, blocks_per_step=2),
+            C("gemv", 16, split_k=1, num_warps=4, blocks_per_step=4),
+            C("gemv", 8, split_k=1, num_warps=1, blocks_per_step=4),
+            C("gemv", 16, num_warps=2, programs_per_sm=8, blocks_per_step=2),
+            C("gemv", 32, num_warps=4, blocks_per_step=2),
             C("dot", 16), C("dot", 32), C("dot", 32, num_warps=8), C("dot", 64, num_warps=8),
             C("dot", 32, split_k=1), C("dot", 32, programs_per_sm=8)]
 
 
 def label(cfg) -> str:
     split = f"sk{cfg.split_k}" if cfg.split_k else f"auto{cfg.programs_per_sm}/SM"
-    codes = f" {cfg.codes}" if cfg.kernel == "gemv" else ""
+    codes = f" kb{cfg.blocks_per_step} {cfg.codes}" if cfg.kernel == "gemv" else ""
     return f"{cfg.kernel} bn{cfg.block_n} w{cfg.num_warps} {split}{codes}"
 
 
