@@ -51,6 +51,12 @@ def cache_key(gguf_path: str | os.PathLike) -> str:
     return hashlib.sha256(ident.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
+def cache_entry(gguf_path: str | os.PathLike, root: str | os.PathLike | None = None) -> Path:
+    """The folder holding ``gguf_path``'s converted tokenizer under ``root`` (default
+    ``cache_root()``), whether or not it exists yet. Raises OSError as `cache_key` does."""
+    return Path(root if root is not None else cache_root()) / "tokenizers" / cache_key(gguf_path)
+
+
 def cached_gguf_tokenizer(gguf_path: str | os.PathLike, convert: Callable[[], Any],
                           root: str | os.PathLike | None = None) -> Any:
     """The tokenizer of ``gguf_path``: read from the cache when this file's entry exists, else
@@ -58,7 +64,7 @@ def cached_gguf_tokenizer(gguf_path: str | os.PathLike, convert: Callable[[], An
 
     ``root`` defaults to ``cache_root()``. A damaged cache entry is removed and converted again;
     an unwritable cache logs a warning and returns the converted tokenizer."""
-    entry = Path(root if root is not None else cache_root()) / "tokenizers" / cache_key(gguf_path)
+    entry = cache_entry(gguf_path, root)
     if (entry / TOKENIZER_FILE).is_file():
         try:
             return load_saved(entry)
