@@ -295,10 +295,13 @@ def _group_codes(blk8, G: tl.constexpr, QTYPE: tl.constexpr):
 @triton.jit
 def _gemm_dot(x_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_xm, stride_wn,
               stride_ym, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr,
-              DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+              DOT_DTYPE: tl.constexpr, CODE_BITS: tl.constexpr, CODE_OFF: tl.constexpr):
     """Program (n, s) of ``[16, BLOCK_N]`` outputs over K tiles ``s*tiles_per_split ..``: per
-    group, ``P = x_g · q_gᵀ`` by ``tl.dot`` on the bare codes (exact in bf16/fp16), then
-    ``acc += P·a - (Σ x_g)·b``."""
+    group, ``P = x_g · f_gᵀ`` by ``tl.dot``, then ``acc += P·a - (Σ x_g)·(b + CODE_OFF·a)``.
+    The codes enter the dot as ``f = CODE_OFF + q``: for bf16 (fp16) activations the code ORed
+    under the exponent of 128 (1024), ``CODE_BITS`` 0x4300 (0x6400), exact and without an
+    int-to-float conversion; for float32 activations (``CODE_BITS`` 0) ``q`` itself, and the
+    dot in IEEE float32 (no TF32 rounding)."""
     GS: tl.constexpr = 32 if QTYPE == 12 else 16
     BB: tl.constexpr = 144 if QTYPE == 12 else 210
     pid_n = tl.program_id(0)
@@ -315,14 +318,13 @@ def _gemm_dot(x_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_xm, 
         for g in tl.static_range(256 // GS):
             x = tl.load(x_rows + kt * 256 + GS * g, mask=m_mask, other=0.0)
             q, a, b = _group_codes(blk8, g, QTYPE)
-            # through float32: the Triton interpreter turns int32 into bf16 bits, not values
-            qf = q.to(tl.float32)
-            if IEEE:  # float32 activations: no TF32 rounding
-                p = tl.dot(x, tl.trans(qf), input_precision="ieee")
+            if CODE_BITS == 0:
+                p = tl.dot(x, tl.trans(q.to(tl.float32)), input_precision="ieee")
             else:
-                p = tl.dot(x.to(DOT_DTYPE), tl.trans(qf.to(DOT_DTYPE)))
+                f = (q | CODE_BITS).to(tl.int16).to(DOT_DTYPE, bitcast=True)
+                p = tl.dot(x.to(DOT_DTYPE), tl.trans(f))
             xsum = tl.sum(x.to(tl.float32), axis=1)
-            acc += p * a[None, :] - xsum[:, None] * b[None, :]
+            acc += p * a[None, :] - xsum[:, None] * (b + CODE_OFF * a)[None, :]
     y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     mask = m_mask & (offs_n < N)[None, :]
     if not ATOMIC:
@@ -357,8 +359,9 @@ def split_output(cfg: DecodeConfig, x: torch.Tensor, n: int, n_programs: int,
     return splits, per_split, y
 
 
-def _dot_dtype(dtype: torch.dtype):
-    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}.get(dtype, tl.float16)
+# activation dtype -> (dot operand dtype, CODE_BITS, CODE_OFF) of ``_gemm_dot``
+_DOT_CODES = {torch.float32: (tl.float32, 0, 0.0), torch.bfloat16: (tl.bfloat16, 0x4300, 128.0),
+              torch.float16: (tl.float16, 0x6400, 1024.0)}
 
 
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
@@ -372,6 +375,8 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     if qtype not in TYPES or not 1 <= m <= MAX_M:
         raise ValueError(f"gguf_gemv serves Q4_K/Q6_K (12, 14) at 1 <= M <= {MAX_M}, "
                          f"got type {qtype}, M={m}")
+    if x.dtype not in _DOT_CODES:
+        raise ValueError(f"gguf_gemv takes float32/bf16/fp16 activations, got {x.dtype}")
     cfg = cfg or default_config(qtype, m)
     if cfg.kernel == "file":
         raise ValueError("a file-layout config runs through gguf_gemm.matmul")
@@ -387,8 +392,9 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
                    KB=cfg.blocks_per_step, ATOMIC=splits > 1, MODE=CODE_MODES[cfg.codes],
                    num_warps=cfg.num_warps)
     else:
+        dot, code_bits, code_off = _DOT_CODES[x.dtype]
         _gemm_dot[grid](x, raw, y, m, n, tiles, per_split, x.stride(0), raw.stride(0),
                         y.stride(0), QTYPE=qtype, BLOCK_N=cfg.block_n, ATOMIC=splits > 1,
-                        DOT_DTYPE=_dot_dtype(x.dtype), IEEE=x.dtype == torch.float32,
+                        DOT_DTYPE=dot, CODE_BITS=code_bits, CODE_OFF=code_off,
                         num_warps=cfg.num_warps)
     return y.to(x.dtype)
