@@ -146,20 +146,20 @@ def test_tiles_chunks_and_threads_give_the_same_bits(qtype, seed, monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("qtype", [t for t in TYPES if GGML_QUANT_SIZES[t][0] == 32],
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_one_activation_row_gives_the_same_bits_whatever_the_chunks(qtype, seed, monkeypatch):
     """A decode step's single activation row: the kernel that takes four weight rows a visit
     and the one-row kernel (a chunk's last rows; one-row chunks send every row there) give each
     output the same bits, so a row's value does not depend on the thread split."""
+    k = 576 if GGML_QUANT_SIZES[qtype][0] == 32 else 768
     rng = np.random.default_rng(seed)
-    raw = random_blocks(qtype, N, 576, rng)
-    x = torch.from_numpy(rng.standard_normal((1, 576), dtype=np.float32))
-    want = gguf_cpu.matmul(x, raw, qtype, 576)
+    raw = random_blocks(qtype, N, k, rng)
+    x = torch.from_numpy(rng.standard_normal((1, k), dtype=np.float32))
+    want = gguf_cpu.matmul(x, raw, qtype, k)
     monkeypatch.setattr(gguf_cpu, "W_CHUNK_BYTES", 1)
-    assert gguf_cpu._plan(1, N, 576, qtype, raw.shape[1], 1024)[2] == 1
-    assert torch.equal(gguf_cpu.matmul(x, raw, qtype, 576), want)
-    check(qtype, 1, 576, seed)
+    assert gguf_cpu._plan(1, N, k, qtype, raw.shape[1], 1024)[2] == 1
+    assert torch.equal(gguf_cpu.matmul(x, raw, qtype, k), want)
+    check(qtype, 1, k, seed)
 
 
 @needs_kernel

@@ -179,14 +179,32 @@ static void quant_row256(const float *x, int64_t k, uint8_t *out) {
 
 /* ---- Scalar block decoding (the reference layouts; also the non-AVX2 path) ----------------- */
 
+/* Q4_K / Q5_K: the 12 packed bytes as 4 words of six-bit values, one per byte: scales 0..3,
+ * scales 4..7, mins 0..3, mins 4..7. */
+static inline void k4_words(const uint8_t *p, uint32_t v[4]) {
+    const uint32_t u0 = rd32(p), u1 = rd32(p + 4), u2 = rd32(p + 8);
+    v[0] = u0 & 0x3f3f3f3fu;
+    v[1] = (u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u);
+    v[2] = u1 & 0x3f3f3f3fu;
+    v[3] = ((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u);
+}
+
 /* Q4_K / Q5_K: 8 six-bit scales and mins from the 12 packed bytes. */
 static void k4_scales(const uint8_t *p, uint8_t *sc, uint8_t *mn) {
-    const uint32_t u0 = rd32(p), u1 = rd32(p + 4), u2 = rd32(p + 8);
-    const uint32_t v[4] = {u0 & 0x3f3f3f3fu, (u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u),
-                           u1 & 0x3f3f3f3fu, ((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u)};
+    uint32_t v[4];
+    k4_words(p, v);
     memcpy(sc, &v[0], 8);
     memcpy(mn, &v[2], 8);
 }
+
+#ifdef LG_AVX2
+/* k4_scales in a register (no trip through memory): bytes 0..7 the scales, 8..15 the mins. */
+static inline __m128i k4_scales_mins(const uint8_t *p) {
+    uint32_t v[4];
+    k4_words(p, v);
+    return _mm_setr_epi32((int)v[0], (int)v[1], (int)v[2], (int)v[3]);
+}
+#endif
 
 /* Q3_K: 16 six-bit scales (stored + 32) from the 12 packed bytes, as int8 minus 32. */
 static void k3_scales(const uint8_t *p, int8_t *sc) {
@@ -355,8 +373,12 @@ AI __m256i nibbles16(const uint8_t *p) {
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(15));
 }
 
-/* Bit j of a 32-bit word -> byte j = 0x10 or 0. */
+/* Bit j of a 32-bit word -> byte j = 0x10 or 0 (AVX512BW + VL: the word is the byte mask of one
+ * masked move; AVX2: broadcast, shuffle each byte's word byte into place, test its bit). */
 AI __m256i bits_to_0x10(uint32_t bits) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(0x10));
+#endif
     const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
                                                _mm256_setr_epi64x(0, 0x0101010101010101LL,
                                                                   0x0202020202020202LL,
@@ -491,21 +513,6 @@ ROWS32_W4(T_Q5_1, w4_q5_1)
 ROWS32_W4(T_Q8_0, w4_q8_0)
 ROWS32_W4(T_IQ4_NL, w4_iq4_nl)
 
-typedef void (*w4_fn)(const uint8_t *, int64_t, const uint8_t *, int64_t, float *);
-
-/* The four-row kernel for type t, or NULL where t has none. */
-static w4_fn w4_kernel(int t) {
-    switch (t) {
-    case T_Q4_0: return w4_q4_0;
-    case T_Q4_1: return w4_q4_1;
-    case T_Q5_0: return w4_q5_0;
-    case T_Q5_1: return w4_q5_1;
-    case T_Q8_0: return w4_q8_0;
-    case T_IQ4_NL: return w4_iq4_nl;
-    default: return NULL;
-    }
-}
-
 /* int16 element i of each 128-bit lane of v, broadcast over the lane (lanes may differ). */
 AI __m256i pick16(__m256i v, int i_lo, int i_hi) {
     const __m128i lo = _mm_set1_epi16((short)((2 * i_lo) | ((2 * i_lo + 1) << 8)));
@@ -542,60 +549,87 @@ AI void k32_pair_codes(const int t, const uint8_t *qs, __m256i *qh, const __m256
     *hi = h;
 }
 
-/* Q4_K, Q5_K, IQ4_XS: one scale per 32 values. For each 64 values c, the block's bytes give two
- * sub-blocks (2c, 2c+1) of codes; each row adds sc * (codes . q) in int32, then once per block
- * d dx (that sum) - dmin dx (mins . sums of q per 32). */
-AI void rows_k32(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int64_t k, float *y,
-                 int64_t ys, const int nx) {
-    const int bb = block_bytes(t), five = t == T_Q5_K, iq = t == T_IQ4_XS;
-    const int64_t nb = k / 256;
-    const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES));
-    __m256 acc[4], accm[4]; /* accm: the minimums' term, a chain of its own */
-    for (int j = 0; j < nx; j++) acc[j] = accm[j] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * bb;
-        const float d = h2f(blk), dmin = iq ? 0.0f : h2f(blk + 2);
-        uint8_t sc[8], mn[8];
-        if (iq) xs_scales(blk + 2, (int8_t *)sc); else k4_scales(blk + 4, sc, mn);
-        /* scales as int16 in both lanes (signed for IQ4_XS, unsigned otherwise) */
-        const __m128i sc8 = _mm_loadl_epi64((const __m128i *)sc);
-        const __m256i sc16 = _mm256_broadcastsi128_si256(iq ? _mm_cvtepi8_epi16(sc8) : _mm_cvtepu8_epi16(sc8));
-        const uint8_t *qs = blk + (iq ? 8 : 16 + 32 * five);
-        __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
-        __m256i isum[4];
-        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
-        for (int c = 0; c < 4; c++) {
-            __m256i lo, hi;
-            k32_pair_codes(t, qs + 32 * c, &qh, kv, &lo, &hi);
-            const __m256i ulo = iq ? _mm256_abs_epi8(lo) : lo, uhi = iq ? _mm256_abs_epi8(hi) : hi;
-            const __m256i s_lo = pick16(sc16, 2 * c, 2 * c), s_hi = pick16(sc16, 2 * c + 1, 2 * c + 1);
-            for (int j = 0; j < nx; j++) {
-                const int8_t *xq = (const int8_t *)(x + j * xs) + 256 * b + 64 * c;
-                __m256i x0 = _mm256_loadu_si256((const __m256i *)xq);
-                __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 32));
-                if (iq) {
-                    x0 = _mm256_sign_epi8(x0, lo);
-                    x1 = _mm256_sign_epi8(x1, hi);
-                }
-                const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(ulo, x0), s_lo);
-                const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(uhi, x1), s_hi);
-                isum[j] = _mm256_add_epi32(isum[j], _mm256_add_epi32(p0, p1));
-            }
-        }
-        const __m128i mn16 = iq ? _mm_setzero_si128() : _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
-        for (int j = 0; j < nx; j++) {
-            const uint8_t *xr = x + j * xs;
-            const float dx = ((const float *)(xr + k))[b];
-            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(isum[j]), acc[j]);
-            if (!iq) {
-                const int16_t *bs = (const int16_t *)(xr + k + 4 * nb) + 16 * b;
-                const __m128i s32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs),
-                                                   _mm_loadu_si128((const __m128i *)(bs + 8)));
-                accm[j] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * dx), low4_ps(_mm_madd_epi16(s32, mn16)), accm[j]);
-            }
-        }
+/* y[0..3] = hsum of each acc[r] - accm[r] (the 4-way horizontal add of hsum4_ps). */
+AI void store4(const __m256 acc[4], const __m256 accm[4], float *y) {
+    const __m256 v[4] = {_mm256_sub_ps(acc[0], accm[0]), _mm256_sub_ps(acc[1], accm[1]),
+                         _mm256_sub_ps(acc[2], accm[2]), _mm256_sub_ps(acc[3], accm[3])};
+    _mm_storeu_ps(y, hsum4_ps(v));
+}
+
+/* The end of a K-quant row sweep over nw weight rows (1 or 4): y[0..nw-1]. One row goes through
+ * the four-row horizontal add as four copies, so a row's bits do not depend on which kernel took
+ * it. */
+AI void store_rows(const __m256 acc[4], const __m256 accm[4], float *y, const int nw) {
+    if (nw == 4) {
+        store4(acc, accm, y);
+        return;
     }
-    for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(_mm256_sub_ps(acc[j], accm[j]));
+    const __m256 a[4] = {acc[0], acc[0], acc[0], acc[0]}, m[4] = {accm[0], accm[0], accm[0], accm[0]};
+    float out[4];
+    store4(a, m, out);
+    y[0] = out[0];
+}
+
+/* Q4_K, Q5_K, IQ4_XS, block b of one weight row against activation row x: for each 64 values
+ * c, the block's bytes give two sub-blocks (2c, 2c+1) of codes; the row adds sc * (codes . q) in
+ * int32, then d dx (that sum) to *acc and dmin dx (mins . sums of q per 32) to *accm. */
+AI void k32_block(const int t, const uint8_t *blk, const uint8_t *x, int64_t k, int64_t b,
+                  __m256 *acc, __m256 *accm) {
+    const int five = t == T_Q5_K, iq = t == T_IQ4_XS;
+    const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES));
+    const float dx = ((const float *)(x + k))[b];
+    const int8_t *xq = (const int8_t *)x + 256 * b;
+    const float d = h2f(blk), dmin = iq ? 0.0f : h2f(blk + 2);
+    /* scales as int16 (signed for IQ4_XS, unsigned otherwise), the minimums the same */
+    __m128i sc8, mn16 = _mm_setzero_si128();
+    if (iq) {
+        int8_t sc[8];
+        xs_scales(blk + 2, sc);
+        sc8 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)sc));
+    } else {
+        const __m128i sm = k4_scales_mins(blk + 4);
+        sc8 = _mm_cvtepu8_epi16(sm);
+        mn16 = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
+    }
+    const __m256i sc16 = _mm256_broadcastsi128_si256(sc8);
+    const uint8_t *qs = blk + (iq ? 8 : 16 + 32 * five);
+    __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+    __m256i isum = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        __m256i lo, hi;
+        k32_pair_codes(t, qs + 32 * c, &qh, kv, &lo, &hi);
+        const __m256i ulo = iq ? _mm256_abs_epi8(lo) : lo, uhi = iq ? _mm256_abs_epi8(hi) : hi;
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 64 * c));
+        __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 64 * c + 32));
+        if (iq) {
+            x0 = _mm256_sign_epi8(x0, lo);
+            x1 = _mm256_sign_epi8(x1, hi);
+        }
+        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(ulo, x0), pick16(sc16, 2 * c, 2 * c));
+        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(uhi, x1), pick16(sc16, 2 * c + 1, 2 * c + 1));
+        isum = _mm256_add_epi32(isum, _mm256_add_epi32(p0, p1));
+    }
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(isum), *acc);
+    if (!iq) {
+        const int16_t *bs = (const int16_t *)(x + k + 4 * (k / 256)) + 16 * b;
+        const __m128i s32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs),
+                                           _mm_loadu_si128((const __m128i *)(bs + 8)));
+        *accm = _mm256_fmadd_ps(_mm256_set1_ps(dmin * dx), low4_ps(_mm_madd_epi16(s32, mn16)), *accm);
+    }
+}
+
+/* Q4_K, Q5_K, IQ4_XS (one scale per 32 values): nw weight rows (1, or 4 at ws bytes apart: the
+ * decode step's case) against one activation row x, each row read front to back (one sequential
+ * stream) into its own accumulators, and one horizontal add ends the four. */
+AI void rows_k32(const int t, const uint8_t *w, int64_t ws, const uint8_t *x, int64_t k, float *y,
+                 const int nw) {
+    const int bb = block_bytes(t);
+    __m256 acc[4], accm[4]; /* accm: the minimums' term, a chain of its own */
+    for (int r = 0; r < nw; r++) {
+        acc[r] = accm[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < k / 256; b++) k32_block(t, w + r * ws + b * bb, x, k, b, &acc[r], &accm[r]);
+    }
+    store_rows(acc, accm, y, nw);
 }
 
 /* The codes of half h of a Q2_K, Q3_K or Q6_K block as unsigned bytes, group s (values
@@ -624,66 +658,96 @@ AI void k16_half_codes(const int t, const uint8_t *blk, const int h, __m256i *hm
     }
 }
 
-/* Q2_K, Q3_K, Q6_K: one scale per 16 values. The block is two halves h of four 32-value groups
- * s (value 128 h + 32 s + l); a group's low 16 values take scale 8h + 2s, its high 16 the next.
- * Codes are unsigned (Q3_K: 0..7 meaning -4..3, Q6_K: 0..63 meaning -32..31, Q2_K: 0..3 with a
- * minimum); the offset or minimum comes off through the sums of q per 16. */
-AI void rows_k16(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int64_t k, float *y,
-                 int64_t ys, const int nx) {
-    const int bb = block_bytes(t);
-    const int64_t nb = k / 256;
-    __m256 acc[4], accm[4]; /* accm: the minimums' term, a chain of its own */
-    for (int j = 0; j < nx; j++) acc[j] = accm[j] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * bb;
-        float d, dmin = 0.0f;
-        __m128i sc8, mn8 = _mm_setzero_si128(); /* 16 scales (int8), 16 minimums (Q2_K) */
-        if (t == T_Q2_K) {
-            const __m128i raw = _mm_loadu_si128((const __m128i *)blk);
-            sc8 = _mm_and_si128(raw, _mm_set1_epi8(15));
-            mn8 = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15));
-            d = h2f(blk + 80);
-            dmin = h2f(blk + 82);
-        } else if (t == T_Q3_K) {
-            int8_t s[16];
-            k3_scales(blk + 96, s);
-            sc8 = _mm_loadu_si128((const __m128i *)s);
-            d = h2f(blk + 108);
-        } else {
-            sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
-            d = h2f(blk + 208);
-        }
-        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8); /* scale i at int16 i */
-        __m256i hm = t == T_Q3_K ? _mm256_loadu_si256((const __m256i *)blk) : _mm256_setzero_si256();
-        __m256i isum[4];
-        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
-        for (int h = 0; h < 2; h++) {
-            const __m256i sch = _mm256_permute4x64_epi64(sc16, h ? 0xEE : 0x44); /* scales 8h.. in both lanes */
-            __m256i g[4];
-            k16_half_codes(t, blk, h, &hm, g);
-            for (int s = 0; s < 4; s++) {
-                const __m256i scs = pick16(sch, 2 * s, 2 * s + 1);
-                for (int j = 0; j < nx; j++) {
-                    const int8_t *xq = (const int8_t *)(x + j * xs) + 256 * b + 128 * h + 32 * s;
-                    const __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
-                    isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(_mm256_maddubs_epi16(g[s], xv), scs));
-                }
-            }
-        }
-        const __m256i mn16 = _mm256_cvtepu8_epi16(mn8);
-        const int offs = t == T_Q6_K ? 5 : 2; /* offsets 32 and 4, as shifts */
-        for (int j = 0; j < nx; j++) {
-            const uint8_t *xr = x + j * xs;
-            const float dx = ((const float *)(xr + k))[b];
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)((const int16_t *)(xr + k + 4 * nb) + 16 * b));
-            __m256i is = isum[j];
-            if (t != T_Q2_K) is = _mm256_sub_epi32(is, _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), offs));
-            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(is), acc[j]);
-            if (t == T_Q2_K)
-                accm[j] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * dx), _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mn16)), accm[j]);
+/* Q2_K, Q3_K, Q6_K, block b of one weight row against activation row x. The block is two
+ * halves h of four 32-value groups s (value 128 h + 32 s + l); a group's low 16 values take
+ * scale 8h + 2s, its high 16 the next. Codes are unsigned (Q3_K: 0..7 meaning -4..3, Q6_K: 0..63
+ * meaning -32..31, Q2_K: 0..3 with a minimum); the offset comes off the int32 sum and the
+ * minimum (to *accm) through the sums of q per 16. */
+AI void k16_block(const int t, const uint8_t *blk, const uint8_t *x, int64_t k, int64_t b,
+                  __m256 *acc, __m256 *accm) {
+    const float dx = ((const float *)(x + k))[b];
+    const int8_t *xq = (const int8_t *)x + 256 * b;
+    const __m256i bs = _mm256_loadu_si256((const __m256i *)((const int16_t *)(x + k + 4 * (k / 256)) + 16 * b));
+    float d, dmin = 0.0f;
+    __m128i sc8, mn8 = _mm_setzero_si128(); /* 16 scales (int8), 16 minimums (Q2_K) */
+    if (t == T_Q2_K) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)blk);
+        sc8 = _mm_and_si128(raw, _mm_set1_epi8(15));
+        mn8 = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15));
+        d = h2f(blk + 80);
+        dmin = h2f(blk + 82);
+    } else if (t == T_Q3_K) {
+        int8_t s[16];
+        k3_scales(blk + 96, s);
+        sc8 = _mm_loadu_si128((const __m128i *)s);
+        d = h2f(blk + 108);
+    } else {
+        sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+        d = h2f(blk + 208);
+    }
+    const __m256i sc16 = _mm256_cvtepi8_epi16(sc8); /* scale i at int16 i */
+    __m256i hm = t == T_Q3_K ? _mm256_loadu_si256((const __m256i *)blk) : _mm256_setzero_si256();
+    __m256i isum = _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++) {
+        const __m256i sch = _mm256_permute4x64_epi64(sc16, h ? 0xEE : 0x44); /* scales 8h.. in both lanes */
+        __m256i g[4];
+        k16_half_codes(t, blk, h, &hm, g);
+        for (int s = 0; s < 4; s++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 128 * h + 32 * s));
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(g[s], xv),
+                                                            pick16(sch, 2 * s, 2 * s + 1)));
         }
     }
-    for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(_mm256_sub_ps(acc[j], accm[j]));
+    if (t != T_Q2_K) /* offsets 32 (Q6_K) and 4 (Q3_K), as shifts */
+        isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), t == T_Q6_K ? 5 : 2));
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(isum), *acc);
+    if (t == T_Q2_K)
+        *accm = _mm256_fmadd_ps(_mm256_set1_ps(dmin * dx),
+                                _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, _mm256_cvtepu8_epi16(mn8))), *accm);
+}
+
+/* Q2_K, Q3_K, Q6_K (one scale per 16 values): nw weight rows against one activation row, as
+ * rows_k32. */
+AI void rows_k16(const int t, const uint8_t *w, int64_t ws, const uint8_t *x, int64_t k, float *y,
+                 const int nw) {
+    const int bb = block_bytes(t);
+    __m256 acc[4], accm[4];
+    for (int r = 0; r < nw; r++) {
+        acc[r] = accm[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < k / 256; b++) k16_block(t, w + r * ws + b * bb, x, k, b, &acc[r], &accm[r]);
+    }
+    store_rows(acc, accm, y, nw);
+}
+
+/* Four weight rows of a K-quant or IQ4_XS against one activation row (sweep's decode case). */
+#define ROWSK_W4(T, KERNEL, NAME) \
+    static void NAME(const uint8_t *w, int64_t ws, const uint8_t *x, int64_t k, float *y) { \
+        KERNEL(T, w, ws, x, k, y, 4); }
+ROWSK_W4(T_Q4_K, rows_k32, w4_q4_k)
+ROWSK_W4(T_Q5_K, rows_k32, w4_q5_k)
+ROWSK_W4(T_IQ4_XS, rows_k32, w4_iq4_xs)
+ROWSK_W4(T_Q2_K, rows_k16, w4_q2_k)
+ROWSK_W4(T_Q3_K, rows_k16, w4_q3_k)
+ROWSK_W4(T_Q6_K, rows_k16, w4_q6_k)
+
+typedef void (*w4_fn)(const uint8_t *, int64_t, const uint8_t *, int64_t, float *);
+
+/* The four-row kernel for type t. */
+static w4_fn w4_kernel(int t) {
+    switch (t) {
+    case T_Q4_0: return w4_q4_0;
+    case T_Q4_1: return w4_q4_1;
+    case T_Q5_0: return w4_q5_0;
+    case T_Q5_1: return w4_q5_1;
+    case T_Q8_0: return w4_q8_0;
+    case T_IQ4_NL: return w4_iq4_nl;
+    case T_Q4_K: return w4_q4_k;
+    case T_Q5_K: return w4_q5_k;
+    case T_IQ4_XS: return w4_iq4_xs;
+    case T_Q2_K: return w4_q2_k;
+    case T_Q3_K: return w4_q3_k;
+    default: return w4_q6_k;
+    }
 }
 
 /* A 256-value block laid out for the per-row loop of several activation rows: 8 groups of 32
@@ -896,7 +960,7 @@ ROWSF_N(4)
 
 /* One activation row: the direct kernels; several: rows_kmulti. */
 #define KROWS(T, ONE) \
-    do { if (nx == 1) ONE(T, w, x, xs, k, y, ys, 1); else rows_kmulti(T, w, x, xs, k, y, ys, nx); } while (0)
+    do { if (nx == 1) ONE(T, w, 0, x, k, y, 1); else rows_kmulti(T, w, x, xs, k, y, ys, nx); } while (0)
 
 AI void rows_avx2(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int64_t k, float *y,
                   int64_t ys, const int nx) {
