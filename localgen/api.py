@@ -78,7 +78,7 @@ class LLM:
              enable_prefix_caching: bool = True, max_model_len: int | None = None,
              policy=None, offload_dir: str | None = None, gpu_memory: int | None = None,
              cpu_memory: int | None = None, gguf_native: bool = True,
-             cpu_int4: bool = True,
+             cpu_int4: bool = True, prefill_copies: bool = False,
              progress: Callable[[str], None] | None = None) -> "LLM":
         """Load ``model`` (None: the embedded default; a GGUF path; a Hugging Face directory; a
         hub id from the local cache; a ``ModelSource`` already resolved). Raises FileNotFoundError / UnsupportedModelError with the
@@ -131,7 +131,8 @@ class LLM:
             llm = cls.from_parts(src.config, weights, tokenizer, cfg, device=device,
                                  dtype=dtype, name=src.name, source=src, policy=policy,
                                  offload_dir=offload_dir, gpu_memory=gpu_memory,
-                                 cpu_memory=cpu_memory, gguf_native=gguf_native)
+                                 cpu_memory=cpu_memory, gguf_native=gguf_native,
+                                 prefill_copies=prefill_copies)
         status.done(f"{src.name} loaded")
         return llm
 
@@ -139,14 +140,15 @@ class LLM:
     def from_parts(cls, config, weights, tokenizer, engine_config: EngineConfig | None = None, *,
                    device: str | None = None, dtype=None, name: str = "model", source=None,
                    policy=None, offload_dir: str | None = None, gpu_memory: int | None = None,
-                   cpu_memory: int | None = None, gguf_native: bool = True) -> "LLM":
+                   cpu_memory: int | None = None, gguf_native: bool = True,
+                   prefill_copies: bool = False) -> "LLM":
         """Build from a ModelConfig, a weight store and a tokenizer (tests, custom sources; a
         ``concurrent.futures.Future`` of one is awaited after the weights load);
         ``policy`` etc. as in ``load``."""
         dev = torch.device(device) if device else default_device()
         factory = None
         if policy is None:
-            model = CausalLM(config, weights, _dtype(dtype, dev), dev)
+            model = CausalLM(config, weights, _dtype(dtype, dev), dev, prefill_copies=prefill_copies)
         else:
             from localgen.runtime.offload import build_offload
 

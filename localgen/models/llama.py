@@ -27,7 +27,7 @@ from localgen.models.fuse import fuse_qkv, fuse_rows, project_qkv
 from localgen.models.moe_options import EXPERT_SHORTS, moe_layer_names
 from localgen.models.rope import RotaryPositions, _signed_sin, apply_rope
 from localgen.quant import embedding, linear
-from localgen.quant.cpu_int4 import Int4Linear
+from localgen.quant.cpu_int4 import BlocksWithCopy, Int4Linear
 from localgen.quant.gguf_blocks import gguf_decode_products
 
 _fused_mods = None  # (fused_norm, fused_rope, fused_act) once imported; False when unavailable
@@ -171,14 +171,19 @@ def _cpu_decode_mats(cfg: ModelConfig, w: dict, h: torch.Tensor, kv: LayerKV):
     without biases, with a SiLU MLP and a plain paged cache holding K and V in one tensor of h's
     dtype (no score observer), whose matrices are either all int4 (bf16 activations) or all
     GGUF blocks (``PackedGGUFWeight``; float32 or bf16 activations; q/k/v may stay three
-    matrices where their types differ)."""
+    matrices where their types differ), or all GGUF blocks with bf16 copies
+    (``BlocksWithCopy``, read through their blocks) when the step has at most ``max_m`` rows."""
     if (cfg.activation not in ("silu", "swish") or "gate_up" not in w or moe.is_moe(w)
             or any(k in w for k in ("qkv_bias", "q_bias", "k_bias", "v_bias", "o_bias",
                                     "down_bias"))
             or not kv.fuses_cpu_decode(h.dtype)):
         return None
-    mats = (w.get("qkv"), w.get("o"), w["gate_up"], w.get("down"))
     n = h.shape[0]
+    mats = (w.get("qkv"), w.get("o"), w["gate_up"], w.get("down"))
+    if type(mats[2]) is BlocksWithCopy:  # with_copies wraps every GGUF matrix of the layer
+        if n > mats[2].max_m:
+            return None  # the step reads the bf16 copies: the op-by-op path, by M
+        return _blocks_products(w, mats)
     if h.dtype == torch.bfloat16 and all(
             type(m) is Int4Linear and m.max_m >= n and m.repeat_input == 1 for m in mats):
         return tuple(m.small for m in mats)
@@ -186,6 +191,14 @@ def _cpu_decode_mats(cfg: ModelConfig, w: dict, h: torch.Tensor, kv: LayerKV):
         qkv = mats[0] if mats[0] is not None else (w.get("q"), w.get("k"), w.get("v"))
         return gguf_decode_products(qkv, mats[1:])
     return None
+
+
+def _blocks_products(w: dict, mats: tuple):
+    """``gguf_decode_products`` of a layer whose matrices are ``BlocksWithCopy`` (read here
+    through their blocks), or None where one of them is held otherwise."""
+    blocks = lambda m: m.blocks if type(m) is BlocksWithCopy else m  # noqa: E731
+    qkv = mats[0] if mats[0] is not None else tuple(blocks(w.get(p)) for p in "qkv")
+    return gguf_decode_products(blocks(qkv), [blocks(m) for m in mats[1:]])
 
 
 def _cpu_decode_layer(cfg: ModelConfig, w: dict, mats: tuple, h: torch.Tensor,

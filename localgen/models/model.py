@@ -144,8 +144,11 @@ class CausalLM:
     """
 
     def __init__(self, cfg: ModelConfig, store: WeightSource, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, prefill_copies: bool = False):
+        """``prefill_copies``: hold each GGUF layer matrix also as a bf16 copy that large-M
+        products (prefill) multiply, its blocks serving decode (``cpu_int4.BlocksWithCopy``)."""
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.prefill_copies = prefill_copies
         self.family = family_of(cfg)
         # on the device once: a host-to-device copy per step would break CUDA-graph capture
         rope = model_rope(cfg)
@@ -194,7 +197,12 @@ class CausalLM:
             names = {k: v for k, v in names.items() if k not in replaced_names(packed)}
         w = read_weights(store, names, self.family.OPTIONAL, self.dtype, self.device,
                          packed=self._packed_shorts)
-        return {**fuse_weights(self.family, self.cfg, w), **packed}
+        w = {**fuse_weights(self.family, self.cfg, w), **packed}
+        if self.prefill_copies:
+            from localgen.quant.cpu_int4 import with_copies
+
+            w = with_copies(w)
+        return w
 
     def weight_bytes(self) -> int:
         """Bytes of weights a forward pass reads (4-bit matrices: codes and scales)."""

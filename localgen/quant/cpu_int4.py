@@ -301,3 +301,61 @@ def int4_layer_weights(store, names: dict[str, str]) -> dict[str, Int4Linear]:
 def replaced_names(packed: dict[str, Int4Linear]) -> set[str]:
     """Short names of the separate matrices that ``packed``'s entries stand for."""
     return {p for fused in packed for p in _GROUPS[fused]}
+
+
+# Largest M whose product reads a GGUF matrix's blocks (the C kernel, 8-bit activations) rather
+# than its bf16 copy: the kernel reads a quarter of the bytes, which wins while a product is
+# bound by the weight read; past it the bf16 GEMM's compute wins (``docs/benchmarks.md``, issue 30)
+BLOCKS_MAX_M = 8
+
+
+class BlocksWithCopy:
+    """A GGUF matrix ``W`` ``[N, K]`` held twice: the file's blocks (``PackedGGUFWeight``) for
+    products of at most ``max_m`` rows, a bf16 copy for larger ones (prefill), dispatched by M as
+    FlashDecoding++'s heuristic dataflow (§5) does. ``w(x, bias)`` -> ``x @ W.T (+ bias)`` in
+    x's dtype (``quant.linear``'s contract); a large-M product rounds ``x`` to bf16 and
+    accumulates in float32 inside torch's bf16 GEMM. The copy is the blocks' float32 expansion
+    rounded once to bf16, made at the first large-M call (a decode-only model never holds it)."""
+
+    def __init__(self, blocks, max_m: int = BLOCKS_MAX_M):
+        self.blocks, self.shape, self.max_m = blocks, blocks.shape, max_m
+        self._copy: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        return f"BlocksWithCopy({self.blocks!r}, max_m={self.max_m})"
+
+    @property
+    def copy(self) -> torch.Tensor:
+        """``[N, K]`` bf16: the matrix large-M calls multiply."""
+        if self._copy is None:
+            self._copy = self.blocks.dequantize(torch.float32).to(torch.bfloat16)
+        return self._copy
+
+    @property
+    def decode_nbytes(self) -> int:
+        """Bytes a small-M call reads: the blocks."""
+        return self.blocks.nbytes
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        flat = x if x.dim() == 2 else x.reshape(-1, self.shape[1])
+        if flat.shape[0] <= self.max_m:
+            return self.blocks(x, bias)
+        y = F.linear(flat.to(torch.bfloat16), self.copy).to(x.dtype)
+        y = y if bias is None else y + bias
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.shape[0])
+
+
+# the matrices of a fused llama layer, and of one whose q/k/v stay apart (their types differ)
+_COPIED = ("qkv", "q", "k", "v", "o", "gate_up", "down")
+
+
+def with_copies(w: dict, max_m: int | None = None) -> dict:
+    """A layer's weights ``w`` with each matrix held as GGUF blocks (``PackedGGUFWeight``) among
+    ``qkv``/``q``/``k``/``v``/``o``/``gate_up``/``down`` wrapped in ``BlocksWithCopy`` (``max_m``
+    None: ``BLOCKS_MAX_M``); every other entry as it is."""
+    from localgen.quant.gguf_blocks import PackedGGUFWeight
+
+    max_m = BLOCKS_MAX_M if max_m is None else max_m
+
+    return {k: BlocksWithCopy(v, max_m) if k in _COPIED and type(v) is PackedGGUFWeight else v
+            for k, v in w.items()}
