@@ -1,22 +1,22 @@
-"""Decode matmul (M <= 16) over GGUF Q4_K and Q6_K blocks in the file's layout, scales applied
-once per group rather than once per weight.
+"""Decode matmul (M <= 16) over GGUF Q4_K, Q5_K and Q6_K blocks in the file's layout, scales
+applied once per group rather than once per weight.
 
 ``y[m, n] = x[m, k] · W[n, k]ᵀ``, W the raw bytes ``[N, row_bytes]`` of ``block_q4_K`` /
-``block_q6_K`` rows (ggml-common.h; value order as ``gguf.quants`` reads it). Each weight is
-``w = a·q - b`` with the code ``q`` and, per group of weights, ``a`` and ``b`` (Q4_K: 32-weight
-groups, ``a = d·scale``, ``b = dmin·min``; Q6_K: 16-weight groups, ``a = d·scale``,
-``b = 32·a``). A group's share of the output is therefore
+``block_q5_K`` / ``block_q6_K`` rows (ggml-common.h; value order as ``gguf.quants`` reads it).
+Each weight is ``w = a·q - b`` with the code ``q`` and, per group of weights, ``a`` and ``b``
+(Q4_K, Q5_K: 32-weight groups, ``a = d·scale``, ``b = dmin·min``; Q6_K: 16-weight groups,
+``a = d·scale``, ``b = 32·a``). A group's share of the output is therefore
 ``a · Σ q·x  -  b · Σ x``: the codes meet the activations alone, and the two scale terms are
 applied once per group and row. The activation sums ``Σ x`` of a group serve every row.
 
 * ``gemv`` kernels (M = 1): a program owns ``BLOCK_N`` rows; each 256-weight tile of a row is
-  read as a ``[4, 8]`` grid of 32-bit words (Q4_K: the 128 nibble bytes) or 16-bit words (Q6_K,
-  whose 210-byte blocks are only 2-byte aligned), each word holding several codes whose
+  read as a ``[4, 8]`` grid of 32-bit words (Q4_K, Q5_K: the 128 nibble bytes) or 16-bit words
+  (Q6_K, whose 210-byte blocks are only 2-byte aligned), each word holding several codes whose
   products with ``x`` are summed in registers before the group's scale multiplies them.
   A code becomes a float without an int-to-float conversion (``CODE_MODES``): its bits, masked
   in place or shifted, are ORed into the mantissa of 1.0, and the constant and the power of two
   that this adds come off exactly, through the activation or the group's ``Σ x`` term.
-* ``dot`` kernel (1 < M <= 16): per group, the codes of ``BLOCK_N`` rows meet the ``[16, 32]``
+* ``dot`` kernel (M <= 16): per group, the codes of ``BLOCK_N`` rows meet the ``[16, 32]``
   (Q6_K: ``[16, 16]``) activations in one ``tl.dot``; the group's scales then multiply the
   ``[16, BLOCK_N]`` result.
 
@@ -33,9 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-Q4_K, Q6_K = 12, 14  # GGMLQuantizationType values
-TYPES = (Q4_K, Q6_K)
-BLOCK_BYTES = {Q4_K: 144, Q6_K: 210}
+Q4_K, Q5_K, Q6_K = 12, 13, 14  # GGMLQuantizationType values
+TYPES = (Q4_K, Q5_K, Q6_K)
 TILE_K = 256
 MAX_M = 16
 
@@ -69,6 +68,8 @@ CODE_MODES = {"i2f": 0, "shift": 1, "mask": 2}
 DECODE_CONFIGS: dict[tuple[int, bool], DecodeConfig] = {
     (Q4_K, True): DecodeConfig("gemv", block_n=16, num_warps=4),
     (Q4_K, False): DecodeConfig("dot", block_n=32, num_warps=4),
+    (Q5_K, True): DecodeConfig("gemv", block_n=16, num_warps=4),
+    (Q5_K, False): DecodeConfig("dot", block_n=32, num_warps=4),
     (Q6_K, True): DecodeConfig("gemv", block_n=16, num_warps=4),
     (Q6_K, False): DecodeConfig("dot", block_n=32, num_warps=4),
 }
@@ -174,15 +175,19 @@ def _slots(pid_n, pid_k, N, num_tiles, tiles_per_split, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _q4k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
-              BLOCK_N: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr,
-              MODE: tl.constexpr):
-    """Program (n, s): rows ``n*BLOCK_N ..`` over K tiles ``s*tiles_per_split ..``. A tile's
-    128 nibble bytes are 32 words ``[chunk c, word i]``; byte ``b`` of word (c, i) holds weight
-    ``64c + 4i + b`` (low nibble, group 2c) and ``64c + 32 + 4i + b`` (high nibble, group 2c+1).
-    ``row_16b``: the row stride in 16-byte units (a row is whole 144-byte blocks), so that the
-    compiler knows every tile's words start 16-byte aligned and loads them four at a time.
+def _q45k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
+               QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
+               ATOMIC: tl.constexpr, MODE: tl.constexpr):
+    """Q4_K (QTYPE 12) or Q5_K (13). Program (n, s): rows ``n*BLOCK_N ..`` over K tiles
+    ``s*tiles_per_split ..``. A tile's 128 nibble bytes are 32 words ``[chunk c, word i]``; byte
+    ``b`` of word (c, i) holds weight ``64c + 4i + b`` (low nibble, group 2c) and
+    ``64c + 32 + 4i + b`` (high nibble, group 2c+1). Q5_K's fifth bit of weight
+    ``32G + l`` is bit ``G`` of qh byte ``l``, so qh word ``i`` serves word (c, i) of every chunk.
+    ``row_16b``: the row stride in 16-byte units (a row is whole 144/176-byte blocks), so that
+    the compiler knows every tile's words start 16-byte aligned and loads them four at a time.
     Blocks past the slice are read from its last block with their activations masked to 0."""
+    BW: tl.constexpr = 36 if QTYPE == 12 else 44  # 32-bit words a block
+    QS: tl.constexpr = 4 if QTYPE == 12 else 12  # word of the nibbles
     offs_n, kt0, end, j2 = _slots(tl.program_id(0), tl.program_id(1), N, num_tiles,
                                   tiles_per_split, BLOCK_N, KB)
     rows = (w_ptr.to(tl.pointer_type(tl.int32))
@@ -194,8 +199,10 @@ def _q4k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
     acc_x = tl.zeros([BLOCK_N, 4 * KB], tl.float32)
     for kt in range(kt0, end, KB):
         kb2 = kt + j2 // 4
-        blk = rows + tl.minimum(kb2, end - 1) * 36
-        words = tl.load(blk[:, :, None] + 4 + 8 * c3 + i3)
+        blk = rows + tl.minimum(kb2, end - 1) * BW
+        words = tl.load(blk[:, :, None] + QS + 8 * c3 + i3)
+        if QTYPE == 13:
+            qh = tl.load(blk[:, :, None] + 4 + i3)
         blk8 = blk.to(tl.pointer_type(tl.uint8))
         d = _f16_at(blk8)
         dmin = _f16_at(blk8 + 2)
@@ -204,12 +211,18 @@ def _q4k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
         for h in tl.static_range(2):
             s = tl.zeros([BLOCK_N, 4 * KB, 8], tl.float32)
             xs = tl.zeros([1, 4 * KB, 8], tl.float32)
+            if QTYPE == 13:  # byte b of q5: the 5-bit code of weight 64c + 32h + 4i + b
+                q5 = (((words >> (4 * h)) & 0x0F0F0F0F)
+                      | (((qh >> (2 * c3 + h)) & 0x01010101) << 4))
             for b in tl.static_range(4):
                 xv = tl.load(x_tile + 32 * h + b, mask=live, other=0.0).to(tl.float32)
-                s += _code_x(words, 8 * b + 4 * h, 4, xv, MODE)
+                if QTYPE == 12:
+                    s += _code_x(words, 8 * b + 4 * h, 4, xv, MODE)
+                else:
+                    s += _code_x(q5, 8 * b, 5, xv, MODE)
                 xs += xv
             sc, mn = _k4_scale_min(blk8, 2 * c2 + h)
-            ca, cb = _coefs(d * sc, dmin * mn, 4, MODE == 1)
+            ca, cb = _coefs(d * sc, dmin * mn, 4 if QTYPE == 12 else 5, MODE == 1)
             acc += s * ca[:, :, None]
             acc_x += cb * tl.sum(xs, axis=2)
     out = tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(acc_x, axis=1)
@@ -220,7 +233,7 @@ def _q4k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
 def _q6k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, stride_wn,
               BLOCK_N: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr,
               MODE: tl.constexpr):
-    """Q6_K as :func:`_q4k_gemv`, over 16-bit words (``stride_wn`` in them). A tile is two
+    """Q6_K as :func:`_q45k_gemv`, over 16-bit words (``stride_wn`` in them). A tile is two
     128-weight halves ``hf``; with ``l = 2v + e`` (``v`` 0..15, ``e`` the byte of a word) and
     quarter ``t``, weight ``128hf + 32t + l`` takes its low 4 bits from ql byte ``64hf + l``
     (t = 0, 2) or ``64hf + 32 + l`` (t = 1, 3), nibble ``t // 2``, its high 2 bits from qh byte
@@ -274,9 +287,12 @@ def _group_codes(blk8, G: tl.constexpr, QTYPE: tl.constexpr):
     pointers to each row's block), with the group's ``a`` and ``b`` ``[BLOCK_N]`` (weight
     ``a·q - b``). Q4_K: 32-weight groups ``G`` 0..7; Q6_K: 16-weight groups 0..15 (the
     ``_q6k_gemv`` docstring's layout, ``G = 8hf + 2t + l // 16``)."""
-    if QTYPE == 12:
+    if QTYPE == 12 or QTYPE == 13:
         lane = tl.arange(0, 32)[None, :]
-        q = (tl.load(blk8[:, None] + 16 + 32 * (G // 2) + lane).to(tl.int32) >> (4 * (G % 2))) & 15
+        QS: tl.constexpr = 16 if QTYPE == 12 else 48
+        q = (tl.load(blk8[:, None] + QS + 32 * (G // 2) + lane).to(tl.int32) >> (4 * (G % 2))) & 15
+        if QTYPE == 13:
+            q = q | (((tl.load(blk8[:, None] + 16 + lane).to(tl.int32) >> G) & 1) << 4)
         sc, mn = _k4_scale_min(blk8, G)
         a = _f16_at(blk8) * sc
         b = _f16_at(blk8 + 2) * mn
@@ -302,8 +318,8 @@ def _gemm_dot(x_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_xm, 
     under the exponent of 128 (1024), ``CODE_BITS`` 0x4300 (0x6400), exact and without an
     int-to-float conversion; for float32 activations (``CODE_BITS`` 0) ``q`` itself, and the
     dot in IEEE float32 (no TF32 rounding)."""
-    GS: tl.constexpr = 32 if QTYPE == 12 else 16
-    BB: tl.constexpr = 144 if QTYPE == 12 else 210
+    GS: tl.constexpr = 16 if QTYPE == 14 else 32
+    BB: tl.constexpr = 144 if QTYPE == 12 else (176 if QTYPE == 13 else 210)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -366,14 +382,14 @@ _DOT_CODES = {torch.float32: (tl.float32, 0, 0.0), torch.bfloat16: (tl.bfloat16,
 
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
            cfg: DecodeConfig | None = None) -> torch.Tensor:
-    """``x [M, k] · Wᵀ`` -> ``[M, N]`` in x's dtype for ``1 <= M <= 16``, W the Q4_K or Q6_K
-    blocks ``raw`` (uint8 ``[N, row_bytes]``, contiguous rows, 16-byte aligned data; the caller,
-    ``gguf_gemm.matmul``, checks the shapes). ``cfg`` (default :func:`default_config`) must not
-    be ``file``; a ``gemv`` config at M > 1 runs the ``dot`` kernel with its tile.
-    Raises ValueError for another type or M."""
+    """``x [M, k] · Wᵀ`` -> ``[M, N]`` in x's dtype (float32/bf16/fp16) for ``1 <= M <= 16``,
+    W the Q4_K, Q5_K or Q6_K blocks ``raw`` (uint8 ``[N, row_bytes]``, contiguous rows, 16-byte
+    aligned data; the caller, ``gguf_gemm.matmul``, checks the shapes). ``cfg`` (default
+    :func:`default_config`) must not be ``file``; a ``gemv`` config at M > 1 runs the ``dot``
+    kernel with its tile. Raises ValueError for another type, M, dtype or a ``file`` config."""
     qtype, (m, n) = int(qtype), (x.shape[0], raw.shape[0])
     if qtype not in TYPES or not 1 <= m <= MAX_M:
-        raise ValueError(f"gguf_gemv serves Q4_K/Q6_K (12, 14) at 1 <= M <= {MAX_M}, "
+        raise ValueError(f"gguf_gemv serves Q4_K/Q5_K/Q6_K (12, 13, 14) at 1 <= M <= {MAX_M}, "
                          f"got type {qtype}, M={m}")
     if x.dtype not in _DOT_CODES:
         raise ValueError(f"gguf_gemv takes float32/bf16/fp16 activations, got {x.dtype}")
@@ -386,11 +402,13 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     splits, per_split, y = split_output(cfg, x, n, n_programs, tiles)
     grid = (n_programs, splits)
     if cfg.kernel == "gemv":
-        kern, stride = (_q4k_gemv, raw.stride(0) // 16) if qtype == Q4_K else (
-            _q6k_gemv, raw.stride(0) // 2)
-        kern[grid](x, raw, y, n, tiles, per_split, stride, BLOCK_N=cfg.block_n,
-                   KB=cfg.blocks_per_step, ATOMIC=splits > 1, MODE=CODE_MODES[cfg.codes],
-                   num_warps=cfg.num_warps)
+        knobs = dict(BLOCK_N=cfg.block_n, KB=cfg.blocks_per_step, ATOMIC=splits > 1,
+                     MODE=CODE_MODES[cfg.codes], num_warps=cfg.num_warps)
+        if qtype == Q6_K:
+            _q6k_gemv[grid](x, raw, y, n, tiles, per_split, raw.stride(0) // 2, **knobs)
+        else:
+            _q45k_gemv[grid](x, raw, y, n, tiles, per_split, raw.stride(0) // 16, QTYPE=qtype,
+                             **knobs)
     else:
         dot, code_bits, code_off = _DOT_CODES[x.dtype]
         _gemm_dot[grid](x, raw, y, m, n, tiles, per_split, x.stride(0), raw.stride(0),

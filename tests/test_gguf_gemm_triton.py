@@ -124,9 +124,9 @@ def test_group_kernels_half_activations(dtype, qtype, m, kernel_device):
 
 def test_new_kernel_refuses_other_types_and_m():
     raw = torch.zeros(4, 144, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="Q4_K/Q6_K"):
+    with pytest.raises(ValueError, match="Q4_K/Q5_K/Q6_K"):
         gguf_gemv.matmul(torch.zeros(17, 256), raw, Q.Q4_K, 256)
-    with pytest.raises(ValueError, match="Q4_K/Q6_K"):
+    with pytest.raises(ValueError, match="Q4_K/Q5_K/Q6_K"):
         gguf_gemv.matmul(torch.zeros(1, 256), raw, Q.Q8_0, 256)
 
 

@@ -259,15 +259,17 @@ def main() -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="the sweep at a tiny shape on the CPU under the Triton interpreter")
     p.add_argument("--budget-s", type=float, default=330.0, help="the sweep's time limit")
+    p.add_argument("--sweep-qtypes", default=",".join(map(str, SWEEP_QTYPES)),
+                   help="the sweep's types (13: Q5_K too)")
     a = p.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     if a.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels' module is imported
         # fp16: the interpreter's bf16 tl.dot is wrong
-        result = sweep({"tiny": (40, 512)}, SWEEP_QTYPES, (1, 3), torch.device("cpu"),
+        result = sweep({"tiny": (40, 512)}, ints(a.sweep_qtypes), (1, 3), torch.device("cpu"),
                        torch.float16, budget_s=a.budget_s)
     elif a.sweep:
-        result = sweep(SWEEP_SHAPES, SWEEP_QTYPES, SWEEP_MS, torch.device("cuda"),
+        result = sweep(SWEEP_SHAPES, ints(a.sweep_qtypes), SWEEP_MS, torch.device("cuda"),
                        budget_s=a.budget_s)
     elif a.out:
         result = run(SHAPES, ints(a.qtypes), ints(a.ms), ints(a.block_n))
