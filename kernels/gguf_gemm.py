@@ -4,7 +4,10 @@
 the type (ggml-common.h: ``block_q4_K``, ``block_q5_K``, ``block_q6_K``, ``block_q8_0``,
 ``block_q4_0``), raw bytes ``[N, row_bytes]`` as read from the file.
 
-* Decode (``M <= DECODE_MAX_M``): one fused kernel. Each program owns ``BLOCK_N`` output rows and
+* Decode (``M <= DECODE_MAX_M``): Q4_K, Q5_K and Q6_K go by default to ``gguf_gemv``'s kernels,
+  which apply the scales once per group (its ``DECODE_CONFIGS`` picks the kernel and tile per
+  type and M). This module's kernel, the reference and the path of the other types, is one
+  fused kernel as follows. Each program owns ``BLOCK_N`` output rows and
   a slice of K, walked one 256-weight tile at a time; each 32-weight group of the tile is loaded
   as contiguous bytes of every row (``_group``), dequantized in registers with that row's scales
   and multiplied into the ``[BLOCK_M, BLOCK_N]`` accumulator with ``tl.dot`` (for M = 1, products
@@ -204,17 +207,20 @@ def dequantize(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype = torch
 
 
 def _new_kernel_serves(raw: torch.Tensor, qtype: int, cfg: gguf_gemv.DecodeConfig) -> bool:
-    """Whether ``gguf_gemv`` runs ``cfg``: its types, and raw data 16-byte aligned (its word
-    loads read 32-bit words of Q4_K and 16-bit words of Q6_K)."""
-    return cfg.kernel != "file" and qtype in gguf_gemv.TYPES and raw.data_ptr() % 16 == 0
+    """Whether ``gguf_gemv`` runs ``cfg``: its types, raw data 16-byte aligned and rows 16 bytes
+    apart (2 for Q6_K): its gemv loads 32-bit words of Q4_K/Q5_K, 16-bit words of Q6_K."""
+    step = 2 if qtype == gguf_gemv.Q6_K else 16
+    return (cfg.kernel != "file" and qtype in gguf_gemv.TYPES and raw.data_ptr() % 16 == 0
+            and raw.stride(0) % step == 0)
 
 
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
            cfg: gguf_gemv.DecodeConfig | None = None) -> torch.Tensor:
     """``x [M, k] · Wᵀ`` -> ``[M, N]`` in x's dtype (fp16/bf16/fp32), W the GGUF blocks ``raw``.
     M <= DECODE_MAX_M runs a fused kernel: ``cfg`` (None: ``gguf_gemv.default_config``) picks
-    ``gguf_gemv``'s per-group kernels (Q4_K, Q6_K) or this module's file-layout kernel
-    (``kernel="file"``, every type here; also where raw is not 16-byte aligned). Larger M
+    ``gguf_gemv``'s per-group kernels (Q4_K, Q5_K, Q6_K) or this module's file-layout kernel
+    (``kernel="file"``: every type here; also where raw's data or rows are not aligned for
+    ``gguf_gemv``). Larger M
     dequantizes W once and calls cuBLAS.
     Raises ValueError as :func:`dequantize`, or when x is not ``[M, k]``."""
     qtype = _check(raw, qtype, k)
@@ -227,7 +233,9 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     cfg = cfg or gguf_gemv.default_config(qtype, m)
     if _new_kernel_serves(raw, qtype, cfg):
         return gguf_gemv.matmul(x, raw, qtype, k, cfg)
-    block_n = cfg.block_n if cfg.kernel == "file" else gguf_gemv.FILE_CONFIG.block_n
+    if cfg.kernel != "file":  # a type or a layout that gguf_gemv does not take
+        cfg = gguf_gemv.FILE_CONFIG
+    block_n = cfg.block_n
     tiles, n_programs = k // TILE_K, triton.cdiv(n, block_n)
     splits, per_split, y = gguf_gemv.split_output(cfg, x, n, n_programs, tiles)
     dot = tl.float32 if x.dtype == torch.float32 else (

@@ -391,6 +391,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     if qtype not in TYPES or not 1 <= m <= MAX_M:
         raise ValueError(f"gguf_gemv serves Q4_K/Q5_K/Q6_K (12, 13, 14) at 1 <= M <= {MAX_M}, "
                          f"got type {qtype}, M={m}")
+    x = x.contiguous()
     if x.dtype not in _DOT_CODES:
         raise ValueError(f"gguf_gemv takes float32/bf16/fp16 activations, got {x.dtype}")
     cfg = cfg or default_config(qtype, m)
