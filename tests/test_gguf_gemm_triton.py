@@ -151,3 +151,20 @@ def test_sweep_runs_every_config(kernel_device):
     gemv = sum(c.kernel == "gemv" for c in gguf_gemm_bench.sweep_configs())
     assert len(cells) == 2 * (per_type_m + per_type_m - gemv)
     assert set(result["ranking"]) == {"type 12 M=1", "type 12 M=2", "type 14 M=1", "type 14 M=2"}
+
+
+def test_unaligned_blocks_take_the_file_kernel(kernel_device):
+    """Raw data 2 bytes off a 16-byte boundary (a view into a larger buffer): the default path
+    runs the file kernel, which reads bytes, and still matches the reference."""
+    qtype, n, k = Q.Q4_K, 9, 256
+    raw = random_blocks(qtype, n, k, seed=3)
+    buf = torch.zeros(raw.size + 16, dtype=torch.uint8, device=kernel_device)
+    base = (-buf.data_ptr()) % 16 + 2
+    view = buf[base:base + raw.size].view(n, raw.shape[1])
+    view.copy_(torch.from_numpy(raw))
+    assert view.data_ptr() % 16 == 2
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(0))
+    y = gguf_gemm.matmul(x.to(kernel_device), view, qtype, k).cpu()
+    w = reference(raw, qtype, k)
+    tol = 1e-5 * np.abs(x.double().numpy()) @ np.abs(w).T + 1e-6
+    assert (np.abs(y.double().numpy() - x.double().numpy() @ w.T) <= tol).all()
