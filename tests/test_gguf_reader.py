@@ -69,3 +69,42 @@ def test_a_vocabulary_cut_short_is_a_corrupt_file(tiny_gguf, tmp_path):
     cut.write_bytes(data[:at])
     with pytest.raises(CorruptModelError, match="cut.gguf"):
         open_gguf(cut)
+
+
+def test_string_indices_find_tokens_in_place_as_a_dict_over_the_list_would(tmp_path):
+    """Last occurrence of a repeated string, strings absent left out, non-ASCII matched by
+    bytes; the array's parts are never made."""
+    model = make_model("smollm")
+    words = ["<|im_end|>", "a", "wörld ✓", "<|im_end|>", "", "ab", "wörld"]
+    path = write_gguf(tmp_path / "dup.gguf", (model.state_dict(), model.config.to_dict()), "F32",
+                      metadata={"test.dups": words})
+    fast = FastGGUFReader(str(path))
+    wanted = ["<|im_end|>", "wörld ✓", "", "missing", "ab"]
+    want = {w: i for i, w in enumerate(words) if w in wanted}
+    assert fast.string_indices("test.dups", wanted) == want == {"<|im_end|>": 3, "wörld ✓": 2, "": 4, "ab": 5}
+    assert fast.fields["test.dups"].parts._all is None
+    vocab = gguf.GGUFReader(str(path)).fields["tokenizer.ggml.tokens"].contents()
+    some = [vocab[0], vocab[len(vocab) // 2], vocab[-1]]
+    assert fast.string_indices("tokenizer.ggml.tokens", some) == {t: i for i, t in enumerate(vocab) if t in some}
+    assert fast.string_indices("test.floats", ["x"]) is None  # not a string array
+    assert fast.string_indices("no.such.key", ["x"]) is None
+
+
+def test_the_eos_ids_and_config_come_without_making_the_vocabulary(tiny_gguf):
+    from localgen.models.gguf_config import gguf_hf_config
+
+    fast, stock = FastGGUFReader(str(tiny_gguf)), gguf.GGUFReader(str(tiny_gguf))
+    assert gguf_hf_config(fast) == gguf_hf_config(stock)
+    assert fast.fields["tokenizer.ggml.tokens"].parts._all is None
+
+
+def test_the_embedded_models_eos_ids_are_the_chat_end_token():
+    from localgen.models.gguf_config import gguf_eos_token_ids
+    from localgen.models.sources import embedded_gguf_path
+
+    path = str(embedded_gguf_path())
+    fast, stock = FastGGUFReader(path), gguf.GGUFReader(path)
+    assert gguf_eos_token_ids(fast) == gguf_eos_token_ids(stock)
+    vocab = stock.fields["tokenizer.ggml.tokens"].contents()
+    assert vocab[gguf_eos_token_ids(fast)[-1]] == "<|im_end|>"
+    assert fast.fields["tokenizer.ggml.tokens"].parts._all is None

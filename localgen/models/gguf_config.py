@@ -129,9 +129,20 @@ def gguf_eos_token_ids(reader) -> tuple[int, ...]:
     template = gguf_field(reader, "tokenizer.chat_template") or ""
     wanted = [t for t in CHAT_END_TOKENS if t in template]
     if wanted:
-        index = {tok: i for i, tok in enumerate(_vocab(reader))}
+        index = _token_indices(reader, wanted)
         ids += [index[t] for t in wanted if t in index and index[t] not in ids]
     return tuple(ids)
+
+
+def _token_indices(reader, tokens: list[str]) -> dict[str, int]:
+    """Each of ``tokens``' id in the vocabulary (the last, where a token repeats), without
+    making the whole vocabulary's strings where the reader can search it in place."""
+    search = getattr(reader, "string_indices", None)
+    found = search("tokenizer.ggml.tokens", tokens) if search is not None else None
+    if found is not None:
+        return found
+    wanted = set(tokens)
+    return {tok: i for i, tok in enumerate(_vocab(reader)) if tok in wanted}
 
 
 def gguf_hf_config(reader) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -38,9 +38,10 @@ class _LazyParts(Sequence):
     """A field's parts: ``head`` as given, then ``count`` parts that ``build()`` makes on the
     first read of any part past the head."""
 
-    def __init__(self, head: list, count: int, build: Callable[[], list]):
+    def __init__(self, head: list, count: int, build: Callable[[], list], strings_at: int = -1):
         self._head, self._count, self._build = head, count, build
         self._all: list | None = None
+        self.strings_at = strings_at  # file offset of the first length-prefixed string
 
     def _parts(self) -> list:
         if self._all is None:
@@ -74,7 +75,7 @@ class FastGGUFReader(GGUFReader):
         if itype == GGUFValueType.STRING:
             end = self._strings_end(offs, count)
             start = offs
-            parts = _LazyParts(head, 2 * count, lambda: self._string_parts(start, count)[0])
+            parts = _LazyParts(head, 2 * count, lambda: self._string_parts(start, count)[0], start)
             data = [len(head) + 2 * i + 1 for i in range(count)]
             return end - orig_offs, parts, data, [GGUFValueType.ARRAY, itype]
         if itype in self.gguf_scalar_to_np:
@@ -98,7 +99,7 @@ class FastGGUFReader(GGUFReader):
             head = [klen, kdata, raw_type]
             size, parts, data, types = self._get_field_parts(offs, raw_type[0])
             if isinstance(parts, _LazyParts):
-                parts = _LazyParts(head + parts._head, parts._count, parts._build)
+                parts = _LazyParts(head + parts._head, parts._count, parts._build, parts.strings_at)
             else:
                 parts = head + parts
             field = ReaderField(orig_offs, str(bytes(kdata), encoding="utf-8"), parts,
@@ -106,6 +107,26 @@ class FastGGUFReader(GGUFReader):
             self._push_field(field, skip_sum=True)
             offs += size
         return offs
+
+    def string_indices(self, key: str, wanted: Collection[str]) -> dict[str, int] | None:
+        """The index of each string of ``wanted`` in the string array ``key`` (its last
+        occurrence, as a dict built over the whole array keeps; strings it lacks are left out),
+        found by walking the array's lengths without making its parts. None when ``key`` is not
+        a string array this reader keeps lazy (read ``contents()`` instead)."""
+        field = self.fields.get(key)
+        parts = field.parts if field is not None else None
+        if not isinstance(parts, _LazyParts) or parts.strings_at < 0:
+            return None
+        needles = {w.encode("utf-8"): w for w in wanted}
+        lengths = {len(b) for b in needles}
+        buf, unpack, offs = memoryview(self._plain()), _U64.unpack_from, parts.strings_at
+        found: dict[str, int] = {}
+        for i in range(len(field.data)):  # the lengths were checked against the file at open
+            (n,) = unpack(buf, offs)
+            if n in lengths and (text := needles.get(bytes(buf[offs + 8:offs + 8 + n]))) is not None:
+                found[text] = i
+            offs += 8 + n
+        return found
 
     def _strings_end(self, offs: int, count: int) -> int:
         """The offset past ``count`` length-prefixed strings from ``offs``, checked against the
