@@ -162,8 +162,7 @@ def _finish(out, y_ptr, offs_n, N, ATOMIC: tl.constexpr):
 # ---- M = 1 ----
 
 @triton.jit
-def _slots(pid_n, pid_k, N, num_tiles, tiles_per_split, BLOCK_N: tl.constexpr,
-           KB: tl.constexpr):
+def _slots(pid_n, pid_k, num_tiles, tiles_per_split, BLOCK_N: tl.constexpr, KB: tl.constexpr):
     """Output rows of the program, and its loop bounds and slot grid: a loop step reads ``KB``
     consecutive blocks of every row, as ``4·KB`` slots ``j`` of 8 words (block ``j // 4`` of the
     step, part ``j % 4`` of it), so that ``KB`` blocks' loads are in flight at once."""
@@ -174,7 +173,12 @@ def _slots(pid_n, pid_k, N, num_tiles, tiles_per_split, BLOCK_N: tl.constexpr,
     return offs_n, kt0, end, j2
 
 
-@triton.jit
+# Shape arguments are not specialized (no recompiling per shape: the alignment the loads need
+# comes from the row stride's factor in the kernel, not from the argument's value).
+_GEMV_ARGS = ["N", "num_tiles", "tiles_per_split"]
+
+
+@triton.jit(do_not_specialize=_GEMV_ARGS + ["row_16b"])
 def _q45k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
                QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
                ATOMIC: tl.constexpr, MODE: tl.constexpr):
@@ -188,7 +192,7 @@ def _q45k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
     Blocks past the slice are read from its last block with their activations masked to 0."""
     BW: tl.constexpr = 36 if QTYPE == 12 else 44  # 32-bit words a block
     QS: tl.constexpr = 4 if QTYPE == 12 else 12  # word of the nibbles
-    offs_n, kt0, end, j2 = _slots(tl.program_id(0), tl.program_id(1), N, num_tiles,
+    offs_n, kt0, end, j2 = _slots(tl.program_id(0), tl.program_id(1), num_tiles,
                                   tiles_per_split, BLOCK_N, KB)
     rows = (w_ptr.to(tl.pointer_type(tl.int32))
             + tl.minimum(offs_n, N - 1).to(tl.int64) * (row_16b * 4))[:, None]
@@ -229,7 +233,7 @@ def _q45k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
     _finish(out, y_ptr, offs_n, N, ATOMIC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_GEMV_ARGS + ["stride_wn"])
 def _q6k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, stride_wn,
               BLOCK_N: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr,
               MODE: tl.constexpr):
@@ -240,7 +244,7 @@ def _q6k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, stride_wn,
     ``128 + 32hf + l`` at bit ``2t``, and scale ``8hf + 2t + l // 16``. A block's part
     ``p = j % 4`` is ``hf = p // 2``, ``v = 8(p % 2) + 0..7``, so a slot shares one scale per
     quarter."""
-    offs_n, kt0, end, j2 = _slots(tl.program_id(0), tl.program_id(1), N, num_tiles,
+    offs_n, kt0, end, j2 = _slots(tl.program_id(0), tl.program_id(1), num_tiles,
                                   tiles_per_split, BLOCK_N, KB)
     rows = (w_ptr.to(tl.pointer_type(tl.int16))
             + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn)[:, None]
@@ -308,7 +312,7 @@ def _group_codes(blk8, G: tl.constexpr, QTYPE: tl.constexpr):
     return q, a, b
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_GEMV_ARGS + ["M"])  # stride_wn's alignment serves the loads
 def _gemm_dot(x_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_xm, stride_wn,
               stride_ym, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr,
               DOT_DTYPE: tl.constexpr, CODE_BITS: tl.constexpr, CODE_OFF: tl.constexpr):
