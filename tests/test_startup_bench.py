@@ -4,6 +4,7 @@ RSS, finding llama-simple, the report's ratios and targets."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from localgen.bench import startup_bench as sb
 from localgen.bench.llama_cpp_peer import find_tool
@@ -78,3 +79,30 @@ def test_time_chat_gives_up_on_an_app_that_never_gets_ready():
     code = "import os, time, tty; tty.setraw(0); os.write(1, b'Message (Enter sends'); time.sleep(60)"
     run = sb.time_chat([sys.executable, "-c", code], limit_s=1.5)
     assert run.input_shown_s is not None and run.ready_s is None  # killed, not waited for
+
+
+def test_compile_package_writes_each_folders_bytecode(tmp_path, monkeypatch):
+    """Every folder the package is installed from gets its modules' bytecode; a module that
+    does not compile makes it report False."""
+    import importlib.machinery
+    import importlib.util
+
+    pkg, tui = tmp_path / "pkg", tmp_path / "tui"
+    for folder in (pkg, tui):
+        (folder / "sub").mkdir(parents=True)
+        (folder / "sub" / "m.py").write_text("X = 1\n")
+    specs = {"localgen": pkg, "localgen.tui": tui}
+
+    def find_spec(name):
+        if name not in specs:
+            return None
+        spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        spec.submodule_search_locations = [str(specs[name])]
+        return spec
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert sb.compile_package() is True
+    for folder in (pkg, tui):
+        assert Path(importlib.util.cache_from_source(str(folder / "sub" / "m.py"))).is_file()
+    (tui / "bad.py").write_text("def (:\n")
+    assert sb.compile_package() is False

@@ -8,7 +8,10 @@ a pipe, so only its exit time is comparable). Peak RSS is the child's ``ru_maxrs
 command); the following runs reuse it, as every later command does. Ratios are localgen over
 llama-simple, measured in the same run. `localgen chat` is started on a pseudo-terminal of 80x24
 and timed until its message box is drawn and until its status bar says ``ready`` (the model
-loaded: the first moment a question typed gets an answer).
+loaded: the first moment a question typed gets an answer). Before the first run localgen's modules
+are byte-compiled where they are installed (`compile_package`), as installing a wheel with pip
+does: under ``PYTHONDONTWRITEBYTECODE`` an editable install would otherwise compile every one of
+them from source at each start (``--no-bytecode`` times that).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class StartupResult:
     # the machine's 1-minute load average before the first run and after the last (None where the
     # platform has none): other processes on the cores stretch every time here
     load_average: tuple[float, float] | None = None
+    bytecode_compiled: bool = False  # localgen's modules byte-compiled before the runs
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -160,13 +164,30 @@ def localgen_cmd(model: str | None, prompt: str) -> list[str]:
     return cmd + (["--model", model] if model else [])
 
 
+def compile_package() -> bool:
+    """Byte-compile localgen's modules in every folder it is installed from (its package, and
+    in an editable install the kernels' and the TUI's folders), into their ``__pycache__``
+    folders, as pip does for a wheel. False when a module could not be compiled or written."""
+    import compileall
+    import importlib.util
+
+    folders: list[str] = []
+    for name in ("localgen", "localgen.kernels", "localgen.tui"):
+        spec = importlib.util.find_spec(name)
+        folders += list(spec.submodule_search_locations or ()) if spec is not None else []
+    return all([bool(compileall.compile_dir(f, quiet=2)) for f in dict.fromkeys(folders)])
+
+
 def run(model: str | None, gguf: Path | None, prompt: str = "hi", repeat: int = 3,
-        llama_cpp_bin: str | None = None, chat: bool = True,
+        llama_cpp_bin: str | None = None, chat: bool = True, bytecode: bool = True,
         log: Callable[[str], None] = lambda m: None) -> StartupResult:
     """Time ``repeat`` warm runs of each side plus localgen's first run, and with ``chat`` as
     many warm starts of `localgen chat`; ``gguf`` is the file llama-simple loads (None:
-    llama-simple is skipped)."""
+    llama-simple is skipped); ``bytecode``: `compile_package` first."""
     res = StartupResult(model=model or "embedded", prompt=prompt)
+    if bytecode:
+        log("byte-compiling localgen's modules…")
+        res.bytecode_compiled = compile_package()
     load_before = _load_average()
     simple = find_tool("llama-simple", llama_cpp_bin) if gguf is not None else None
     res.llama_simple_path = simple.name if simple else None  # the tool, not this machine's path
@@ -214,7 +235,8 @@ def report(res: StartupResult) -> list[str]:
         return (f"{name:<24} first token {first}   exit {ex:6.2f} s   peak RSS "
                 f"{rss / 1e6:7.1f} MB" + (f"   (exit status {bad})" if bad else ""))
 
-    lines = [f"model {res.model}, prompt {res.prompt!r}, medians of {len(res.localgen)} runs"]
+    lines = [f"model {res.model}, prompt {res.prompt!r}, medians of {len(res.localgen)} runs, "
+             f"localgen's modules {'byte-compiled first' if res.bytecode_compiled else 'as found'}"]
     if res.load_average is not None:
         lines.append(f"machine load (1-minute average) {res.load_average[0]:.2f} before, "
                      f"{res.load_average[1]:.2f} after, on {os.cpu_count()} CPUs")

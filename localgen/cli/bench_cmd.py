@@ -261,6 +261,7 @@ def startup(
     repeat: int = typer.Option(3, "--repeat", min=1, help="Warm runs of each side (medians are reported)."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Also time `localgen chat` until its model is ready (on a pseudo-terminal)."),
     llama_cpp_bin: Optional[str] = typer.Option(None, "--llama-cpp-bin", help="llama.cpp's llama-simple, or its folder.", show_default="$LLAMA_CPP_BIN, then PATH"),
+    bytecode: bool = typer.Option(True, "--bytecode/--no-bytecode", help="Byte-compile localgen's modules first, as installing a wheel does (without it, PYTHONDONTWRITEBYTECODE makes every start compile them)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the result as JSON here."),
 ) -> None:
     """Time from the command to the first token of `localgen generate --max-tokens 1`, and its peak RSS, beside llama.cpp's llama-simple on the same GGUF; `localgen chat` until ready.
@@ -274,7 +275,7 @@ def startup(
     from localgen.bench import startup_bench
 
     gguf = _peer_gguf(model)
-    res = startup_bench.run(model, gguf, prompt, repeat, llama_cpp_bin, chat=chat,
+    res = startup_bench.run(model, gguf, prompt, repeat, llama_cpp_bin, chat=chat, bytecode=bytecode,
                             log=lambda m: typer.echo(m, err=True))
     _print_and_save(startup_bench.report(res), res, out)
 
