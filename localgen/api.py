@@ -92,6 +92,13 @@ class LLM:
         memory and load time that a server or a batch repays and a single prompt does not; with
         float32 the file's blocks are all the weights.
 
+        ``prefill_copies``: on the CPU in float32 (``dtype`` float32, or None on a CPU with native
+        bf16, where it takes precedence over ``cpu_int4``), a GGUF's layer matrices keep their
+        blocks for decode steps (the float32 block path's fused C layer) and gain bf16 copies
+        for products of more rows (prefill), made at the first such product
+        (``cpu_int4.BlocksWithCopy``): two bytes a weight more than the blocks. Ignored
+        elsewhere.
+
         ``policy`` (a ``localgen.policy.Policy``) runs the offloading runtime: layers on
         GPU / pinned CPU / disk files under ``offload_dir``, KV and activations split by the
         policy, the zig-zag block schedule, 4-bit compression. ``max_num_seqs`` defaults to 64, or
@@ -108,14 +115,20 @@ class LLM:
         status.stage(f"opening {getattr(model, 'name', None) or model or 'the embedded model'}")
         src = resolve_model(model, revision=revision)
         dev = torch.device(device) if device else default_device()
-        if dtype is None and dev.type == "cpu" and policy is None:
+        copies = False
+        if dev.type == "cpu" and policy is None:
             from localgen.quant import cpu_int4 as int4_path
 
-            # 4-bit GGUF on a bf16-capable CPU: torch's int4 kernel takes bf16 activations and
-            # decode reads the packed 4-bit matrices (the weights are 4-bit already, so float32
-            # buys no exactness); float32 stays the default elsewhere (the correctness oracle)
-            fast = cpu_int4 and int4_path.fast_cpu_default(src.weights)
-            dtype = torch.bfloat16 if fast else None
+            if dtype is None:
+                # bf16 copies pay only where bf16 GEMMs are native; else a 4-bit GGUF on a
+                # bf16-capable CPU takes torch's int4 kernel with bf16 activations (the weights
+                # are 4-bit already, so float32 buys no exactness); float32 stays the default
+                # elsewhere (the correctness oracle)
+                copies = prefill_copies and int4_path.native_bf16()
+                fast = not copies and cpu_int4 and int4_path.fast_cpu_default(src.weights)
+                dtype = torch.bfloat16 if fast else None
+            else:
+                copies = prefill_copies and _dtype(dtype, dev) == torch.float32
         cfg = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens,
                            enable_prefix_caching=enable_prefix_caching,
@@ -132,7 +145,7 @@ class LLM:
                                  dtype=dtype, name=src.name, source=src, policy=policy,
                                  offload_dir=offload_dir, gpu_memory=gpu_memory,
                                  cpu_memory=cpu_memory, gguf_native=gguf_native,
-                                 prefill_copies=prefill_copies)
+                                 prefill_copies=copies)
         status.done(f"{src.name} loaded")
         return llm
 

@@ -128,3 +128,65 @@ def test_long_prompt_prefills_from_the_copies_and_decodes_from_the_blocks(tiny_q
             m._copy = torch.full_like(m._copy, float("nan"))
 
     assert _greedy(_load(tiny_q4_1, True), prompt, after_prefill=poison) == (tokens, lps)
+
+
+def test_decode_steps_past_the_row_limit_take_the_copies(tiny_q4_1, monkeypatch):
+    """Two sequences decode together: within ``BLOCKS_DECODE_MAX_M`` rows the layer runs the
+    fused decode step on the blocks; past it (the limit set to 1) the op-by-op path, where
+    each product dispatches by M."""
+    from localgen.api import Request, SamplingParams
+    from localgen.models import llama
+
+    calls = []
+    real = llama._blocks_products
+    monkeypatch.setattr(llama, "_blocks_products", lambda *a: calls.append(1) or real(*a))
+
+    def run(limit: int) -> int:
+        monkeypatch.setattr(cpu_int4, "BLOCKS_DECODE_MAX_M", limit)
+        calls.clear()
+        llm = _load(tiny_q4_1, True)
+        sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        llm.generate([Request(prompt_token_ids=p, sampling=sp) for p in ([5, 9], [30, 41])])
+        return len(calls)
+
+    assert run(16) > 0 and run(1) == 0
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_dtype_left_open_with_prefill_copies(tiny_q4_1, monkeypatch, native):
+    """``prefill_copies`` with ``dtype`` unset: float32 with copies where the CPU has native bf16
+    (before the int4 path), else the choice without copies (float32 blocks here: the int4 path
+    needs native bf16 too); a dtype given other than float32 makes no copies."""
+    from localgen.api import LLM
+
+    monkeypatch.setattr(cpu_int4, "native_bf16", lambda: native)
+    llm = LLM.load(str(tiny_q4_1), device="cpu", kv_cache_memory=1 << 22, prefill_copies=True)
+    qkv = llm.engine.model.layers[0]["qkv"]
+    assert llm.engine.model.dtype == torch.float32
+    assert type(qkv) is (cpu_int4.BlocksWithCopy if native else PackedGGUFWeight)
+    bf16 = LLM.load(str(tiny_q4_1), device="cpu", dtype="bfloat16", kv_cache_memory=1 << 22,
+                    prefill_copies=True)
+    assert not any(type(m) is cpu_int4.BlocksWithCopy for m in bf16.engine.model.layers[0].values())
+
+
+def test_serve_asks_for_prefill_copies_only_with_dtype_left_open(monkeypatch):
+    """``localgen serve`` loads with ``prefill_copies`` when ``--dtype`` is not given; with it,
+    the path the dtype names (``--dtype float32``: the float32 block path alone)."""
+    import typer
+    from typer.testing import CliRunner
+
+    from localgen.api import LLM
+    from localgen.cli import serve_cmd
+
+    seen = []
+
+    def fake_load(*a, **kw):
+        seen.append(kw)
+        raise RuntimeError("stop after the load call")
+
+    monkeypatch.setattr(LLM, "load", staticmethod(fake_load))
+    app = typer.Typer()
+    app.command()(serve_cmd.serve)
+    for args in ([], ["--dtype", "float32"]):
+        CliRunner().invoke(app, args)
+    assert [kw.get("prefill_copies") for kw in seen] == [True, False]

@@ -78,7 +78,7 @@ def serve(
     typer.echo(f"loading {model or 'the embedded model'} ...", err=True)
     service = EngineService(lambda: LLM.load(model, kv_cache_memory=kv, max_num_seqs=max_num_seqs,
                                              max_model_len=max_model_len, dtype=dtype,
-                                             device=device)).start()
+                                             device=device, prefill_copies=dtype is None)).start()
     try:
         service.wait_ready()
     except Exception as e:  # noqa: BLE001 - the load error, shown as such

@@ -26,7 +26,7 @@ from localgen.models import moe
 from localgen.models.fuse import fuse_qkv, fuse_rows, project_qkv
 from localgen.models.moe_options import EXPERT_SHORTS, moe_layer_names
 from localgen.models.rope import RotaryPositions, _signed_sin, apply_rope
-from localgen.quant import embedding, linear
+from localgen.quant import cpu_int4, embedding, linear
 from localgen.quant.cpu_int4 import BlocksWithCopy, Int4Linear
 from localgen.quant.gguf_blocks import gguf_decode_products
 
@@ -172,7 +172,8 @@ def _cpu_decode_mats(cfg: ModelConfig, w: dict, h: torch.Tensor, kv: LayerKV):
     dtype (no score observer), whose matrices are either all int4 (bf16 activations) or all
     GGUF blocks (``PackedGGUFWeight``; float32 or bf16 activations; q/k/v may stay three
     matrices where their types differ), or all GGUF blocks with bf16 copies
-    (``BlocksWithCopy``, read through their blocks) when the step has at most ``max_m`` rows."""
+    (``BlocksWithCopy``, read through their blocks) when the step has at most
+    ``cpu_int4.BLOCKS_DECODE_MAX_M`` rows."""
     if (cfg.activation not in ("silu", "swish") or "gate_up" not in w or moe.is_moe(w)
             or any(k in w for k in ("qkv_bias", "q_bias", "k_bias", "v_bias", "o_bias",
                                     "down_bias"))
@@ -181,7 +182,7 @@ def _cpu_decode_mats(cfg: ModelConfig, w: dict, h: torch.Tensor, kv: LayerKV):
     n = h.shape[0]
     mats = (w.get("qkv"), w.get("o"), w["gate_up"], w.get("down"))
     if type(mats[2]) is BlocksWithCopy:  # with_copies wraps every GGUF matrix of the layer
-        if n > mats[2].max_m:
+        if n > cpu_int4.BLOCKS_DECODE_MAX_M:
             return None  # the step reads the bf16 copies: the op-by-op path, by M
         return _blocks_products(w, mats)
     if h.dtype == torch.bfloat16 and all(

@@ -307,6 +307,10 @@ def replaced_names(packed: dict[str, Int4Linear]) -> set[str]:
 # than its bf16 copy: the kernel reads a quarter of the bytes, which wins while a product is
 # bound by the weight read; past it the bf16 GEMM's compute wins (``docs/benchmarks.md``, issue 30)
 BLOCKS_MAX_M = 8
+# Largest decode step (rows) that reads the blocks through the fused C decode layer
+# (``llama._cpu_decode_layer``) rather than the bf16 copies op by op: fused, the blocks' step
+# stays ahead past the single product's crossover
+BLOCKS_DECODE_MAX_M = 16
 
 
 class BlocksWithCopy:
