@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -229,6 +229,76 @@ def product(raw: torch.Tensor, qtype: int, k: int,
         return y
 
     return run
+
+
+# The C's T_SEGMENTS and MAX_SEGMENTS: a matrix given as a table of row segments.
+SEGMENTS = 1000
+MAX_SEGMENTS = 4
+
+
+class _Segment(ctypes.Structure):
+    _fields_ = [("w", _p), ("n", _i64), ("w_stride", _i64), ("qtype", _int)]
+
+
+class _Segments(ctypes.Structure):
+    _fields_ = [("count", _int), ("seg", _Segment * MAX_SEGMENTS)]
+
+
+class RowSegments:
+    """Matrices of k values a row, each in its own GGUF type, stacked along rows without a copy
+    (Q4_K_M's q, k and v, whose types differ), for the C entry points as one matrix: pass
+    ``address`` as the weight, ``n`` rows, ``qtype`` ``SEGMENTS``. A call quantizes x once per
+    activation block size and sweeps every segment in one parallel region; each output equals
+    ``matmul`` of its own segment bit for bit. Holds the raw tensors, so the addresses stay valid
+    while it lives.
+
+    raws: up to ``MAX_SEGMENTS`` ``[n_j, row_bytes]`` uint8 CPU tensors; qtypes: their types (in
+    ``SUPPORTED``). Raises ValueError as ``matmul`` for a bad raw, or for no, too many or an
+    unsupported segment."""
+
+    def __init__(self, raws: Sequence[torch.Tensor], qtypes: Sequence[int], k: int):
+        if not 1 <= len(raws) <= MAX_SEGMENTS or len(raws) != len(qtypes):
+            raise ValueError(f"gguf_cpu: {len(raws)} segments with {len(qtypes)} types; 1 to "
+                             f"{MAX_SEGMENTS} segments, one type each")
+        for raw, qtype in zip(raws, qtypes):
+            if int(qtype) not in SUPPORTED:
+                raise ValueError(f"gguf_cpu: segment type {Q(qtype).name} is not in SUPPORTED")
+            _check(torch.empty((0, k)), raw, int(qtype), k)
+        self.raws, self.qtypes, self.k = tuple(raws), tuple(int(t) for t in qtypes), k
+        self.n = sum(r.shape[0] for r in raws)
+        self.qtype = SEGMENTS
+        self._table = _Segments(len(raws))
+        for j, (raw, qtype) in enumerate(zip(raws, self.qtypes)):
+            self._table.seg[j] = _Segment(raw.data_ptr(), raw.shape[0], raw.stride(0), qtype)
+        self.address = ctypes.addressof(self._table)
+
+    def work_split(self, m: int, activations: str = "q8") -> tuple[int, int, int]:
+        """(threads, m_tile, n_chunk) for m activation rows: ``work_split``'s for the widest
+        rows of any segment over all n rows."""
+        layouts = [_layout(t, self.k) for t in self.qtypes]
+        wrow = max(w for w, _ in layouts)
+        xrow = 4 * self.k if activations == "f32" else max(x for _, x in layouts)
+        return _plan(m, self.n, self.k, SEGMENTS, wrow, xrow)
+
+    def matmul(self, x: torch.Tensor, activations: str = "q8") -> torch.Tensor:
+        """``x @ W.T`` for x ``[m, k]`` (float32, or converted) -> ``[m, n]`` float32: the
+        segments' products side by side. Raises ValueError for x's shape or ``activations``."""
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+        if x.dim() != 2 or x.shape[1] != self.k or not x.is_cpu:
+            raise ValueError(f"gguf_cpu: x has shape {tuple(x.shape)} on {x.device}, expected "
+                             f"[m, {self.k}] on the CPU")
+        x = x.to(torch.float32).contiguous()
+        lib = _lib()
+        entry = lib.lg_gguf_matmul_f32 if activations == "f32" else lib.lg_gguf_matmul
+        y = torch.empty((x.shape[0], self.n), dtype=torch.float32)
+        threads, m_tile, n_chunk = self.work_split(x.shape[0], activations)
+        rc = entry(x.data_ptr(), x.shape[0], self.k, self.address, self.n, 0, SEGMENTS,
+                   y.data_ptr(), threads, m_tile, n_chunk, 0)
+        if rc:
+            raise ValueError(f"gguf_cpu: the kernel rejected x {tuple(x.shape)} against "
+                             f"segments {[Q(t).name for t in self.qtypes]} (code {rc})")
+        return y
 
 
 def _raise(rc: int, x: torch.Tensor, raw: torch.Tensor, qtype: int) -> None:

@@ -208,3 +208,37 @@ def test_no_compiler_returns_none(monkeypatch, tmp_path):
         assert gguf_cpu.dequantize(raw, Q.Q8_0, 64) is None
     finally:
         cpu_build.load.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("types", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q5_0, Q.Q5_0, Q.Q8_0),
+                                   (Q.Q5_0, Q.Q6_K, Q.IQ4_NL)], ids=lambda ts: "-".join(t.name for t in ts))
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("activations", gguf_cpu.ACTIVATIONS)
+def test_row_segments_equal_each_segments_own_product(types, m, activations, seed):
+    """q/k/v of different types as one call (Q4_K_M's; the third case mixes 32- and 256-value
+    activation blocks): each segment's columns are its own ``matmul``'s bits."""
+    rng = np.random.default_rng(seed)
+    raws = [random_blocks(t, n, 512, rng) for t, n in zip(types, (37, 9, 13))]
+    x = torch.from_numpy(rng.standard_normal((m, 512), dtype=np.float32))
+    segs = gguf_cpu.RowSegments(raws, types, 512)
+    want = torch.cat([gguf_cpu.matmul(x, r, t, 512, activations) for r, t in zip(raws, types)], 1)
+    assert segs.n == 59 and torch.equal(segs.matmul(x, activations), want)
+
+
+@needs_kernel
+def test_row_segments_are_checked(seed):
+    raw = random_blocks(Q.Q4_K, 4, 512, np.random.default_rng(seed))
+    with pytest.raises(ValueError, match="1 to 4 segments"):
+        gguf_cpu.RowSegments([raw] * 5, [Q.Q4_K] * 5, 512)
+    with pytest.raises(ValueError, match="IQ2_XXS is not in SUPPORTED"):
+        gguf_cpu.RowSegments([raw], [Q.IQ2_XXS], 512)
+    with pytest.raises(ValueError, match=r"raw has shape \(4, 288\).*Q6_K"):
+        gguf_cpu.RowSegments([raw], [Q.Q6_K], 512)
+    segs = gguf_cpu.RowSegments([raw], [Q.Q4_K], 512)
+    with pytest.raises(ValueError, match=r"x has shape \(1, 256\)"):
+        segs.matmul(torch.zeros(1, 256))
+    y = torch.empty(1, 5)
+    # a table whose rows do not add up to n: the C's -4
+    assert gguf_cpu._lib().lg_gguf_matmul(torch.zeros(1, 512).data_ptr(), 1, 512, segs.address, 5,
+                                          0, gguf_cpu.SEGMENTS, y.data_ptr(), 1, 4, 4, 0) == -4

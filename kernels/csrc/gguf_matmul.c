@@ -1069,18 +1069,19 @@ static int check_rows(int qtype, int64_t k, int64_t w_stride) {
     return 0;
 }
 
-/* The shared work split, run inside a parallel region (its loop is an orphaned omp for):
- * threads take chunks of n_chunk output rows; within a chunk, activation rows go m_tile at a
- * time, 4 per weight-row visit. Activation row i is at xa + i * xs bytes: quantized rows for
- * rows(), float32 rows (xs = 4 k) for rowsf() when f32. */
+/* The shared work split, run inside a parallel region (its loop is an orphaned omp for, nowait:
+ * the caller's region ends in a barrier, and consecutive sweeps write apart): threads take
+ * chunks of n_chunk output rows; within a chunk, activation rows go m_tile at a time, 4 per
+ * weight-row visit. Activation row i is at xa + i * xs bytes: quantized rows for rows(), float32
+ * rows (xs = 4 k) for rowsf() when f32. Output row i starts at y + i * ldy. */
 static void sweep(int qtype, const uint8_t *w, int64_t w_stride, int64_t n, const uint8_t *xa,
-                  size_t xs, int64_t m, int64_t k, float *y, int64_t m_tile, int64_t n_chunk,
-                  int f32, int scalar) {
+                  size_t xs, int64_t m, int64_t k, float *y, int64_t ldy, int64_t m_tile,
+                  int64_t n_chunk, int f32, int scalar) {
     const int64_t chunks = (n + n_chunk - 1) / n_chunk;
 #ifdef LG_AVX2
     const w4_fn w4 = m == 1 && !f32 && !scalar ? w4_kernel(qtype) : NULL;
 #endif
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t r0 = c * n_chunk, r1 = r0 + n_chunk < n ? r0 + n_chunk : n;
         int64_t r4 = r0;
@@ -1094,19 +1095,61 @@ static void sweep(int qtype, const uint8_t *w, int64_t w_stride, int64_t n, cons
                 for (int64_t i = i0; i < i1; i += 4) {
                     const int nx = (int)(i1 - i < 4 ? i1 - i : 4);
                     if (f32) rowsf(qtype, w + r * w_stride, (const float *)(xa + i * xs), k,
-                                   y + i * n + r, n, nx, scalar);
-                    else rows(qtype, w + r * w_stride, xa + i * xs, xs, k, y + i * n + r, n, nx,
-                              scalar);
+                                   y + i * ldy + r, ldy, nx, scalar);
+                    else rows(qtype, w + r * w_stride, xa + i * xs, xs, k, y + i * ldy + r, ldy,
+                              nx, scalar);
                 }
         }
     }
 }
 
-/* The checks of lg_gguf_matmul*: check_rows' error code, 0 when there is nothing to compute, else
- * 1 with the unset work-split arguments (below 1) made one M tile, one N chunk, one thread. */
-static int prepare(int qtype, int64_t k, int64_t w_stride, int64_t m, int64_t n, int64_t *m_tile,
-                   int64_t *n_chunk, int *threads) {
-    const int rc = check_rows(qtype, k, w_stride);
+/* A matrix whose rows come in segments of different types (Q4_K_M's q, k and v stacked), which
+ * the entry points take as one matrix: qtype T_SEGMENTS, w the address of an lg_segments (the
+ * segments' rows in order, n their sum; w_stride unused). One call quantizes x once per
+ * activation block size and sweeps every segment in one parallel region; each output equals
+ * its segment's own call bit for bit. */
+#define T_SEGMENTS 1000
+#define MAX_SEGMENTS 4
+typedef struct {
+    const uint8_t *w;
+    int64_t n, w_stride;
+    int qtype;
+} lg_segment;
+typedef struct {
+    int count;
+    lg_segment seg[MAX_SEGMENTS];
+} lg_segments;
+
+/* The segments a call names in *s: the table at w for T_SEGMENTS, else the one matrix. Returns
+ * check_rows' code for the first bad segment, -4 for a table of no or too many segments, of a
+ * negative row count, or whose rows do not add up to n. */
+static int segments_of(const uint8_t *w, int64_t n, int64_t w_stride, int qtype, int64_t k,
+                       lg_segments *s) {
+    if (qtype != T_SEGMENTS) {
+        s->count = 1;
+        s->seg[0] = (lg_segment){w, n, w_stride, qtype};
+        return check_rows(qtype, k, w_stride);
+    }
+    const lg_segments *t = (const lg_segments *)w;
+    if (!t || t->count < 1 || t->count > MAX_SEGMENTS) return -4;
+    int64_t rows = 0;
+    for (int j = 0; j < t->count; j++) {
+        const int rc = check_rows(t->seg[j].qtype, k, t->seg[j].w_stride);
+        if (rc) return rc;
+        if (t->seg[j].n < 0) return -4;
+        rows += t->seg[j].n;
+    }
+    if (rows != n) return -4;
+    *s = *t;
+    return 0;
+}
+
+/* The checks of lg_gguf_matmul*: segments_of's error code, 0 when there is nothing to compute,
+ * else 1 with the unset work-split arguments (below 1) made one M tile, one N chunk, one
+ * thread. */
+static int prepare(const uint8_t *w, int64_t n, int64_t w_stride, int qtype, int64_t k, int64_t m,
+                   lg_segments *s, int64_t *m_tile, int64_t *n_chunk, int *threads) {
+    const int rc = segments_of(w, n, w_stride, qtype, k, s);
     if (rc) return rc;
     if (m <= 0 || n <= 0) return 0;
     if (*m_tile < 1) *m_tile = m;
@@ -1115,33 +1158,63 @@ static int prepare(int qtype, int64_t k, int64_t w_stride, int64_t m, int64_t n,
     return 1;
 }
 
+/* Values per activation block for weights of qtype: 256 for the K-quants and IQ4_XS. */
+static int act_block(int qtype) { return block_values(qtype) == 256 ? 256 : 32; }
+
+/* Every segment swept, inside a parallel region: segment j's activation rows at xa[a] (a = 1
+ * for 256-value activation blocks), xs[a] bytes apart, its outputs the next columns of y. */
+static void sweep_segments(const lg_segments *s, uint8_t *const xa[2], const size_t xs[2],
+                           int64_t m, int64_t k, float *y, int64_t n, int64_t m_tile,
+                           int64_t n_chunk, int f32, int scalar) {
+    int64_t col = 0;
+    for (int j = 0; j < s->count; j++) {
+        const lg_segment *g = &s->seg[j];
+        const int a = act_block(g->qtype) == 256;
+        sweep(g->qtype, g->w, g->w_stride, g->n, xa[a], xs[a], m, k, y + col, n, m_tile, n_chunk,
+              f32, scalar);
+        col += g->n;
+    }
+}
+
 /* y [m, n] float32 = x [m, k] float32 (contiguous) . W^T, W's row r at w + r * w_stride (bytes)
- * holding k / block_values blocks of qtype, the activations rounded to 8 bits per block first.
- * Work split as sweep(); scalar != 0 forces the scalar path.
+ * holding k / block_values blocks of qtype (or the segments of T_SEGMENTS), the activations
+ * rounded to 8 bits per block first. Work split as sweep(); scalar != 0 forces the scalar path.
  * Returns 0; -1 for a type not implemented; -2 for k not a multiple of the block or a row stride
- * shorter than a row; -3 when the activation buffer cannot be allocated. */
+ * shorter than a row; -3 when the activation buffer cannot be allocated; -4 for a bad segment
+ * table. */
 int lg_gguf_matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n,
                    int64_t w_stride, int qtype, float *y, int threads, int64_t m_tile,
                    int64_t n_chunk, int scalar) {
-    const int go = prepare(qtype, k, w_stride, m, n, &m_tile, &n_chunk, &threads);
+    lg_segments s;
+    const int go = prepare(w, n, w_stride, qtype, k, m, &s, &m_tile, &n_chunk, &threads);
     if (go <= 0) return go;
-    const int ablock = (qtype == T_Q2_K || qtype == T_Q3_K || qtype == T_Q4_K || qtype == T_Q5_K
-                        || qtype == T_Q6_K || qtype == T_IQ4_XS) ? 256 : 32;
-    const size_t xs = xrow_bytes(k, ablock);
-    uint8_t *xq = aligned_alloc(64, xs * (size_t)m);
-    if (!xq) return -3;
+    int need[2] = {0, 0};
+    for (int j = 0; j < s.count; j++) need[act_block(s.seg[j].qtype) == 256] = 1;
+    const int blocks[2] = {32, 256};
+    const size_t xs[2] = {xrow_bytes(k, 32), xrow_bytes(k, 256)};
+    uint8_t *xq[2] = {NULL, NULL};
+    for (int a = 0; a < 2; a++)
+        if (need[a] && !(xq[a] = aligned_alloc(64, xs[a] * (size_t)m))) {
+            free(xq[0]);
+            return -3;
+        }
     /* A few rows quantize faster than a barrier waits for a thread that has no core yet. */
     const int serial_quant = m * k < SERIAL_QUANT_VALUES;
-    if (serial_quant) quant_rows(x, 0, m, k, ablock, xq, xs);
+    if (serial_quant)
+        for (int a = 0; a < 2; a++)
+            if (need[a]) quant_rows(x, 0, m, k, blocks[a], xq[a], xs[a]);
 #pragma omp parallel num_threads(threads)
     {
-        if (!serial_quant) {
+        if (!serial_quant)
+            for (int a = 0; a < 2; a++) {
+                if (!need[a]) continue;
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < m; i++) quant_rows(x, i, i + 1, k, ablock, xq, xs);
-        }
-        sweep(qtype, w, w_stride, n, xq, xs, m, k, y, m_tile, n_chunk, 0, scalar);
+                for (int64_t i = 0; i < m; i++) quant_rows(x, i, i + 1, k, blocks[a], xq[a], xs[a]);
+            }
+        sweep_segments(&s, xq, xs, m, k, y, n, m_tile, n_chunk, 0, scalar);
     }
-    free(xq);
+    free(xq[0]);
+    free(xq[1]);
     return 0;
 }
 
@@ -1151,11 +1224,13 @@ int lg_gguf_matmul(const float *x, int64_t m, int64_t k, const uint8_t *w, int64
 int lg_gguf_matmul_f32(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n,
                        int64_t w_stride, int qtype, float *y, int threads, int64_t m_tile,
                        int64_t n_chunk, int scalar) {
-    const int go = prepare(qtype, k, w_stride, m, n, &m_tile, &n_chunk, &threads);
+    lg_segments s;
+    const int go = prepare(w, n, w_stride, qtype, k, m, &s, &m_tile, &n_chunk, &threads);
     if (go <= 0) return go;
+    uint8_t *const xa[2] = {(uint8_t *)x, (uint8_t *)x};
+    const size_t xs[2] = {4 * (size_t)k, 4 * (size_t)k};
 #pragma omp parallel num_threads(threads)
-    sweep(qtype, w, w_stride, n, (const uint8_t *)x, 4 * (size_t)k, m, k, y, m_tile, n_chunk, 1,
-          scalar);
+    sweep_segments(&s, xa, xs, m, k, y, n, m_tile, n_chunk, 1, scalar);
     return 0;
 }
 
