@@ -63,15 +63,15 @@ class DecodeConfig:
 CODE_MODES = {"i2f": 0, "shift": 1, "mask": 2}
 
 
-# (qtype, M = 1 or M > 1) -> config. The defaults follow the bytes a program reads per tile and
-# fill the GPU through K splits; a sweep on the target GPU replaces them.
+# (qtype, M == 1) -> config: the one place to change after ``gguf_gemm_bench --sweep``. Until
+# a sweep picks, the gemv tile gives each thread several rows (an activation value loaded once
+# serves them) and two blocks a step, and K splits fill the GPU.
+_GEMV = DecodeConfig("gemv", block_n=16, num_warps=2, blocks_per_step=2)
+_DOT = DecodeConfig("dot", block_n=32, num_warps=4)
 DECODE_CONFIGS: dict[tuple[int, bool], DecodeConfig] = {
-    (Q4_K, True): DecodeConfig("gemv", block_n=16, num_warps=4),
-    (Q4_K, False): DecodeConfig("dot", block_n=32, num_warps=4),
-    (Q5_K, True): DecodeConfig("gemv", block_n=16, num_warps=4),
-    (Q5_K, False): DecodeConfig("dot", block_n=32, num_warps=4),
-    (Q6_K, True): DecodeConfig("gemv", block_n=16, num_warps=4),
-    (Q6_K, False): DecodeConfig("dot", block_n=32, num_warps=4),
+    (Q4_K, True): _GEMV, (Q4_K, False): _DOT,
+    (Q5_K, True): _GEMV, (Q5_K, False): _DOT,
+    (Q6_K, True): _GEMV, (Q6_K, False): _DOT,
 }
 
 

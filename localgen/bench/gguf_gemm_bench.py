@@ -132,6 +132,9 @@ def sweep_configs() -> list:
 
     return [C("file", 32),
             C("gemv", 16, num_warps=4), C("gemv", 16, num_warps=2), C("gemv", 32, num_warps=4),
+            C("gemv", 16, num_warps=2, blocks_per_step=2), C("gemv", 32, num_warps=1),
+            C("gemv", 32, num_warps=1, blocks_per_step=2),
+            C("gemv", 16, num_warps=1, programs_per_sm=8),
             C("gemv", 16, num_warps=4, codes="i2f"), C("gemv", 16, num_warps=4, codes="shift"),
             C("gemv", 8, split_k=1, num_warps=1, blocks_per_step=2),
             C("gemv", 8, split_k=1, num_warps=2, blocks_per_step=2),
@@ -232,6 +235,8 @@ def sweep(shapes: dict[str, tuple[int, int]], qtypes, ms, dev, dtype=torch.bfloa
 def _rank(cells: list[dict], n_shapes: int) -> dict:
     """Per ``"type T M=m"``: ``[(config, summed us)]`` best first, over configs that ran on
     every shape; printed with the config to put in ``gguf_gemv.DECODE_CONFIGS``."""
+    from localgen.kernels import gguf_gemv
+
     sums: dict[tuple, dict] = {}
     for c in cells:
         if "us" in c:
@@ -243,8 +248,10 @@ def _rank(cells: list[dict], n_shapes: int) -> dict:
         ranked = sorted((v[0], lab, v[2]["cfg"]) for lab, v in per.items() if v[1] == n_shapes)
         out[f"type {qt} M={m}"] = [(lab, us) for us, lab, _ in ranked]
         if ranked:
-            print(f"type {qt} M={m}: best {ranked[0][1]} ({ranked[0][0]:.1f} us over the shapes): "
-                  f"DecodeConfig(**{ranked[0][2]})", flush=True)
+            default = label(gguf_gemv.default_config(qt, m))
+            now = next((f"{us:.1f} us" for us, lab, _ in ranked if lab == default), "not swept")
+            print(f"type {qt} M={m}: best {ranked[0][1]} ({ranked[0][0]:.1f} us over the shapes; "
+                  f"the default {default}: {now}): DecodeConfig(**{ranked[0][2]})", flush=True)
     return out
 
 
