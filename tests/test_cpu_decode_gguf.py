@@ -101,9 +101,9 @@ def _layer_weights(hidden, heads, kv_heads, d, inter, dtype, fused_qkv: bool) ->
 @pytest.mark.parametrize("c_ops", ["drivers", True, False])
 def test_gguf_decode_layer_is_bit_identical_to_layer(dtype, num_seqs, fused_qkv, c_ops, monkeypatch):
     """The fused CPU decode layer over GGUF blocks gives exactly the generic layer's output and
-    cache writes, with the C layer ops (float32 rows of a fused q/k/v: through the decode
-    drivers, three C calls around attention; else, or with the drivers turned off, one call a
-    step) and with their torch twins; it steps aside for a bias and under
+    cache writes, with the C layer ops (float32 rows: through the decode drivers, three C calls
+    around attention, q/k/v of mixed types as one segmented matrix; else, or with the drivers
+    turned off, one call a step) and with their torch twins; it steps aside for a bias and under
     ``LOCALGEN_GGUF_CPU_KERNEL=0``."""
     from localgen.models.config import ModelConfig
     from localgen.models.rope import inv_frequencies, rope_cos_sin
@@ -124,7 +124,7 @@ def test_gguf_decode_layer_is_bit_identical_to_layer(dtype, num_seqs, fused_qkv,
     kv_ref = LayerKV(ref_pair[0], ref_pair[1], ref_pair)
     assert llama._cpu_decode_mats(cfg, w, h, kv_fast) is not None
     calls = []
-    driven = c_ops == "drivers" and dtype == torch.float32 and fused_qkv
+    driven = c_ops == "drivers" and dtype == torch.float32
     if c_ops == "drivers":
         qkv_call = ops.decode_qkv
         monkeypatch.setattr(llama.cpu_ops, "decode_qkv", lambda *a: calls.append(2) or qkv_call(*a))

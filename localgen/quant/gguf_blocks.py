@@ -417,19 +417,24 @@ class GGUFDecodeDrivers:
 
     def args(self, rows: int) -> tuple:
         """``MatArgs`` of (qkv, o, gate_up, down) for a step of ``rows`` activation rows, with
-        ``gguf_cpu.matmul``'s work split (so the products equal its results bit for bit)."""
+        ``gguf_cpu.matmul``'s work split (so the products equal its results bit for bit); a
+        qkv of mixed types is the kernel's ``RowSegments``."""
         key = (rows, torch.get_num_threads())
         got = self._args.get(key)
         if got is None:
-            from localgen.kernels.layer_ops_cpu import MatArgs
-
-            got = self._args[key] = tuple(
-                MatArgs(m.raw.data_ptr(), m.shape[0], m.shape[1], m.raw.stride(0), m_tile,
-                        n_chunk, int(m.qtype), threads)
-                for m in self.mats
-                for threads, m_tile, n_chunk in
-                [self._mod.work_split(rows, m.raw, int(m.qtype), m.shape[1], self._act)])
+            got = self._args[key] = tuple(self._mat_args(m, rows) for m in self.mats)
         return got
+
+    def _mat_args(self, m, rows: int):
+        from localgen.kernels.layer_ops_cpu import MatArgs
+
+        if isinstance(m, PackedGGUFWeight):
+            threads, m_tile, n_chunk = self._mod.work_split(rows, m.raw, int(m.qtype), m.shape[1],
+                                                            self._act)
+            return MatArgs(m.raw.data_ptr(), m.shape[0], m.shape[1], m.raw.stride(0), m_tile,
+                           n_chunk, int(m.qtype), threads)
+        threads, m_tile, n_chunk = m.work_split(rows, self._act)
+        return MatArgs(m.address, m.n, m.k, 0, m_tile, n_chunk, m.qtype, threads)
 
 
 def _decode_drivers(mats: tuple, mod, activations: str) -> GGUFDecodeDrivers | None:
@@ -439,7 +444,7 @@ def _decode_drivers(mats: tuple, mod, activations: str) -> GGUFDecodeDrivers | N
 
     matmul = mod.entry_address(activations)
     if (len(mats) != 4 or matmul is None or not layer_ops_cpu.available()
-            or any(m.raw.stride(1) != 1 for m in mats)):
+            or any(r.stride(1) != 1 for m in mats for r in getattr(m, "raws", None) or (m.raw,))):
         return None
     return GGUFDecodeDrivers(mats, matmul, activations, mod)
 
@@ -473,5 +478,9 @@ def gguf_decode_products(qkv, rest: Sequence) -> DecodeProducts | None:
     else:
         q, k, v = prods[:3]
         out = DecodeProducts((lambda x: torch.cat((q(x), k(x), v(x)), dim=1), *prods[3:]))
+        if all(p.shape[1] == parts[0].shape[1] for p in parts):  # q/k/v of mixed types: one call
+            segs = mod.RowSegments([p.raw for p in parts], [int(p.qtype) for p in parts],
+                                   parts[0].shape[1])
+            out.drivers = _decode_drivers((segs, *rest), mod, act)
     mats[0].__dict__["_decode_products"] = (key, out)
     return out
