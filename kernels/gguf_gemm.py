@@ -24,10 +24,13 @@ low nibbles and ``2c + 1`` in the high ones, with 6-bit scales and mins packed i
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 import triton.language as tl
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from triton.errors import TritonError
 
 from . import gguf_gemv
 
@@ -214,6 +217,28 @@ def _new_kernel_serves(raw: torch.Tensor, qtype: int, cfg: gguf_gemv.DecodeConfi
             and raw.stride(0) % step == 0)
 
 
+# (qtype, M == 1) -> the error of a default gguf_gemv config that failed in this process
+FAILED_DEFAULTS: dict[tuple[int, bool], str] = {}
+
+
+def _default_gguf_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int):
+    """``gguf_gemv.matmul`` under the default config, or None where it does not serve the call
+    or has failed to compile or run in this process: a model's decode then keeps running, on
+    the file kernel, after one RuntimeWarning that names the config and the error."""
+    key = (qtype, x.shape[0] == 1)
+    cfg = gguf_gemv.default_config(qtype, x.shape[0])
+    if key in FAILED_DEFAULTS or not _new_kernel_serves(raw, qtype, cfg):
+        return None
+    try:
+        return gguf_gemv.matmul(x, raw, qtype, k, cfg)
+    except (TritonError, RuntimeError) as exc:
+        FAILED_DEFAULTS[key] = f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"gguf_gemv's default {cfg} for GGUF type {qtype} at M={x.shape[0]} "
+                      f"failed ({FAILED_DEFAULTS[key][:300]}); the file-layout kernel serves "
+                      "it in this process", RuntimeWarning, stacklevel=3)
+        return None
+
+
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
            cfg: gguf_gemv.DecodeConfig | None = None) -> torch.Tensor:
     """``x [M, k] · Wᵀ`` -> ``[M, N]`` in x's dtype (fp16/bf16/fp32), W the GGUF blocks ``raw``.
@@ -222,6 +247,8 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     (``kernel="file"``: every type here; also where raw's data or rows are not aligned for
     ``gguf_gemv``). Larger M
     dequantizes W once and calls cuBLAS.
+    A default config that fails to compile or run falls back to the file kernel with a warning
+    (``FAILED_DEFAULTS``); a given config's errors propagate.
     Raises ValueError as :func:`dequantize`, or when x is not ``[M, k]``."""
     qtype = _check(raw, qtype, k)
     if x.dim() != 2 or x.shape[1] != k:
@@ -230,8 +257,12 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     if m > DECODE_MAX_M:
         return x @ dequantize(raw, qtype, k, x.dtype).t()
     x = x.contiguous()
-    cfg = cfg or gguf_gemv.default_config(qtype, m)
-    if _new_kernel_serves(raw, qtype, cfg):
+    if cfg is None:
+        y = _default_gguf_gemv(x, raw, qtype, k)
+        if y is not None:
+            return y
+        cfg = gguf_gemv.FILE_CONFIG
+    elif _new_kernel_serves(raw, qtype, cfg):
         return gguf_gemv.matmul(x, raw, qtype, k, cfg)
     if cfg.kernel != "file":  # a type or a layout that gguf_gemv does not take
         cfg = gguf_gemv.FILE_CONFIG

@@ -4,6 +4,8 @@ under the Triton interpreter."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -91,8 +93,32 @@ def test_gemv_blocks_per_step(qtype, cfg, kernel_device):
 
 @pytest.mark.parametrize("qtype", sorted(gguf_gemm.BLOCK_BYTES))
 def test_default_decode_path_matches_float64(qtype, kernel_device):
-    """What ``PackedGGUFWeight`` calls: no config, M = 1."""
-    check_matmul(qtype, 1, None, kernel_device)
+    """What ``PackedGGUFWeight`` calls: no config, M = 1; the default gguf_gemv config must
+    run here, not fall back with a warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        check_matmul(qtype, 1, None, kernel_device)
+    assert not gguf_gemm.FAILED_DEFAULTS
+
+
+def test_failing_default_falls_back_with_a_warning(monkeypatch, kernel_device):
+    """A default config that fails (a compile error on some GPU) warns once and the file kernel
+    serves the call; a config given explicitly raises."""
+    from triton.errors import TritonError
+
+    def broken(*args, **kwargs):
+        raise TritonError("no such instruction")
+
+    monkeypatch.setattr(gguf_gemv, "matmul", broken)
+    monkeypatch.setattr(gguf_gemm, "FAILED_DEFAULTS", {})
+    with pytest.warns(RuntimeWarning, match="no such instruction"):
+        check_matmul(Q.Q4_K, 1, None, kernel_device)
+    assert list(gguf_gemm.FAILED_DEFAULTS) == [(Q.Q4_K, True)]
+    with warnings.catch_warnings():  # remembered: no second try, no second warning
+        warnings.simplefilter("error", RuntimeWarning)
+        check_matmul(Q.Q4_K, 1, None, kernel_device)
+    with pytest.raises(TritonError):
+        check_matmul(Q.Q4_K, 1, gguf_gemv.DecodeConfig("gemv"), kernel_device)
 
 
 def test_default_table_names_the_new_kernels():
