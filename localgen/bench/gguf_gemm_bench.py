@@ -135,7 +135,8 @@ def sweep_configs() -> list:
             C("gemv", 16, num_warps=2, blocks_per_step=2), C("gemv", 32, num_warps=1),
             C("gemv", 32, num_warps=1, blocks_per_step=2),
             C("gemv", 16, num_warps=1, programs_per_sm=8),
-            C("gemv", 16, num_warps=4, codes="i2f"), C("gemv", 16, num_warps=4, codes="shift"),
+            C("gemv", 16, num_warps=2, blocks_per_step=2, codes="i2f"),
+            C("gemv", 16, num_warps=2, blocks_per_step=2, codes="shift"),
             C("gemv", 8, split_k=1, num_warps=1, blocks_per_step=2),
             C("gemv", 8, split_k=1, num_warps=2, blocks_per_step=2),
             C("gemv", 16, split_k=1, num_warps=2, blocks_per_step=2),
@@ -144,6 +145,7 @@ def sweep_configs() -> list:
             C("gemv", 16, num_warps=2, programs_per_sm=8, blocks_per_step=2),
             C("gemv", 32, num_warps=4, blocks_per_step=2),
             C("dot", 16), C("dot", 32), C("dot", 32, num_warps=8), C("dot", 64, num_warps=8),
+            C("dot", 128, num_warps=8),
             C("dot", 32, split_k=1), C("dot", 32, programs_per_sm=8)]
 
 
