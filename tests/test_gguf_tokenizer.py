@@ -217,3 +217,18 @@ def test_a_damaged_or_missing_entry_reads_as_none(embedded, tmp_path):
     assert read_light_tokenizer(folder) is None
     (folder / "tokenizer_config.json").write_text("{not json")
     assert read_light_tokenizer(folder) is None
+
+
+def test_the_engine_gives_the_same_tokens_and_text_with_either_tokenizer(embedded):
+    from localgen.api import LLM, Request, SamplingParams
+    from localgen.models.sources import load_embedded
+
+    src = load_embedded()
+    outs = []
+    for tok in embedded:  # light, then transformers'
+        llm = LLM.from_parts(src.config, src.weights, tok, device="cpu", dtype="float32")
+        req = Request(messages=CHATS[1], sampling=SamplingParams(temperature=0, max_tokens=12))
+        raw = Request(prompt="The capital of France is", sampling=SamplingParams(temperature=0, max_tokens=6))
+        outs.append([(o.prompt_tokens, o.token_ids, o.text) for o in llm.generate([req, raw])])
+    assert outs[0] == outs[1]
+    assert all(text for _, _, text in outs[0])
