@@ -195,23 +195,23 @@ def _q45k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
     offs_n, kt0, end, j2 = _slots(tl.program_id(0), tl.program_id(1), num_tiles,
                                   tiles_per_split, BLOCK_N, KB)
     rows = (w_ptr.to(tl.pointer_type(tl.int32))
-            + tl.minimum(offs_n, N - 1).to(tl.int64) * (row_16b * 4))[:, None]
-    c2 = j2 % 4
-    c3 = c2[:, :, None]
+            + tl.minimum(offs_n, N - 1).to(tl.int64) * (row_16b * 4))[:, None, None]
+    j3 = j2[:, :, None]
+    c3 = j3 % 4
     i3 = tl.arange(0, 8)[None, None, :]
+    # every per-group value is [BLOCK_N, 4·KB, 1], broadcast along the words: no layout changes
     acc = tl.zeros([BLOCK_N, 4 * KB, 8], tl.float32)
-    acc_x = tl.zeros([BLOCK_N, 4 * KB], tl.float32)
     for kt in range(kt0, end, KB):
-        kb2 = kt + j2 // 4
-        blk = rows + tl.minimum(kb2, end - 1) * BW
-        words = tl.load(blk[:, :, None] + QS + 8 * c3 + i3)
+        kb3 = kt + j3 // 4
+        blk = rows + tl.minimum(kb3, end - 1) * BW
+        words = tl.load(blk + QS + 8 * c3 + i3)
         if QTYPE == 13:
-            qh = tl.load(blk[:, :, None] + 4 + i3)
+            qh = tl.load(blk + 4 + i3)
         blk8 = blk.to(tl.pointer_type(tl.uint8))
         d = _f16_at(blk8)
         dmin = _f16_at(blk8 + 2)
-        x_tile = x_ptr + (kb2 * 256 + 64 * c2)[:, :, None] + 4 * i3
-        live = (kb2 < end)[:, :, None]
+        x_tile = x_ptr + kb3 * 256 + 64 * c3 + 4 * i3
+        live = kb3 < end
         for h in tl.static_range(2):
             s = tl.zeros([BLOCK_N, 4 * KB, 8], tl.float32)
             xs = tl.zeros([1, 4 * KB, 8], tl.float32)
@@ -225,12 +225,10 @@ def _q45k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
                 else:
                     s += _code_x(q5, 8 * b, 5, xv, MODE)
                 xs += xv
-            sc, mn = _k4_scale_min(blk8, 2 * c2 + h)
+            sc, mn = _k4_scale_min(blk8, 2 * c3 + h)
             ca, cb = _coefs(d * sc, dmin * mn, 4 if QTYPE == 12 else 5, MODE == 1)
-            acc += s * ca[:, :, None]
-            acc_x += cb * tl.sum(xs, axis=2)
-    out = tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(acc_x, axis=1)
-    _finish(out, y_ptr, offs_n, N, ATOMIC)
+            acc += s * ca - xs * cb
+    _finish(tl.sum(tl.sum(acc, axis=2), axis=1), y_ptr, offs_n, N, ATOMIC)
 
 
 @triton.jit(do_not_specialize=_GEMV_ARGS + ["stride_wn"])
