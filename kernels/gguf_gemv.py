@@ -245,23 +245,23 @@ def _q6k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, stride_wn,
     offs_n, kt0, end, j2 = _slots(tl.program_id(0), tl.program_id(1), num_tiles,
                                   tiles_per_split, BLOCK_N, KB)
     rows = (w_ptr.to(tl.pointer_type(tl.int16))
-            + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn)[:, None]
-    p2 = j2 % 4
-    hf3 = (p2 // 2)[:, :, None]
-    v3 = 8 * (p2 % 2)[:, :, None] + tl.arange(0, 8)[None, None, :]
+            + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn)[:, None, None]
+    j3 = j2[:, :, None]
+    p3 = j3 % 4
+    hf3 = p3 // 2
+    v3 = 8 * (p3 % 2) + tl.arange(0, 8)[None, None, :]
     acc = tl.zeros([BLOCK_N, 4 * KB, 8], tl.float32)
-    acc_x = tl.zeros([BLOCK_N, 4 * KB], tl.float32)
     for kt in range(kt0, end, KB):
-        kb2 = kt + j2 // 4
-        blk = rows + tl.minimum(kb2, end - 1) * 105
-        w3 = blk[:, :, None] + 32 * hf3 + v3
+        kb3 = kt + j3 // 4
+        blk = rows + tl.minimum(kb3, end - 1) * 105
+        w3 = blk + 32 * hf3 + v3
         ql_a = tl.load(w3).to(tl.int32)
         ql_b = tl.load(w3 + 16).to(tl.int32)
         qh = tl.load(w3 + 64 - 16 * hf3).to(tl.int32)
         blk8 = blk.to(tl.pointer_type(tl.uint8))
         d = _f16_at(blk8 + 208)
-        x_tile = x_ptr + (kb2 * 256)[:, :, None] + 128 * hf3 + 2 * v3
-        live = (kb2 < end)[:, :, None]
+        x_tile = x_ptr + kb3 * 256 + 128 * hf3 + 2 * v3
+        live = kb3 < end
         for t in tl.static_range(4):
             src = ql_a if t % 2 == 0 else ql_b
             # both bytes' 6-bit codes at once: byte e of q2 is the code of l = 2v + e
@@ -272,13 +272,11 @@ def _q6k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, stride_wn,
                 xv = tl.load(x_tile + 32 * t + e, mask=live, other=0.0).to(tl.float32)
                 s += _code_x(q2, 8 * e, 6, xv, MODE)
                 xs += xv
-            scale = tl.load(blk8 + 192 + 8 * (p2 // 2) + 2 * t + p2 % 2).to(tl.int8, bitcast=True)
+            scale = tl.load(blk8 + 192 + 8 * hf3 + 2 * t + p3 % 2).to(tl.int8, bitcast=True)
             a = d * scale.to(tl.float32)
             ca, cb = _coefs(a, 32 * a, 6, MODE == 1)
-            acc += s * ca[:, :, None]
-            acc_x += cb * tl.sum(xs, axis=2)
-    out = tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(acc_x, axis=1)
-    _finish(out, y_ptr, offs_n, N, ATOMIC)
+            acc += s * ca - xs * cb
+    _finish(tl.sum(tl.sum(acc, axis=2), axis=1), y_ptr, offs_n, N, ATOMIC)
 
 
 # ---- 1 < M <= 16 ----
