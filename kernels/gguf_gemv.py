@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_common import interpreting
+
 Q4_K, Q5_K, Q6_K = 12, 13, 14  # GGMLQuantizationType values
 TYPES = (Q4_K, Q5_K, Q6_K)
 TILE_K = 256
@@ -59,8 +61,18 @@ class DecodeConfig:
 # gemv code-to-float modes (the MODE constexpr): "i2f" converts the integer; "shift" moves the
 # code into the mantissa of 1.0 (``1 + q/2**B``, undone per group); "mask" keeps the code where
 # it sits in its word and ORs in 1.0's exponent, so one mask and one subtraction give
-# ``q·2**-s`` exactly and the activation carries the ``2**s``.
+# ``q·2**-s`` exactly and the activation carries the ``2**s``. "q8" (Q4_K only) rounds the
+# activations to int8 per 32-group first and multiplies codes in integers (``_q4k_gemv_q8``).
 CODE_MODES = {"i2f": 0, "shift": 1, "mask": 2}
+Q8_TYPES = (Q4_K,)
+
+
+def serves(cfg: DecodeConfig, qtype: int, m: int) -> bool:
+    """Whether ``cfg`` runs as itself for ``qtype`` at ``m`` rows (gemv only at M = 1, and its
+    "q8" codes only for ``Q8_TYPES``): the sweep's filter."""
+    if cfg.kernel != "gemv":
+        return True
+    return m == 1 and (cfg.codes != "q8" or int(qtype) in Q8_TYPES)
 
 
 # (qtype, M == 1) -> config: the one place to change after ``gguf_gemm_bench --sweep``. Until
@@ -279,6 +291,91 @@ def _q6k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, stride_wn,
     _finish(tl.sum(tl.sum(acc, axis=2), axis=1), y_ptr, offs_n, N, ATOMIC)
 
 
+# ---- M = 1 with 8-bit activations (codes="q8", Q4_K) ----
+
+@triton.jit
+def _quantize_x8(x_ptr, xq_ptr, xd_ptr, xs_ptr):
+    """Program t: the 256 activations of tile t as int8 per 32-group, ``q = round(x / d)`` with
+    ``d = max|x| / 127`` (llama.cpp's ``block_q8_1`` rule, half away from zero), the group's
+    ``d`` and its exact float sum ``Σ x``."""
+    t = tl.program_id(0)
+    offs = t * 256 + tl.arange(0, 8)[:, None] * 32 + tl.arange(0, 32)[None, :]
+    x = tl.load(x_ptr + offs).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+    v = x * inv[:, None]
+    q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
+    tl.store(xq_ptr + offs, q.to(tl.int8))
+    tl.store(xd_ptr + t * 8 + tl.arange(0, 8), amax / 127.0)
+    tl.store(xs_ptr + t * 8 + tl.arange(0, 8), tl.sum(x, axis=1))
+
+
+@triton.jit
+def _dp4a(a, b, ASM: tl.constexpr):
+    """``Σ_k a_k·b_k`` over the four signed bytes of int32 ``a`` and ``b`` (same shape): PTX
+    ``dp4a`` (ASM), else the same sum by shifts (the interpreter)."""
+    if ASM:
+        out = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r",
+                                        [a, b, tl.zeros_like(a)], dtype=tl.int32, is_pure=True,
+                                        pack=1)
+    else:
+        out = ((a << 24) >> 24) * ((b << 24) >> 24) + ((a << 16) >> 24) * ((b << 16) >> 24)
+        out += ((a << 8) >> 24) * ((b << 8) >> 24) + (a >> 24) * (b >> 24)
+    return out
+
+
+@triton.jit(do_not_specialize=_GEMV_ARGS + ["row_16b"])
+def _q4k_gemv_q8(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
+                 BLOCK_N: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr,
+                 ASM: tl.constexpr):
+    """:func:`_q45k_gemv` for Q4_K over :func:`_quantize_x8`'s activations: a word's four low
+    (high) nibbles meet the four int8 activations of the same weights, which are contiguous, in
+    one ``dp4a``; per group ``acc += d·sc·d_x·Σ q·q_x`` and ``dmin·m·Σ x`` (exact) comes off."""
+    offs_n, kt0, end, j2 = _slots(tl.program_id(0), tl.program_id(1), num_tiles,
+                                  tiles_per_split, BLOCK_N, KB)
+    rows = (w_ptr.to(tl.pointer_type(tl.int32))
+            + tl.minimum(offs_n, N - 1).to(tl.int64) * (row_16b * 4))[:, None, None]
+    xq32 = xq_ptr.to(tl.pointer_type(tl.int32))
+    j3 = j2[:, :, None]
+    c3 = j3 % 4
+    i3 = tl.arange(0, 8)[None, None, :]
+    acc = tl.zeros([BLOCK_N, 4 * KB, 8], tl.float32)
+    acc_m = tl.zeros([BLOCK_N, 4 * KB, 1], tl.float32)
+    for kt in range(kt0, end, KB):
+        kb3 = kt + j3 // 4
+        live = kb3 < end
+        blk = rows + tl.minimum(kb3, end - 1) * 36
+        words = tl.load(blk + 4 + 8 * c3 + i3)
+        blk8 = blk.to(tl.pointer_type(tl.uint8))
+        d = _f16_at(blk8)
+        dmin = _f16_at(blk8 + 2)
+        for h in tl.static_range(2):
+            g3 = 2 * c3 + h
+            xw = tl.load(xq32 + kb3 * 64 + 8 * g3 + i3, mask=live, other=0)
+            xd = tl.load(xd_ptr + kb3 * 8 + g3, mask=live, other=0.0)
+            xsum = tl.load(xs_ptr + kb3 * 8 + g3, mask=live, other=0.0)
+            p = _dp4a((words >> (4 * h)) & 0x0F0F0F0F, tl.broadcast_to(xw, words.shape), ASM)
+            # |p| < 2**13: int to float by adding under the exponent of 1.5·2**23, exactly
+            pf = (p + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+            sc, mn = _k4_scale_min(blk8, g3)
+            acc += pf * (d * sc * xd)
+            acc_m += dmin * mn * xsum
+    out = tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(tl.sum(acc_m, axis=2), axis=1)
+    _finish(out, y_ptr, offs_n, N, ATOMIC)
+
+
+def _gemv_q8(x: torch.Tensor, raw: torch.Tensor, y: torch.Tensor, grid, per_split: int,
+             cfg: DecodeConfig) -> None:
+    """Launch :func:`_quantize_x8` then :func:`_q4k_gemv_q8` (x ``[1, k]``, Q4_K ``raw``)."""
+    k, n = x.shape[1], raw.shape[0]
+    xq = torch.empty(k, dtype=torch.int8, device=x.device)
+    xd, xs = torch.empty(2, k // 32, dtype=torch.float32, device=x.device)
+    _quantize_x8[(k // TILE_K,)](x, xq, xd, xs)
+    _q4k_gemv_q8[grid](xq, xd, xs, raw, y, n, k // TILE_K, per_split, raw.stride(0) // 16,
+                       BLOCK_N=cfg.block_n, KB=cfg.blocks_per_step, ATOMIC=grid[1] > 1,
+                       ASM=not interpreting(), num_warps=cfg.num_warps)
+
+
 # ---- 1 < M <= 16 ----
 
 @triton.jit
@@ -402,7 +499,11 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     tiles, n_programs = k // TILE_K, triton.cdiv(n, cfg.block_n)
     splits, per_split, y = split_output(cfg, x, n, n_programs, tiles)
     grid = (n_programs, splits)
-    if cfg.kernel == "gemv":
+    if cfg.kernel == "gemv" and cfg.codes == "q8":
+        if qtype not in Q8_TYPES:
+            raise ValueError(f"codes='q8' serves GGUF types {Q8_TYPES}, not {qtype}")
+        _gemv_q8(x, raw, y, grid, per_split, cfg)
+    elif cfg.kernel == "gemv":
         knobs = dict(BLOCK_N=cfg.block_n, KB=cfg.blocks_per_step, ATOMIC=splits > 1,
                      MODE=CODE_MODES[cfg.codes], num_warps=cfg.num_warps)
         if qtype == Q6_K:

@@ -173,9 +173,9 @@ def test_sweep_runs_every_config(kernel_device):
                                    kernel_device, torch.float16)
     cells = result["cells"]
     assert [c for c in cells if "error" in c] == []
-    per_type_m = len(gguf_gemm_bench.sweep_configs())
-    gemv = sum(c.kernel == "gemv" for c in gguf_gemm_bench.sweep_configs())
-    assert len(cells) == 2 * (per_type_m + per_type_m - gemv)
+    want = sum(gguf_gemv.serves(c, qt, m) for c in gguf_gemm_bench.sweep_configs()
+               for qt in gguf_gemm_bench.SWEEP_QTYPES for m in (1, 2))
+    assert len(cells) == want
     assert set(result["ranking"]) == {"type 12 M=1", "type 12 M=2", "type 14 M=1", "type 14 M=2"}
 
 
@@ -194,3 +194,37 @@ def test_unaligned_blocks_take_the_file_kernel(kernel_device):
     w = reference(raw, qtype, k)
     tol = 1e-5 * np.abs(x.double().numpy()) @ np.abs(w).T + 1e-6
     assert (np.abs(y.double().numpy() - x.double().numpy() @ w.T) <= tol).all()
+
+
+@pytest.mark.parametrize("cfg", [
+    gguf_gemv.DecodeConfig("gemv", block_n=16, split_k=1, codes="q8"),
+    gguf_gemv.DecodeConfig("gemv", block_n=8, split_k=2, blocks_per_step=2, codes="q8"),
+])
+def test_q8_activations_within_their_rounding(cfg, kernel_device):
+    """Q4_K against 8-bit activations (``_quantize_x8``: int8 per 32-group, ``d = max|x|/127``,
+    round half away from zero). Each activation moves by at most ``d/2`` and only the scale
+    term ``a·q`` meets it (the min term uses the exact ``Σ x``), so
+    ``|y - y64| <= Σ_j |a q_j|·d_g(j)/2``, plus float32 summation (hand-derived bound; ``a·q``
+    is the weight dequantized with ``dmin`` set to 0)."""
+    qtype, n, k = Q.Q4_K, 37, 768
+    raw = random_blocks(qtype, n, k, seed=11)
+    no_min = raw.reshape(n, -1, 144).copy()
+    no_min[:, :, 2:4] = 0
+    aq = np.abs(reference(no_min.reshape(n, -1), qtype, k))
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(5))
+    y = gguf_gemm.matmul(x.to(kernel_device), torch.from_numpy(raw).to(kernel_device), qtype, k,
+                         cfg).cpu().double().numpy()
+    xn = x.double().numpy()
+    half_step = np.repeat(np.abs(xn).reshape(-1, 32).max(axis=1) / 127 / 2, 32)[None, :]
+    w = reference(raw, qtype, k)
+    bound = half_step @ aq.T + 1e-5 * np.abs(xn) @ np.abs(w).T + 1e-6
+    err = np.abs(y - xn @ w.T)
+    assert (err <= bound).all()
+    assert err.max() > 0  # the activations were rounded: this is not the float kernel
+
+
+def test_q8_codes_refuse_other_types():
+    raw = torch.zeros(1, 210, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="q8"):
+        gguf_gemv.matmul(torch.zeros(1, 256), raw, Q.Q6_K, 256,
+                         gguf_gemv.DecodeConfig("gemv", codes="q8"))

@@ -127,7 +127,8 @@ BAD_REL_ERR = 2e-2  # a config whose output is this far from the bf16 reference 
 
 
 def sweep_configs() -> list:
-    """The configs ``--sweep`` times (gemv ones at M = 1 only: at M > 1 they run ``dot``)."""
+    """The configs ``--sweep`` times, each where ``gguf_gemv.serves`` it (gemv at M = 1, its q8
+    codes for Q4_K)."""
     from localgen.kernels.gguf_gemv import DecodeConfig as C
 
     return [C("file", 32),
@@ -144,6 +145,9 @@ def sweep_configs() -> list:
             C("gemv", 8, split_k=1, num_warps=1, blocks_per_step=4),
             C("gemv", 16, num_warps=2, programs_per_sm=8, blocks_per_step=2),
             C("gemv", 32, num_warps=4, blocks_per_step=2),
+            C("gemv", 16, num_warps=2, blocks_per_step=2, codes="q8"),
+            C("gemv", 32, num_warps=2, codes="q8"),
+            C("gemv", 16, num_warps=1, programs_per_sm=8, codes="q8"),
             C("dot", 16), C("dot", 32), C("dot", 32, num_warps=8), C("dot", 64, num_warps=8),
             C("dot", 128, num_warps=8),
             C("dot", 32, split_k=1), C("dot", 32, programs_per_sm=8)]
@@ -170,11 +174,11 @@ def _sweep_cell(cells: list, floor: float, name: str, qt: int, m: int, raws, x, 
     or run, or gives wrong values, is reported and skipped."""
     import time
 
-    from localgen.kernels import gguf_gemm
+    from localgen.kernels import gguf_gemm, gguf_gemv
 
     n, k = raws[0].shape[0], x.shape[1]
     for cfg in sweep_configs():
-        if (cfg.kernel == "gemv" and m > 1) or time.monotonic() > deadline:
+        if not gguf_gemv.serves(cfg, qt, m) or time.monotonic() > deadline:
             continue
         cell = dict(shape=name, n=n, k=k, qtype=qt, m=m, config=label(cfg),
                     cfg=cfg.__dict__, weight_bytes=raws[0].numel(), cublas_bf16_us=cublas)
