@@ -133,8 +133,7 @@ def sweep_configs() -> list:
 
     return [C("file", 32),
             C("gemv", 16, num_warps=4), C("gemv", 16, num_warps=2), C("gemv", 32, num_warps=4),
-            C("gemv", 16, num_warps=2, blocks_per_step=2), C("gemv", 32, num_warps=1),
-            C("gemv", 32, num_warps=1, blocks_per_step=2),
+            C("gemv", 16, num_warps=2, blocks_per_step=2),
             C("gemv", 16, num_warps=1, programs_per_sm=8),
             C("gemv", 16, num_warps=2, blocks_per_step=2, codes="i2f"),
             C("gemv", 16, num_warps=2, blocks_per_step=2, codes="shift"),
@@ -142,7 +141,6 @@ def sweep_configs() -> list:
             C("gemv", 8, split_k=1, num_warps=2, blocks_per_step=2),
             C("gemv", 16, split_k=1, num_warps=2, blocks_per_step=2),
             C("gemv", 16, split_k=1, num_warps=4, blocks_per_step=4),
-            C("gemv", 8, split_k=1, num_warps=1, blocks_per_step=4),
             C("gemv", 16, num_warps=2, programs_per_sm=8, blocks_per_step=2),
             C("gemv", 32, num_warps=4, blocks_per_step=2),
             C("gemv", 16, num_warps=2, blocks_per_step=2, codes="q8"),
