@@ -12,11 +12,15 @@
  * Threads take chunks of output rows (dynamic, so a core slowed by another process does less);
  * each weight row is read from memory once per call: it meets up to 4 activation rows per
  * unpack, and the activation rows come in tiles that stay in L2 while the chunk's weights do.
+ * A single activation row (a decode step) meets four weight rows a call, each read front to back,
+ * ended by one 4-way horizontal add. A matrix may come as segments of different types (a layer's
+ * q/k/v, T_SEGMENTS), swept in one call.
  *
  * AVX2 (+FMA, F16C) is the fast path; AVX512-VNNI or AVX-VNNI replaces maddubs + madd in the
- * 32-value types; anything else runs the scalar path, which dequantizes a block to float and
- * dots it with the same quantized activations. lg_gguf_matmul's `scalar` argument forces that
- * path (tests compare both).
+ * 32-value types, and AVX512BW + VL turns Q5_0/Q5_1's fifth bits into bytes with one masked
+ * move; anything else runs the scalar path, which dequantizes a block to float and dots it with
+ * the same quantized activations. lg_gguf_matmul's `scalar` argument forces that path (tests
+ * compare both; tests/test_gguf_cpu_kernels_avx2.py builds the file with -mno-avx512f).
  *
  * One file over the house's 600 lines: cpu_build.py compiles each .c into its own library, and
  * the block decoders, the SIMD dot products and the threaded sweep share always-inline helpers
