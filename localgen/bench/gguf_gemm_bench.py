@@ -231,31 +231,38 @@ def sweep(shapes: dict[str, tuple[int, int]], qtypes, ms, dev, dtype=torch.bfloa
                                        dev)
                 _sweep_cell(cells, floor, name, qt, m, raws, x, ref, cublas, dev, deadline)
             del raws, w16s
-    ranking = _rank(cells, len(shapes))
+    ranking = _rank(cells)
     return dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (dry run)",
                 read_gbps=floor, dtype=str(dtype), cells=cells, ranking=ranking)
 
 
-def _rank(cells: list[dict], n_shapes: int) -> dict:
-    """Per ``"type T M=m"``: ``[(config, summed us)]`` best first, over configs that ran on
-    every shape; printed with the config to put in ``gguf_gemv.DECODE_CONFIGS``."""
+def _rank(cells: list[dict]) -> dict:
+    """Per ``"type T M=m"``: ``[(config, summed us)]`` best first, summed over the shapes that
+    the most configs completed (a sweep cut short by its budget ranks on those), each config
+    that ran on all of them; printed with the config to put in ``gguf_gemv.DECODE_CONFIGS``."""
+    from collections import Counter
+
     from localgen.kernels import gguf_gemv
 
-    sums: dict[tuple, dict] = {}
-    for c in cells:
-        if "us" in c:
-            per = sums.setdefault((c["qtype"], c["m"]), {}).setdefault(c["config"], [0.0, 0, c])
-            per[0] += c["us"]
-            per[1] += 1
+    timed = [c for c in cells if "us" in c]
     out = {}
-    for (qt, m), per in sorted(sums.items()):
-        ranked = sorted((v[0], lab, v[2]["cfg"]) for lab, v in per.items() if v[1] == n_shapes)
+    for qt, m in sorted({(c["qtype"], c["m"]) for c in timed}):
+        mine = [c for c in timed if (c["qtype"], c["m"]) == (qt, m)]
+        per_shape = Counter(c["shape"] for c in mine)
+        shapes = {sh for sh, n in per_shape.items() if n == max(per_shape.values())}
+        sums: dict[str, list] = {}
+        for c in mine:
+            if c["shape"] in shapes:
+                sums.setdefault(c["config"], [0.0, 0, c["cfg"]])
+                sums[c["config"]][0] += c["us"]
+                sums[c["config"]][1] += 1
+        ranked = sorted((v[0], lab, v[2]) for lab, v in sums.items() if v[1] == len(shapes))
         out[f"type {qt} M={m}"] = [(lab, us) for us, lab, _ in ranked]
-        if ranked:
-            default = label(gguf_gemv.default_config(qt, m))
-            now = next((f"{us:.1f} us" for us, lab, _ in ranked if lab == default), "not swept")
-            print(f"type {qt} M={m}: best {ranked[0][1]} ({ranked[0][0]:.1f} us over the shapes; "
-                  f"the default {default}: {now}): DecodeConfig(**{ranked[0][2]})", flush=True)
+        default = label(gguf_gemv.default_config(qt, m))
+        now = next((f"{us:.1f} us" for us, lab, _ in ranked if lab == default), "not swept")
+        print(f"type {qt} M={m}: best {ranked[0][1]} ({ranked[0][0]:.1f} us over "
+              f"{len(shapes)} shapes; the default {default}: {now}): "
+              f"DecodeConfig(**{ranked[0][2]})", flush=True)
     return out
 
 
