@@ -408,13 +408,20 @@ AI __m256i w32(int t, const uint8_t *b) {
     }
 }
 
+/* The two fp16 values at p as lanes 0 and 1 (one conversion where F16C is). */
+AI __m128 h2f_pair(const uint8_t *p) {
+#ifdef __F16C__
+    return _mm_cvtph_ps(_mm_cvtsi32_si128((int)rd32(p)));
+#else
+    return _mm_setr_ps(h2f(p), h2f(p + 2), 0.0f, 0.0f);
+#endif
+}
+
 /* A 32-value block's weight scales: lane 0 its scale dw, lane 1 what multiplies the activation
  * block's sum s = dx sum(q) (Q4_0 -8 dw, Q5_0 -16 dw, Q4_1/Q5_1 the minimum m, read with dw in
  * one conversion; 0 for the signed types). */
 AI __m128 wscales32(const int t, const uint8_t *blk) {
-#ifdef __F16C__
-    if (t == T_Q4_1 || t == T_Q5_1) return _mm_cvtph_ps(_mm_cvtsi32_si128((int)rd32(blk)));
-#endif
+    if (t == T_Q4_1 || t == T_Q5_1) return h2f_pair(blk);
     const float dw = h2f(blk);
     const float off = t == T_Q4_0 ? -8.0f * dw : t == T_Q5_0 ? -16.0f * dw
                     : (t == T_Q4_1 || t == T_Q5_1) ? h2f(blk + 2) : 0.0f;
@@ -525,9 +532,7 @@ AI __m256i pick16(__m256i v, int i_lo, int i_hi) {
 }
 
 /* 4 int32 -> float, in the low half of a vector whose high half is 0. */
-AI __m256 low4_ps(__m128i v) {
-    return _mm256_cvtepi32_ps(_mm256_inserti128_si256(_mm256_setzero_si256(), v, 0));
-}
+AI __m256 low4_ps(__m128i v) { return _mm256_zextps128_ps256(_mm_cvtepi32_ps(v)); }
 
 /* The codes of sub-blocks 2c, 2c+1 of a Q4_K, Q5_K or IQ4_XS block from its 32 code bytes at qs:
  * low nibbles to *lo, high to *hi; Q5_K's fifth bits from *qh (shifted on by two bits per call);
@@ -583,7 +588,8 @@ AI void k32_block(const int t, const uint8_t *blk, const uint8_t *x, int64_t k, 
     const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES));
     const float dx = ((const float *)(x + k))[b];
     const int8_t *xq = (const int8_t *)x + 256 * b;
-    const float d = h2f(blk), dmin = iq ? 0.0f : h2f(blk + 2);
+    /* lane 0 d dx, lane 1 dmin dx (Q4_K/Q5_K: d and dmin in one conversion) */
+    const __m128 ddx = _mm_mul_ps(iq ? _mm_set_ss(h2f(blk)) : h2f_pair(blk), _mm_set1_ps(dx));
     /* scales as int16 (signed for IQ4_XS, unsigned otherwise), the minimums the same */
     __m128i sc8, mn16 = _mm_setzero_si128();
     if (iq) {
@@ -613,12 +619,13 @@ AI void k32_block(const int t, const uint8_t *blk, const uint8_t *x, int64_t k, 
         const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(uhi, x1), pick16(sc16, 2 * c + 1, 2 * c + 1));
         isum = _mm256_add_epi32(isum, _mm256_add_epi32(p0, p1));
     }
-    *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(isum), *acc);
+    *acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(ddx), _mm256_cvtepi32_ps(isum), *acc);
     if (!iq) {
         const int16_t *bs = (const int16_t *)(x + k + 4 * (k / 256)) + 16 * b;
         const __m128i s32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs),
                                            _mm_loadu_si128((const __m128i *)(bs + 8)));
-        *accm = _mm256_fmadd_ps(_mm256_set1_ps(dmin * dx), low4_ps(_mm_madd_epi16(s32, mn16)), *accm);
+        *accm = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(ddx)),
+                                low4_ps(_mm_madd_epi16(s32, mn16)), *accm);
     }
 }
 
