@@ -16,6 +16,10 @@ applied once per group and row. The activation sums ``Σ x`` of a group serve ev
   A code becomes a float without an int-to-float conversion (``CODE_MODES``): its bits, masked
   in place or shifted, are ORed into the mantissa of 1.0, and the constant and the power of two
   that this adds come off exactly, through the activation or the group's ``Σ x`` term.
+  A loop step loads ``blocks_per_step`` blocks of each row, to keep more bytes in flight.
+* ``codes="q8"`` (Q4_K, M = 1; llama.cpp's MMVQ idea): the activations are first rounded to
+  int8 per 32-group (one small kernel), and a word's four codes meet four of them in one
+  ``dp4a``. Not bit-compatible with the float kernels: the error is that rounding's.
 * ``dot`` kernel (M <= 16): per group, the codes of ``BLOCK_N`` rows meet the ``[16, 32]``
   (Q6_K: ``[16, 16]``) activations in one ``tl.dot``; the group's scales then multiply the
   ``[16, BLOCK_N]`` result.
