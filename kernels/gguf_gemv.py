@@ -79,20 +79,20 @@ def serves(cfg: DecodeConfig, qtype: int, m: int) -> bool:
     return m == 1 and (cfg.codes != "q8" or int(qtype) in Q8_TYPES)
 
 
-# (qtype, M == 1) -> config: the one place to change after ``gguf_gemm_bench --sweep``. Until
-# a sweep picks, the gemv tile gives each thread several rows (an activation value loaded once
-# serves them) and two blocks a step, and K splits fill the GPU.
-_GEMV = DecodeConfig("gemv", block_n=16, num_warps=2, blocks_per_step=2)
-_DOT = DecodeConfig("dot", block_n=32, num_warps=4)
-DECODE_CONFIGS: dict[tuple[int, bool], DecodeConfig] = {
-    (Q4_K, True): _GEMV, (Q4_K, False): _DOT,
-    (Q5_K, True): _GEMV, (Q5_K, False): _DOT,
-    (Q6_K, True): _GEMV, (Q6_K, False): _DOT,
-}
-
-
 # every other type the decode path reads (gguf_gemm.KERNEL_TYPES): the file-layout kernel
 FILE_CONFIG = DecodeConfig("file", block_n=32)
+
+# (qtype, M == 1) -> config: the one place to change after ``gguf_gemm_bench --sweep``, whose
+# ranking on the 7B shapes (docs/benchmarks.md) chose these. At M = 1, Q4_K takes 8-bit
+# activations and dp4a (one warp a 16-row tile, eight programs a multiprocessor) and Q6_K the
+# masked-code gemv; the dot kernel lost to the file kernel at M = 16, and Q5_K's gemv was not
+# ranked, so those stay on the file kernel.
+DECODE_CONFIGS: dict[tuple[int, bool], DecodeConfig] = {
+    (Q4_K, True): DecodeConfig("gemv", block_n=16, num_warps=1, codes="q8", programs_per_sm=8),
+    (Q6_K, True): DecodeConfig("gemv", block_n=16, num_warps=4, codes="mask"),
+    (Q4_K, False): FILE_CONFIG, (Q5_K, True): FILE_CONFIG, (Q5_K, False): FILE_CONFIG,
+    (Q6_K, False): FILE_CONFIG,
+}
 
 
 def default_config(qtype: int, m: int) -> DecodeConfig:

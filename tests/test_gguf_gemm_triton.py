@@ -94,10 +94,11 @@ def test_gemv_blocks_per_step(qtype, cfg, kernel_device):
 @pytest.mark.parametrize("qtype", sorted(gguf_gemm.BLOCK_BYTES))
 def test_default_decode_path_matches_float64(qtype, kernel_device):
     """What ``PackedGGUFWeight`` calls: no config, M = 1; the default gguf_gemv config must
-    run here, not fall back with a warning."""
+    run here, not fall back with a warning (a "q8" default within its rounding bound)."""
+    q8 = gguf_gemv.default_config(qtype, 1).codes == "q8"
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        check_matmul(qtype, 1, None, kernel_device)
+        check_q8_matmul(None, kernel_device) if q8 else check_matmul(qtype, 1, None, kernel_device)
     assert not gguf_gemm.FAILED_DEFAULTS
 
 
@@ -121,10 +122,12 @@ def test_failing_default_falls_back_with_a_warning(monkeypatch, kernel_device):
         check_matmul(Q.Q4_K, 1, gguf_gemv.DecodeConfig("gemv"), kernel_device)
 
 
-def test_default_table_names_the_new_kernels():
+def test_every_default_config_serves_its_type_and_m():
+    """The table's configs run as themselves (no gemv past M = 1, "q8" codes only where the
+    kernel has them); a type the table does not name takes the file kernel."""
     for qtype in gguf_gemv.TYPES:
-        assert gguf_gemv.default_config(qtype, 1).kernel != "file"
-        assert gguf_gemv.default_config(qtype, 16).kernel == "dot"
+        for m in (1, 16):
+            assert gguf_gemv.serves(gguf_gemv.default_config(qtype, m), qtype, m)
     assert gguf_gemv.default_config(Q.Q8_0, 1) == gguf_gemv.FILE_CONFIG
 
 
@@ -132,17 +135,19 @@ def test_default_table_names_the_new_kernels():
 @pytest.mark.parametrize("qtype", gguf_gemv.TYPES)
 @pytest.mark.parametrize("m", [1, 5])
 def test_group_kernels_half_activations(dtype, qtype, m, kernel_device):
-    """bf16/fp16 activations (a served model's dtype) through the default kernels: the codes
-    are exact in either, so only the output's rounding separates them from the float64
-    product: within one unit in the last place of the dtype (truncation or rounding)."""
+    """bf16/fp16 activations (a served model's dtype) through the group kernels (the masked-code
+    gemv at M = 1, the dot kernel above): the codes are exact in either, so only the output's
+    rounding separates them from the float64 product: within one unit in the last place of the
+    dtype (truncation or rounding)."""
     if dtype == torch.bfloat16 and m > 1 and kernel_device.type == "cpu":
         pytest.skip("the Triton interpreter's bf16 tl.dot is wrong (the file kernel's as well)")
     n, k = 33, 256
     raw = random_blocks(qtype, n, k, seed=7)
     w = reference(raw, qtype, k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    cfg = gguf_gemv.DecodeConfig("gemv" if m == 1 else "dot", block_n=16 if m == 1 else 32)
     y = gguf_gemm.matmul(x.to(kernel_device), torch.from_numpy(raw).to(kernel_device), qtype,
-                         k).cpu()
+                         k, cfg).cpu()
     want = x.double().numpy() @ w.T
     tol = torch.finfo(dtype).eps * np.abs(want) + 1e-5 * np.abs(x.double().numpy()) @ np.abs(w).T
     assert y.dtype == dtype and (np.abs(y.double().numpy() - want) <= tol).all()
@@ -201,6 +206,10 @@ def test_unaligned_blocks_take_the_file_kernel(kernel_device):
     gguf_gemv.DecodeConfig("gemv", block_n=8, split_k=2, blocks_per_step=2, codes="q8"),
 ])
 def test_q8_activations_within_their_rounding(cfg, kernel_device):
+    check_q8_matmul(cfg, kernel_device)
+
+
+def check_q8_matmul(cfg, kernel_device) -> None:
     """Q4_K against 8-bit activations (``_quantize_x8``: int8 per 32-group, ``d = max|x|/127``,
     round half away from zero). Each activation moves by at most ``d/2`` and only the scale
     term ``a·q`` meets it (the min term uses the exact ``Σ x``), so
