@@ -108,3 +108,26 @@ def test_the_embedded_models_eos_ids_are_the_chat_end_token():
     vocab = stock.fields["tokenizer.ggml.tokens"].contents()
     assert vocab[gguf_eos_token_ids(fast)[-1]] == "<|im_end|>"
     assert fast.fields["tokenizer.ggml.tokens"].parts._all is None
+
+
+def test_tensor_bytes_read_from_the_file_equal_the_mapped_ones(tiny_gguf):
+    from localgen.models.gguf_tensors import read_tensor_bytes
+
+    reader = open_gguf(tiny_gguf)
+    for t in reader.tensors:
+        got = read_tensor_bytes(t)
+        assert got is not None and got.numel() == t.n_bytes
+        assert (got.numpy() == np.asarray(t.data).view(np.uint8).reshape(-1)).all(), t.name
+
+
+def test_a_file_cut_after_opening_names_the_tensor_and_the_missing_bytes(tiny_gguf, tmp_path):
+    from localgen.models.gguf_tensors import read_tensor_bytes
+
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf.read_bytes())
+    reader = open_gguf(cut)
+    last = max(reader.tensors, key=lambda t: t.data_offset)
+    with open(cut, "r+b") as f:
+        f.truncate(int(last.data_offset) + 3)
+    with pytest.raises(CorruptModelError, match=rf"tensor {last.name} ends {int(last.n_bytes) - 3} bytes"):
+        read_tensor_bytes(last)

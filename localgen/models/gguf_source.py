@@ -21,7 +21,7 @@ from localgen.models.gguf_dense import transformers_reads_arch
 from localgen.models.gguf_names import gguf_to_hf_name
 from localgen.models.gguf_open import open_gguf
 from localgen.models.gguf_reader import gguf_field
-from localgen.models.gguf_tensors import dequantize_tensor, release_mapped
+from localgen.models.gguf_tensors import dequantize_tensor, read_tensor_bytes, release_mapped
 from localgen.models.weights import WeightStore
 from localgen.quant.gguf_blocks import unpermute_qk
 
@@ -105,7 +105,7 @@ class GGUFStore(WeightStore):
         return len(t.shape) == 2 and t.tensor_type in PACKED_TYPES
 
     def get_packed(self, name: str):
-        """`name` as a ``PackedGGUFWeight`` (raw blocks copied out of the memory map, CPU) when
+        """`name` as a ``PackedGGUFWeight`` (raw blocks read from the file, CPU) when
         `packs` holds, else None (`get` serves float types as they are and expands the rest).
         llama.cpp's Q/K permutation moves whole rows, so it is undone on the raw rows."""
         from localgen.quant.gguf_blocks import PackedGGUFWeight
@@ -114,8 +114,11 @@ class GGUFStore(WeightStore):
             return None
         t = self.tensor(name)
         rows, cols = self.shape(name)
-        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True)).reshape(rows, -1)
-        release_mapped(self.reader, int(t.data_offset), int(t.n_bytes))
+        raw = read_tensor_bytes(t)
+        if raw is None:
+            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))
+            release_mapped(self.reader, int(t.data_offset), int(t.n_bytes))
+        raw = raw.reshape(rows, -1)
         return PackedGGUFWeight(self._unpermuted(name, raw), t.tensor_type, (rows, cols))
 
     def _unpermuted(self, name: str, w: torch.Tensor) -> torch.Tensor:

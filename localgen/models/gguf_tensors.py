@@ -14,6 +14,38 @@ import numpy as np
 import torch
 
 
+def read_tensor_bytes(t) -> torch.Tensor | None:
+    """The raw bytes of GGUF tensor ``t`` as a fresh ``[t.n_bytes]`` uint8 tensor, read from its
+    file with ``preadv`` at ``t.data_offset``: the kernel copies from the page cache straight into
+    the buffer, where copying out of the memory map takes a page fault per page first. None where
+    ``t.data`` names no file (the caller copies from the map).
+
+    Raises CorruptModelError naming the file, the tensor and the missing bytes when the file
+    ends before the tensor does."""
+    import os
+
+    from localgen.models.config import CorruptModelError
+
+    path = getattr(t.data, "filename", None)
+    if path is None:
+        return None
+    n, offset = int(t.n_bytes), int(t.data_offset)
+    buf = torch.empty(n, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = 0
+        while got < n:  # one read returns at most about 2 GiB on Linux
+            k = os.preadv(fd, [view[got:]], offset + got)
+            if k == 0:
+                raise CorruptModelError(f"{path}: tensor {t.name} ends {n - got} bytes past the "
+                                        f"end of the file")
+            got += k
+    finally:
+        os.close(fd)
+    return buf
+
+
 def release_mapped(reader, offset: int, nbytes: int) -> None:
     """Drop this process's mapping of a tensor's bytes once they are copied out (madvise
     DONTNEED on the read-only file map: the pages stay in the page cache, and a later read faults
