@@ -251,6 +251,23 @@ def test_store_packs_the_file_bytes_and_unpermutes_rows(gguf_files, kind):
         assert torch.equal(w.dequantize(), store.get(name)), name  # q/k rows unpermuted alike
 
 
+
+@pytest.mark.parametrize("kind", ["Q4_K_M", "Q8_0_tied"])
+def test_rows_stacked_as_read_equal_the_parts_concatenated(gguf_files, kind):
+    """q/k/v and gate/up read straight into one matrix hold the bytes of the parts read one by
+    one and concatenated (Q/K unpermuted); parts of different types are not stacked."""
+    store = GGUFStore(gguf_files[kind])
+    layer = "model.layers.0."
+    for parts in (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                  ["mlp.gate_proj", "mlp.up_proj"]):
+        names = [f"{layer}{p}.weight" for p in parts]
+        stacked = store.get_packed_rows(names)
+        if len({store.stored_type(n) for n in names}) > 1:
+            assert stacked is None
+            continue
+        want = torch.cat([store.get_packed(n).raw for n in names])
+        assert torch.equal(stacked.raw, want) and stacked.shape == (want.shape[0], store.shape(names[0])[1])
+
 PROMPT = [5, 9, 30, 41, 77, 6]
 
 

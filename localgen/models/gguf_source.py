@@ -121,6 +121,31 @@ class GGUFStore(WeightStore):
         raw = raw.reshape(rows, -1)
         return PackedGGUFWeight(self._unpermuted(name, raw), t.tensor_type, (rows, cols))
 
+    def get_packed_rows(self, names: list[str]):
+        """The matrices `names` stacked along rows (fused q/k/v, gate/up) as one
+        ``PackedGGUFWeight``, each read from the file straight into its rows, so stacking costs
+        no copy; Q/K rows unpermuted in place. None unless every one is packed, all of one type
+        and one in_features, with file-backed data (`get_packed` them one by one then)."""
+        from localgen.quant.gguf_blocks import PackedGGUFWeight
+
+        if not all(self.packs(n) for n in names):
+            return None
+        ts, shapes = [self.tensor(n) for n in names], [self.shape(n) for n in names]
+        if len({t.tensor_type for t in ts}) != 1 or len({s[1] for s in shapes}) != 1:
+            return None
+        raw = torch.empty(sum(s[0] for s in shapes), int(ts[0].n_bytes) // shapes[0][0],
+                          dtype=torch.uint8)
+        row = 0
+        for name, t, (rows, _) in zip(names, ts, shapes):
+            part = raw[row:row + rows]
+            if read_tensor_bytes(t, out=part.view(-1)) is None:
+                return None
+            moved = self._unpermuted(name, part)
+            if moved.data_ptr() != part.data_ptr():
+                part.copy_(moved)
+            row += rows
+        return PackedGGUFWeight(raw, ts[0].tensor_type, (raw.shape[0], shapes[0][1]))
+
     def _unpermuted(self, name: str, w: torch.Tensor) -> torch.Tensor:
         heads = self.qk_heads(name)
         return w if heads is None else unpermute_qk(w, heads).contiguous()

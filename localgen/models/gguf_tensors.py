@@ -14,8 +14,9 @@ import numpy as np
 import torch
 
 
-def read_tensor_bytes(t) -> torch.Tensor | None:
-    """The raw bytes of GGUF tensor ``t`` as a fresh ``[t.n_bytes]`` uint8 tensor, read from its
+def read_tensor_bytes(t, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The raw bytes of GGUF tensor ``t`` as a ``[t.n_bytes]`` uint8 tensor (``out``, a
+    contiguous uint8 tensor of that many elements, when given; else a fresh one), read from its
     file with ``preadv`` at ``t.data_offset``: the kernel copies from the page cache straight into
     the buffer, where copying out of the memory map takes a page fault per page first. None where
     ``t.data`` names no file (the caller copies from the map).
@@ -30,7 +31,9 @@ def read_tensor_bytes(t) -> torch.Tensor | None:
     if path is None:
         return None
     n, offset = int(t.n_bytes), int(t.data_offset)
-    buf = torch.empty(n, dtype=torch.uint8)
+    buf = torch.empty(n, dtype=torch.uint8) if out is None else out
+    if buf.numel() != n or buf.dtype != torch.uint8 or not buf.is_contiguous():
+        raise ValueError(f"tensor {t.name}: out must be {n} contiguous uint8 bytes")
     view = memoryview(buf.numpy())
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -96,6 +96,13 @@ def embed(cfg: ModelConfig, w: dict, token_ids: torch.Tensor, positions: torch.T
     return embedding(token_ids, w["embed"])
 
 
+def packed_row_groups(names: dict[str, str]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The matrices ``fuse_weights`` stacks, for a store that can stack them as it reads
+    (``read_weights``'s ``row_groups``): q/k/v, and gate/up where they have no biases."""
+    qkv = (("qkv", ("q", "k", "v")),)
+    return qkv if "gate_bias" in names else qkv + (("gate_up", ("gate", "up")),)
+
+
 def fuse_weights(cfg: ModelConfig, w: dict) -> dict:
     """Concatenate q/k/v and gate/up into one matrix each (vLLM's QKVParallelLinear and
     MergedColumnParallelLinear): decode is memory-bound, and one long GEMV per group reads the

@@ -50,17 +50,22 @@ def family_of(cfg: ModelConfig) -> ModuleType:
 
 def read_weights(store: WeightSource, names: dict[str, str], optional: set[str],
                  dtype: torch.dtype, device: torch.device,
-                 packed: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+                 packed: Iterable[str] = (),
+                 row_groups: Iterable[tuple[str, tuple[str, ...]]] = ()) -> dict[str, torch.Tensor]:
     """Load ``short -> hf_name`` tensors; missing optional ones are skipped. Shorts in
     ``packed`` come as the store's ``get_packed`` gives them (a GGUF matrix kept in its blocks)
     where it gives one; all else is expanded to ``dtype`` (the offload runtime reads everything
-    this way: it expands GGUF blocks at load).
+    this way: it expands GGUF blocks at load). A ``(fused, parts)`` of ``row_groups`` whose parts
+    are all packed comes as one matrix under ``fused`` where the store's ``get_packed_rows``
+    stacks them as it reads (the family's fusing then finds it done).
 
     Raises KeyError naming the missing tensor.
     """
     have = set(store.names())
-    out = {}
+    out, stacked = _read_row_groups(store, names, have, set(packed), row_groups, device)
     for short, name in names.items():
+        if short in stacked:
+            continue
         if name not in have:
             if short in optional:
                 continue
@@ -68,6 +73,21 @@ def read_weights(store: WeightSource, names: dict[str, str], optional: set[str],
         w = store.get_packed(name) if short in packed else None
         out[short] = w.to(device) if w is not None else store.get(name).to(device=device, dtype=dtype)
     return out
+
+
+def _read_row_groups(store, names: dict[str, str], have: set[str], packed: set[str],
+                     row_groups, device: torch.device) -> tuple[dict, set[str]]:
+    """The row groups ``read_weights`` can take stacked from the store, by fused name, and the
+    shorts they hold."""
+    out, stacked = {}, set()
+    rows_of = getattr(store, "get_packed_rows", None)
+    for fused, parts in row_groups if rows_of is not None else ():
+        if all(p in names and p in packed and names[p] in have for p in parts):
+            w = rows_of([names[p] for p in parts])
+            if w is not None:
+                out[fused] = w.to(device)
+                stacked.update(parts)
+    return out, stacked
 
 
 # "0" expands every GGUF tensor at load (the float path; tests compare the packed path with it)
@@ -195,8 +215,9 @@ class CausalLM:
 
             packed = int4_layer_weights(store, names)
             names = {k: v for k, v in names.items() if k not in replaced_names(packed)}
+        groups = getattr(self.family, "packed_row_groups", lambda names: ())(names)
         w = read_weights(store, names, self.family.OPTIONAL, self.dtype, self.device,
-                         packed=self._packed_shorts)
+                         packed=self._packed_shorts, row_groups=groups)
         w = {**fuse_weights(self.family, self.cfg, w), **packed}
         if self.prefill_copies:
             from localgen.quant.cpu_int4 import with_copies
