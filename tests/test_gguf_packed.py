@@ -268,6 +268,18 @@ def test_rows_stacked_as_read_equal_the_parts_concatenated(gguf_files, kind):
         want = torch.cat([store.get_packed(n).raw for n in names])
         assert torch.equal(stacked.raw, want) and stacked.shape == (want.shape[0], store.shape(names[0])[1])
 
+
+def test_a_packed_llama_layer_is_stacked_as_read_not_concatenated(gguf_files, monkeypatch):
+    from localgen.api import LLM
+
+    def refuse(parts):
+        raise AssertionError("rows concatenated after reading")
+
+    monkeypatch.setattr(gb.PackedGGUFWeight, "cat_rows", staticmethod(refuse))
+    llm = LLM.load(str(gguf_files["Q8_0_tied"]), device="cpu", dtype="float32",
+                   kv_cache_memory=1 << 22)
+    assert {"qkv", "gate_up"} <= llm.engine.model.layers[0].keys()
+
 PROMPT = [5, 9, 30, 41, 77, 6]
 
 

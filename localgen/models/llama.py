@@ -98,7 +98,8 @@ def embed(cfg: ModelConfig, w: dict, token_ids: torch.Tensor, positions: torch.T
 
 def packed_row_groups(names: dict[str, str]) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """The matrices ``fuse_weights`` stacks, for a store that can stack them as it reads
-    (``read_weights``'s ``row_groups``): q/k/v, and gate/up where they have no biases."""
+    (``read_weights``'s ``row_groups``; ``names``: the layer's shorts the checkpoint holds):
+    q/k/v, and gate/up where they have no biases."""
     qkv = (("qkv", ("q", "k", "v")),)
     return qkv if "gate_bias" in names else qkv + (("gate_up", ("gate", "up")),)
 
