@@ -6,6 +6,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
+import torch
 
 from localgen.models.config import CorruptModelError
 from localgen.models.gguf_reader import FastGGUFReader
@@ -110,18 +111,33 @@ def test_the_embedded_models_eos_ids_are_the_chat_end_token():
     assert fast.fields["tokenizer.ggml.tokens"].parts._all is None
 
 
-def test_tensor_bytes_read_from_the_file_equal_the_mapped_ones(tiny_gguf):
-    from localgen.models.gguf_tensors import read_tensor_bytes
+def _mapped_rows(t):
+    flat = np.asarray(t.data).view(np.uint8).reshape(-1)
+    rows = int(t.shape[-1]) if len(t.shape) > 1 else 1
+    return flat.reshape(rows, -1)
 
+
+def test_tensor_rows_read_from_the_file_equal_the_mapped_ones(tiny_gguf, monkeypatch):
+    """Every tensor in order, and each 2-D one with its rows reversed, a few buffers a call (the
+    reads resume across calls and after a buffer filled in part)."""
+    import os
+
+    from localgen.models.gguf_tensors import read_tensor_rows
+
+    monkeypatch.setattr(os, "sysconf", lambda name: 3)
     reader = open_gguf(tiny_gguf)
     for t in reader.tensors:
-        got = read_tensor_bytes(t)
-        assert got is not None and got.numel() == t.n_bytes
-        assert (got.numpy() == np.asarray(t.data).view(np.uint8).reshape(-1)).all(), t.name
+        want = _mapped_rows(t)
+        got = torch.empty(want.shape, dtype=torch.uint8)
+        assert read_tensor_rows(t, got)
+        assert (got.numpy() == want).all(), t.name
+        back = torch.empty(want.shape, dtype=torch.uint8)
+        assert read_tensor_rows(t, back, list(range(want.shape[0] - 1, -1, -1)))
+        assert (back.numpy() == want[::-1]).all(), t.name
 
 
 def test_a_file_cut_after_opening_names_the_tensor_and_the_missing_bytes(tiny_gguf, tmp_path):
-    from localgen.models.gguf_tensors import read_tensor_bytes
+    from localgen.models.gguf_tensors import read_tensor_rows
 
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(tiny_gguf.read_bytes())
@@ -130,4 +146,4 @@ def test_a_file_cut_after_opening_names_the_tensor_and_the_missing_bytes(tiny_gg
     with open(cut, "r+b") as f:
         f.truncate(int(last.data_offset) + 3)
     with pytest.raises(CorruptModelError, match=rf"tensor {last.name} ends {int(last.n_bytes) - 3} bytes"):
-        read_tensor_bytes(last)
+        read_tensor_rows(last, torch.empty(1, int(last.n_bytes), dtype=torch.uint8))

@@ -21,7 +21,7 @@ from localgen.models.gguf_dense import transformers_reads_arch
 from localgen.models.gguf_names import gguf_to_hf_name
 from localgen.models.gguf_open import open_gguf
 from localgen.models.gguf_reader import gguf_field
-from localgen.models.gguf_tensors import dequantize_tensor, read_tensor_bytes, release_mapped
+from localgen.models.gguf_tensors import dequantize_tensor, read_tensor_rows, release_mapped
 from localgen.models.weights import WeightStore
 from localgen.quant.gguf_blocks import unpermute_qk
 
@@ -114,17 +114,17 @@ class GGUFStore(WeightStore):
             return None
         t = self.tensor(name)
         rows, cols = self.shape(name)
-        raw = read_tensor_bytes(t)
-        if raw is None:
-            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))
+        raw = torch.empty(rows, int(t.n_bytes) // rows, dtype=torch.uint8)
+        if not self._read_rows(name, t, raw):
+            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True)).reshape(rows, -1)
             release_mapped(self.reader, int(t.data_offset), int(t.n_bytes))
-        raw = raw.reshape(rows, -1)
-        return PackedGGUFWeight(self._unpermuted(name, raw), t.tensor_type, (rows, cols))
+            raw = self._unpermuted(name, raw)
+        return PackedGGUFWeight(raw, t.tensor_type, (rows, cols))
 
     def get_packed_rows(self, names: list[str]):
         """The matrices `names` stacked along rows (fused q/k/v, gate/up) as one
         ``PackedGGUFWeight``, each read from the file straight into its rows, so stacking costs
-        no copy; Q/K rows unpermuted in place. None unless every one is packed, all of one type
+        no copy; Q/K rows land unpermuted. None unless every one is packed, all of one type
         and one in_features, with file-backed data (`get_packed` them one by one then)."""
         from localgen.quant.gguf_blocks import PackedGGUFWeight
 
@@ -137,14 +137,22 @@ class GGUFStore(WeightStore):
                           dtype=torch.uint8)
         row = 0
         for name, t, (rows, _) in zip(names, ts, shapes):
-            part = raw[row:row + rows]
-            if read_tensor_bytes(t, out=part.view(-1)) is None:
+            if not self._read_rows(name, t, raw[row:row + rows]):
                 return None
-            moved = self._unpermuted(name, part)
-            if moved.data_ptr() != part.data_ptr():
-                part.copy_(moved)
             row += rows
         return PackedGGUFWeight(raw, ts[0].tensor_type, (raw.shape[0], shapes[0][1]))
+
+    def _read_rows(self, name: str, t, out: torch.Tensor) -> bool:
+        """`name`'s rows read from the file into ``out`` in HF order (llama.cpp's Q/K
+        permutation undone as the rows land); False where the tensor has no file behind it."""
+        heads = self.qk_heads(name)
+        dest = None
+        if heads is not None:
+            src = unpermute_qk(torch.arange(out.shape[0]), heads)  # HF row j <- file row src[j]
+            dest = torch.empty_like(src)
+            dest[src] = torch.arange(out.shape[0])
+            dest = dest.tolist()
+        return read_tensor_rows(t, out, dest)
 
     def _unpermuted(self, name: str, w: torch.Tensor) -> torch.Tensor:
         heads = self.qk_heads(name)

@@ -14,39 +14,55 @@ import numpy as np
 import torch
 
 
-def read_tensor_bytes(t, out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The raw bytes of GGUF tensor ``t`` as a ``[t.n_bytes]`` uint8 tensor (``out``, a
-    contiguous uint8 tensor of that many elements, when given; else a fresh one), read from its
-    file with ``preadv`` at ``t.data_offset``: the kernel copies from the page cache straight into
-    the buffer, where copying out of the memory map takes a page fault per page first. None where
-    ``t.data`` names no file (the caller copies from the map).
+def read_tensor_rows(t, out: torch.Tensor, dest_rows: list[int] | None = None) -> bool:
+    """Read GGUF tensor ``t``'s rows, in file order, into the rows of ``out`` (``[rows,
+    row_bytes]`` uint8, contiguous): file row ``i`` into ``out[dest_rows[i]]``, or all
+    of them in order when ``dest_rows`` is None. One ``preadv`` takes many rows, so the kernel
+    copies from the page cache straight into place: no page fault a page as copying out of the
+    memory map takes, and a row permutation (llama.cpp's Q/K) costs no second copy. False where
+    ``t.data`` names no file.
 
-    Raises CorruptModelError naming the file, the tensor and the missing bytes when the file
-    ends before the tensor does."""
+    Raises ValueError when ``out`` does not hold ``t.n_bytes`` bytes in whole rows,
+    CorruptModelError naming the file, the tensor and the missing bytes when the file ends
+    before the tensor does."""
+    import os
+
+    path = getattr(t.data, "filename", None)
+    if path is None:
+        return False
+    n = int(t.n_bytes)
+    if out.dtype != torch.uint8 or out.numel() != n or out.dim() != 2 or not out.is_contiguous():
+        raise ValueError(f"tensor {t.name}: out must be {n} contiguous uint8 bytes in rows")
+    flat, width = memoryview(out.numpy().reshape(-1)), out.shape[-1]
+    views = [flat] if dest_rows is None else [flat[r * width:(r + 1) * width] for r in dest_rows]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _preadv_all(fd, views, int(t.data_offset), path, t.name, n)
+    finally:
+        os.close(fd)
+    return True
+
+
+def _preadv_all(fd: int, views: list, offset: int, path, name: str, n: int) -> None:
+    """Fill ``views`` in order from ``offset``, at most ``IOV_MAX`` buffers a call (one read
+    returns at most about 2 GiB on Linux, so a short read resumes where it stopped)."""
     import os
 
     from localgen.models.config import CorruptModelError
 
-    path = getattr(t.data, "filename", None)
-    if path is None:
-        return None
-    n, offset = int(t.n_bytes), int(t.data_offset)
-    buf = torch.empty(n, dtype=torch.uint8) if out is None else out
-    if buf.numel() != n or buf.dtype != torch.uint8 or not buf.is_contiguous():
-        raise ValueError(f"tensor {t.name}: out must be {n} contiguous uint8 bytes")
-    view = memoryview(buf.numpy())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        got = 0
-        while got < n:  # one read returns at most about 2 GiB on Linux
-            k = os.preadv(fd, [view[got:]], offset + got)
-            if k == 0:
-                raise CorruptModelError(f"{path}: tensor {t.name} ends {n - got} bytes past the "
-                                        f"end of the file")
-            got += k
-    finally:
-        os.close(fd)
-    return buf
+    most = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+    done, i = 0, 0
+    while i < len(views):
+        got = os.preadv(fd, views[i:i + most], offset + done)
+        if got == 0:
+            raise CorruptModelError(f"{path}: tensor {name} ends {n - done} bytes past the end "
+                                    f"of the file")
+        done += got
+        while i < len(views) and got >= len(views[i]):  # skip the buffers filled whole
+            got -= len(views[i])
+            i += 1
+        if got:
+            views[i] = views[i][got:]
 
 
 def release_mapped(reader, offset: int, nbytes: int) -> None:
