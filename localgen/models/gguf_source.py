@@ -185,13 +185,10 @@ def store_config(store: GGUFStore) -> ModelConfig:
 
 def load_gguf_tokenizer(path: str | Path):
     """The tokenizer stored in the GGUF: converted by transformers on the first load (slow for a
-    49k vocab), then read from localgen's cache (`localgen.models.tokenizer_cache`), without
-    importing transformers where the entry allows it (`gguf_tokenizer.read_light_tokenizer`)."""
-    from localgen.models.gguf_tokenizer import read_light_tokenizer
-    from localgen.models.tokenizer_cache import cache_entry, cached_gguf_tokenizer
+    49k vocab), then read from localgen's cache (`localgen.models.tokenizer_cache`)."""
+    from localgen.models.tokenizer_cache import cached_gguf_tokenizer
 
-    light = read_light_tokenizer(cache_entry(path))
-    return light if light is not None else cached_gguf_tokenizer(path, lambda: convert_gguf_tokenizer(path))
+    return cached_gguf_tokenizer(path, lambda: convert_gguf_tokenizer(path))
 
 
 def convert_gguf_tokenizer(path: str | Path):

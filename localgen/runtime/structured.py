@@ -209,10 +209,8 @@ class GrammarCache:
 
     def _new_compiler(self, xgr):
         try:
-            # a GGUF's light tokenizer (models/gguf_tokenizer.py) hands over transformers' own
-            hf = getattr(self._tokenizer, "transformers_tokenizer", self._tokenizer)
             info = xgr.TokenizerInfo.from_huggingface(
-                hf, vocab_size=self._vocab_size,
+                self._tokenizer, vocab_size=self._vocab_size,
                 stop_token_ids=list(self._stop_token_ids) or None)
         except Exception as e:
             raise ValueError(f"response_format: the grammar engine cannot read this model's "
