@@ -215,7 +215,8 @@ class CausalLM:
 
             packed = int4_layer_weights(store, names)
             names = {k: v for k, v in names.items() if k not in replaced_names(packed)}
-        present = {k: v for k, v in names.items() if v in store}
+        have = set(store.names())
+        present = {k: v for k, v in names.items() if v in have}
         groups = getattr(self.family, "packed_row_groups", lambda names: ())(present)
         w = read_weights(store, names, self.family.OPTIONAL, self.dtype, self.device,
                          packed=self._packed_shorts, row_groups=groups)
