@@ -151,6 +151,12 @@ def test_one_activation_row_gives_the_same_bits_whatever_the_chunks(qtype, seed,
     """A decode step's single activation row: the kernel that takes four weight rows a visit
     and the one-row kernel (a chunk's last rows; one-row chunks send every row there) give each
     output the same bits, so a row's value does not depend on the thread split."""
+    check_one_row_bits(qtype, seed, monkeypatch)
+
+
+def check_one_row_bits(qtype, seed, monkeypatch) -> None:
+    """One activation row through the default chunks and through one-row chunks: equal bits,
+    and within the reference's tolerance."""
     k = 576 if GGML_QUANT_SIZES[qtype][0] == 32 else 768
     rng = np.random.default_rng(seed)
     raw = random_blocks(qtype, N, k, rng)

@@ -10,15 +10,13 @@ from __future__ import annotations
 import ctypes
 import subprocess
 
-import numpy as np
 import pytest
-import torch
 from gguf import GGML_QUANT_SIZES
 
 from localgen.kernels import cpu_build
 from localgen.kernels import gguf_cpu
 
-from test_gguf_cpu_kernels import TYPES, N, check, check_f32, random_blocks
+from test_gguf_cpu_kernels import TYPES, check, check_f32, check_one_row_bits
 
 
 def _avx512() -> bool:
@@ -73,10 +71,4 @@ def test_avx2_build_matches_reference(on_avx2, qtype, m, seed):
 def test_avx2_build_one_row_bits_whatever_the_chunks(on_avx2, qtype, seed, monkeypatch):
     """The four-weight-row kernel and the one-row kernel give a decode row the same bits in the
     AVX2 build too."""
-    k = 576 if GGML_QUANT_SIZES[qtype][0] == 32 else 768
-    rng = np.random.default_rng(seed)
-    raw = random_blocks(qtype, N, k, rng)
-    x = torch.from_numpy(rng.standard_normal((1, k), dtype=np.float32))
-    want = gguf_cpu.matmul(x, raw, qtype, k)
-    monkeypatch.setattr(gguf_cpu, "W_CHUNK_BYTES", 1)
-    assert torch.equal(gguf_cpu.matmul(x, raw, qtype, k), want)
+    check_one_row_bits(qtype, seed, monkeypatch)

@@ -30,6 +30,7 @@ import argparse
 import gc
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -418,7 +419,8 @@ def bench(spec: str, batches: list[int], prompt_len: int, gen_len: int, *, devic
     ratios = peer_ratios(runs)
     table = format_table(runs) + "".join("\n" + line for line in format_ratios(ratios))
     log(table)
-    return {"model": spec, "device": str(dev), "dtype": str(dt), "copy_bandwidth": bw,
+    # the file's name, not this machine's path: results are kept beside the docs
+    return {"model": Path(spec).name, "device": str(dev), "dtype": str(dt), "copy_bandwidth": bw,
             "weight_bytes": wbytes, "threads": torch.get_num_threads(), "repeat": repeat,
             "runs": [asdict(r) for r in runs], "ratios": ratios, "table": table}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import warnings
 from types import ModuleType
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import torch
 
@@ -51,18 +51,21 @@ def family_of(cfg: ModelConfig) -> ModuleType:
 def read_weights(store: WeightSource, names: dict[str, str], optional: set[str],
                  dtype: torch.dtype, device: torch.device,
                  packed: Iterable[str] = (),
-                 row_groups: Iterable[tuple[str, tuple[str, ...]]] = ()) -> dict[str, torch.Tensor]:
+                 row_groups: Callable[[dict[str, str]], Iterable[tuple[str, tuple[str, ...]]]]
+                 | None = None) -> dict[str, torch.Tensor]:
     """Load ``short -> hf_name`` tensors; missing optional ones are skipped. Shorts in
     ``packed`` come as the store's ``get_packed`` gives them (a GGUF matrix kept in its blocks)
     where it gives one; all else is expanded to ``dtype`` (the offload runtime reads everything
-    this way: it expands GGUF blocks at load). A ``(fused, parts)`` of ``row_groups`` whose parts
-    are all packed comes as one matrix under ``fused`` where the store's ``get_packed_rows``
-    stacks them as it reads (the family's fusing then finds it done).
+    this way: it expands GGUF blocks at load). ``row_groups`` maps the shorts the store holds to
+    ``(fused, parts)`` pairs (the family's ``packed_row_groups``); parts all packed come as one
+    matrix under ``fused`` where the store's ``get_packed_rows`` stacks them as it reads (the
+    family's fusing then finds it done).
 
     Raises KeyError naming the missing tensor.
     """
     have = set(store.names())
-    out, stacked = _read_row_groups(store, names, have, set(packed), row_groups, device)
+    groups = row_groups({k: v for k, v in names.items() if v in have}) if row_groups else ()
+    out, stacked = _read_row_groups(store, names, have, set(packed), groups, device)
     for short, name in names.items():
         if short in stacked:
             continue
@@ -215,11 +218,9 @@ class CausalLM:
 
             packed = int4_layer_weights(store, names)
             names = {k: v for k, v in names.items() if k not in replaced_names(packed)}
-        have = set(store.names())
-        present = {k: v for k, v in names.items() if v in have}
-        groups = getattr(self.family, "packed_row_groups", lambda names: ())(present)
         w = read_weights(store, names, self.family.OPTIONAL, self.dtype, self.device,
-                         packed=self._packed_shorts, row_groups=groups)
+                         packed=self._packed_shorts,
+                         row_groups=getattr(self.family, "packed_row_groups", None))
         w = {**fuse_weights(self.family, self.cfg, w), **packed}
         if self.prefill_copies:
             from localgen.quant.cpu_int4 import with_copies
