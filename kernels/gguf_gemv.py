@@ -17,27 +17,36 @@ applied once per group and row. The activation sums ``Σ x`` of a group serve ev
   in place or shifted, are ORed into the mantissa of 1.0, and the constant and the power of two
   that this adds come off exactly, through the activation or the group's ``Σ x`` term.
   A loop step loads ``blocks_per_step`` blocks of each row, to keep more bytes in flight.
-* ``codes="q8"`` (Q4_K, M = 1; llama.cpp's MMVQ idea): the activations are first rounded to
-  int8 per 32-group (one small kernel), and a word's four codes meet four of them in one
-  ``dp4a``. Not bit-compatible with the float kernels: the error is that rounding's.
+* ``codes="q8"`` (Q4_K, Q6_K; M = 1; ``gguf_q8``): the activations are first rounded to int8
+  per 32-group, and a word's four codes meet four of them in one ``dp4a``. Not bit-compatible
+  with the float kernels: the error is that rounding's. The split-K zeroing of the output rides
+  in the rounding kernel's launch.
 * ``dot`` kernel (M <= 16): per group, the codes of ``BLOCK_N`` rows meet the ``[16, 32]``
   (Q6_K: ``[16, 16]``) activations in one ``tl.dot``; the group's scales then multiply the
   ``[16, BLOCK_N]`` result.
 
 K is split across programs (``split_k``) when the rows alone do not fill the GPU; split programs
 add float32 partial sums atomically. Which kernel and tile serve a shape is the table
-``DECODE_CONFIGS`` (the one place to change after a sweep, ``gguf_gemm_bench --sweep``).
+``DECODE_CONFIGS`` (the one place to change after a sweep, ``gguf_gemm_bench --sweep``), unless
+the environment names a sweep's results: ``LOCALGEN_GGUF_DECODE_CONFIGS=<sweep.json>`` makes
+:func:`default_config` take that file's ``winners`` (``[{"qtype", "m", "cfg"}]``, one per type
+and M measured; the entry of the nearest measured M at or above the call's, the table where the
+file has none), so a sweep's choice runs without editing this module.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from .triton_common import interpreting
+from . import gguf_q8
+from .gguf_tiles import GEMV_ARGS, f16_at, finish, k4_scale_min, slots
 
 Q4_K, Q5_K, Q6_K = 12, 13, 14  # GGMLQuantizationType values
 TYPES = (Q4_K, Q5_K, Q6_K)
@@ -65,10 +74,10 @@ class DecodeConfig:
 # gemv code-to-float modes (the MODE constexpr): "i2f" converts the integer; "shift" moves the
 # code into the mantissa of 1.0 (``1 + q/2**B``, undone per group); "mask" keeps the code where
 # it sits in its word and ORs in 1.0's exponent, so one mask and one subtraction give
-# ``q·2**-s`` exactly and the activation carries the ``2**s``. "q8" (Q4_K only) rounds the
-# activations to int8 per 32-group first and multiplies codes in integers (``_q4k_gemv_q8``).
+# ``q·2**-s`` exactly and the activation carries the ``2**s``. "q8" (Q4_K, Q6_K) rounds the
+# activations to int8 per 32-group first and multiplies codes in integers (``gguf_q8``).
 CODE_MODES = {"i2f": 0, "shift": 1, "mask": 2}
-Q8_TYPES = (Q4_K,)
+Q8_TYPES = gguf_q8.TYPES
 
 
 def serves(cfg: DecodeConfig, qtype: int, m: int) -> bool:
@@ -95,19 +104,42 @@ DECODE_CONFIGS: dict[tuple[int, bool], DecodeConfig] = {
 }
 
 
+ENV_CONFIGS = "LOCALGEN_GGUF_DECODE_CONFIGS"  # a sweep's JSON whose ``winners`` to take
+
+
 def default_config(qtype: int, m: int) -> DecodeConfig:
-    """The table's config for ``qtype`` at ``m`` activation rows (1..16); ``FILE_CONFIG`` for a
-    type the table does not name."""
+    """The config for ``qtype`` at ``m`` activation rows (1..16): the ``ENV_CONFIGS`` file's
+    winner of the nearest measured M at or above ``m`` where it has one, else the table's;
+    ``FILE_CONFIG`` for a type neither names. Raises ValueError (naming the file) for a file
+    that cannot be read or whose winners are not configs that serve their type and M."""
+    path = os.environ.get(ENV_CONFIGS)
+    if path:
+        above = [(wm, cfg) for wq, wm, cfg in measured_winners(path) if wq == int(qtype)
+                 and wm >= m]
+        if above:
+            return min(above, key=lambda e: e[0])[1]
     return DECODE_CONFIGS.get((int(qtype), m == 1), FILE_CONFIG)
 
 
+@functools.lru_cache(maxsize=4)
+def measured_winners(path: str) -> tuple[tuple[int, int, DecodeConfig], ...]:
+    """``(qtype, m, config)`` of each entry of the ``winners`` list in ``gguf_gemm_bench
+    --sweep``'s JSON at ``path`` (read once a process). Raises ValueError naming the file and
+    the entry that is missing or wrong."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            entries = json.load(f)["winners"]
+        out = tuple((int(e["qtype"]), int(e["m"]), DecodeConfig(**e["cfg"])) for e in entries)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{ENV_CONFIGS}={path}: not a sweep result with a 'winners' list of "
+                         f"{{qtype, m, cfg}} ({type(exc).__name__}: {exc})") from exc
+    bad = [e for e in out if not serves(e[2], e[0], e[1])]
+    if bad:
+        raise ValueError(f"{ENV_CONFIGS}={path}: winner {bad[0]} does not serve its type and M")
+    return out
+
+
 # ---- shared device helpers ----
-
-@triton.jit
-def _f16_at(ptr):
-    """float32 of the fp16 stored at ``ptr`` (any integer pointer tensor, 2-byte aligned)."""
-    return tl.load(ptr.to(tl.pointer_type(tl.float16))).to(tl.float32)
-
 
 @triton.jit
 def _code_float(q, BITS: tl.constexpr, MAGIC: tl.constexpr):
@@ -151,50 +183,9 @@ def _coefs(a, b, BITS: tl.constexpr, MAGIC: tl.constexpr):
     return ca, cb
 
 
-@triton.jit
-def _k4_scale_min(blk8, g):
-    """6-bit scale and min of 32-weight groups ``g`` (int tensor, 0..7) of Q4_K blocks
-    (``blk8``: uint8 pointers to each block, broadcast against ``g``; bytes 4..15 as in
-    ggml's ``get_scale_min_k4``), float32 of the broadcast shape."""
-    lane = g % 4
-    sc_byte = tl.load(blk8 + 4 + lane).to(tl.int32)
-    mn_byte = tl.load(blk8 + 8 + lane).to(tl.int32)
-    hi_byte = tl.load(blk8 + 12 + lane).to(tl.int32)
-    sc = tl.where(g < 4, sc_byte & 63, (hi_byte & 15) | ((sc_byte >> 6) << 4))
-    mn = tl.where(g < 4, mn_byte & 63, (hi_byte >> 4) | ((mn_byte >> 6) << 4))
-    return sc.to(tl.float32), mn.to(tl.float32)
-
-
-@triton.jit
-def _finish(out, y_ptr, offs_n, N, ATOMIC: tl.constexpr):
-    """Store ``out`` ``[BLOCK_N]`` of one activation row, or add it atomically (split K)."""
-    mask = offs_n < N
-    if not ATOMIC:
-        tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(y_ptr + offs_n, out, mask=mask)
-
-
 # ---- M = 1 ----
 
-@triton.jit
-def _slots(pid_n, pid_k, num_tiles, tiles_per_split, BLOCK_N: tl.constexpr, KB: tl.constexpr):
-    """Output rows of the program, and its loop bounds and slot grid: a loop step reads ``KB``
-    consecutive blocks of every row, as ``4·KB`` slots ``j`` of 8 words (block ``j // 4`` of the
-    step, part ``j % 4`` of it), so that ``KB`` blocks' loads are in flight at once."""
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    kt0 = pid_k * tiles_per_split
-    end = tl.minimum(kt0 + tiles_per_split, num_tiles)
-    j2 = tl.arange(0, 4 * KB)[None, :]
-    return offs_n, kt0, end, j2
-
-
-# Shape arguments are not specialized (no recompiling per shape: the alignment the loads need
-# comes from the row stride's factor in the kernel, not from the argument's value).
-_GEMV_ARGS = ["N", "num_tiles", "tiles_per_split"]
-
-
-@triton.jit(do_not_specialize=_GEMV_ARGS + ["row_16b"])
+@triton.jit(do_not_specialize=GEMV_ARGS + ["row_16b"])
 def _q45k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
                QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
                ATOMIC: tl.constexpr, MODE: tl.constexpr):
@@ -208,7 +199,7 @@ def _q45k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
     Blocks past the slice are read from its last block with their activations masked to 0."""
     BW: tl.constexpr = 36 if QTYPE == 12 else 44  # 32-bit words a block
     QS: tl.constexpr = 4 if QTYPE == 12 else 12  # word of the nibbles
-    offs_n, kt0, end, j2 = _slots(tl.program_id(0), tl.program_id(1), num_tiles,
+    offs_n, kt0, end, j2 = slots(tl.program_id(0), tl.program_id(1), num_tiles,
                                   tiles_per_split, BLOCK_N, KB)
     rows = (w_ptr.to(tl.pointer_type(tl.int32))
             + tl.minimum(offs_n, N - 1).to(tl.int64) * (row_16b * 4))[:, None, None]
@@ -224,8 +215,8 @@ def _q45k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
         if QTYPE == 13:
             qh = tl.load(blk + 4 + i3)
         blk8 = blk.to(tl.pointer_type(tl.uint8))
-        d = _f16_at(blk8)
-        dmin = _f16_at(blk8 + 2)
+        d = f16_at(blk8)
+        dmin = f16_at(blk8 + 2)
         x_tile = x_ptr + kb3 * 256 + 64 * c3 + 4 * i3
         live = kb3 < end
         for h in tl.static_range(2):
@@ -241,13 +232,13 @@ def _q45k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
                 else:
                     s += _code_x(q5, 8 * b, 5, xv, MODE)
                 xs += xv
-            sc, mn = _k4_scale_min(blk8, 2 * c3 + h)
+            sc, mn = k4_scale_min(blk8, 2 * c3 + h)
             ca, cb = _coefs(d * sc, dmin * mn, 4 if QTYPE == 12 else 5, MODE == 1)
             acc += s * ca - xs * cb
-    _finish(tl.sum(tl.sum(acc, axis=2), axis=1), y_ptr, offs_n, N, ATOMIC)
+    finish(tl.sum(tl.sum(acc, axis=2), axis=1), y_ptr, offs_n, N, ATOMIC)
 
 
-@triton.jit(do_not_specialize=_GEMV_ARGS + ["stride_wn"])
+@triton.jit(do_not_specialize=GEMV_ARGS + ["stride_wn"])
 def _q6k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, stride_wn,
               BLOCK_N: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr,
               MODE: tl.constexpr):
@@ -258,7 +249,7 @@ def _q6k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, stride_wn,
     ``128 + 32hf + l`` at bit ``2t``, and scale ``8hf + 2t + l // 16``. A block's part
     ``p = j % 4`` is ``hf = p // 2``, ``v = 8(p % 2) + 0..7``, so a slot shares one scale per
     quarter."""
-    offs_n, kt0, end, j2 = _slots(tl.program_id(0), tl.program_id(1), num_tiles,
+    offs_n, kt0, end, j2 = slots(tl.program_id(0), tl.program_id(1), num_tiles,
                                   tiles_per_split, BLOCK_N, KB)
     rows = (w_ptr.to(tl.pointer_type(tl.int16))
             + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn)[:, None, None]
@@ -275,7 +266,7 @@ def _q6k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, stride_wn,
         ql_b = tl.load(w3 + 16).to(tl.int32)
         qh = tl.load(w3 + 64 - 16 * hf3).to(tl.int32)
         blk8 = blk.to(tl.pointer_type(tl.uint8))
-        d = _f16_at(blk8 + 208)
+        d = f16_at(blk8 + 208)
         x_tile = x_ptr + kb3 * 256 + 128 * hf3 + 2 * v3
         live = kb3 < end
         for t in tl.static_range(4):
@@ -292,92 +283,7 @@ def _q6k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, stride_wn,
             a = d * scale.to(tl.float32)
             ca, cb = _coefs(a, 32 * a, 6, MODE == 1)
             acc += s * ca - xs * cb
-    _finish(tl.sum(tl.sum(acc, axis=2), axis=1), y_ptr, offs_n, N, ATOMIC)
-
-
-# ---- M = 1 with 8-bit activations (codes="q8", Q4_K) ----
-
-@triton.jit
-def _quantize_x8(x_ptr, xq_ptr, xd_ptr, xs_ptr):
-    """Program t: the 256 activations of tile t as int8 per 32-group, ``q = round(x / d)`` with
-    ``d = max|x| / 127`` (llama.cpp's ``block_q8_1`` rule, half away from zero), the group's
-    ``d`` and its exact float sum ``Σ x``."""
-    t = tl.program_id(0)
-    offs = t * 256 + tl.arange(0, 8)[:, None] * 32 + tl.arange(0, 32)[None, :]
-    x = tl.load(x_ptr + offs).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    inv = tl.where(amax > 0, 127.0 / amax, 0.0)
-    v = x * inv[:, None]
-    q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
-    tl.store(xq_ptr + offs, q.to(tl.int8))
-    tl.store(xd_ptr + t * 8 + tl.arange(0, 8), amax / 127.0)
-    tl.store(xs_ptr + t * 8 + tl.arange(0, 8), tl.sum(x, axis=1))
-
-
-@triton.jit
-def _dp4a(a, b, ASM: tl.constexpr):
-    """``Σ_k a_k·b_k`` over the four signed bytes of int32 ``a`` and ``b`` (same shape): PTX
-    ``dp4a`` (ASM), else the same sum by shifts (the interpreter)."""
-    if ASM:
-        out = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r",
-                                        [a, b, tl.zeros_like(a)], dtype=tl.int32, is_pure=True,
-                                        pack=1)
-    else:
-        out = ((a << 24) >> 24) * ((b << 24) >> 24) + ((a << 16) >> 24) * ((b << 16) >> 24)
-        out += ((a << 8) >> 24) * ((b << 8) >> 24) + (a >> 24) * (b >> 24)
-    return out
-
-
-@triton.jit(do_not_specialize=_GEMV_ARGS + ["row_16b"])
-def _q4k_gemv_q8(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
-                 BLOCK_N: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr,
-                 ASM: tl.constexpr):
-    """:func:`_q45k_gemv` for Q4_K over :func:`_quantize_x8`'s activations: a word's four low
-    (high) nibbles meet the four int8 activations of the same weights, which are contiguous, in
-    one ``dp4a``; per group ``acc += d·sc·d_x·Σ q·q_x`` and ``dmin·m·Σ x`` (exact) comes off."""
-    offs_n, kt0, end, j2 = _slots(tl.program_id(0), tl.program_id(1), num_tiles,
-                                  tiles_per_split, BLOCK_N, KB)
-    rows = (w_ptr.to(tl.pointer_type(tl.int32))
-            + tl.minimum(offs_n, N - 1).to(tl.int64) * (row_16b * 4))[:, None, None]
-    xq32 = xq_ptr.to(tl.pointer_type(tl.int32))
-    j3 = j2[:, :, None]
-    c3 = j3 % 4
-    i3 = tl.arange(0, 8)[None, None, :]
-    acc = tl.zeros([BLOCK_N, 4 * KB, 8], tl.float32)
-    acc_m = tl.zeros([BLOCK_N, 4 * KB, 1], tl.float32)
-    for kt in range(kt0, end, KB):
-        kb3 = kt + j3 // 4
-        live = kb3 < end
-        blk = rows + tl.minimum(kb3, end - 1) * 36
-        words = tl.load(blk + 4 + 8 * c3 + i3)
-        blk8 = blk.to(tl.pointer_type(tl.uint8))
-        d = _f16_at(blk8)
-        dmin = _f16_at(blk8 + 2)
-        for h in tl.static_range(2):
-            g3 = 2 * c3 + h
-            xw = tl.load(xq32 + kb3 * 64 + 8 * g3 + i3, mask=live, other=0)
-            xd = tl.load(xd_ptr + kb3 * 8 + g3, mask=live, other=0.0)
-            xsum = tl.load(xs_ptr + kb3 * 8 + g3, mask=live, other=0.0)
-            p = _dp4a((words >> (4 * h)) & 0x0F0F0F0F, tl.broadcast_to(xw, words.shape), ASM)
-            # |p| < 2**13: int to float by adding under the exponent of 1.5·2**23, exactly
-            pf = (p + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-            sc, mn = _k4_scale_min(blk8, g3)
-            acc += pf * (d * sc * xd)
-            acc_m += dmin * mn * xsum
-    out = tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(tl.sum(acc_m, axis=2), axis=1)
-    _finish(out, y_ptr, offs_n, N, ATOMIC)
-
-
-def _gemv_q8(x: torch.Tensor, raw: torch.Tensor, y: torch.Tensor, grid, per_split: int,
-             cfg: DecodeConfig) -> None:
-    """Launch :func:`_quantize_x8` then :func:`_q4k_gemv_q8` (x ``[1, k]``, Q4_K ``raw``)."""
-    k, n = x.shape[1], raw.shape[0]
-    xq = torch.empty(k, dtype=torch.int8, device=x.device)
-    xd, xs = torch.empty(2, k // 32, dtype=torch.float32, device=x.device)
-    _quantize_x8[(k // TILE_K,)](x, xq, xd, xs)
-    _q4k_gemv_q8[grid](xq, xd, xs, raw, y, n, k // TILE_K, per_split, raw.stride(0) // 16,
-                       BLOCK_N=cfg.block_n, KB=cfg.blocks_per_step, ATOMIC=grid[1] > 1,
-                       ASM=not interpreting(), num_warps=cfg.num_warps)
+    finish(tl.sum(tl.sum(acc, axis=2), axis=1), y_ptr, offs_n, N, ATOMIC)
 
 
 # ---- 1 < M <= 16 ----
@@ -394,9 +300,9 @@ def _group_codes(blk8, G: tl.constexpr, QTYPE: tl.constexpr):
         q = (tl.load(blk8[:, None] + QS + 32 * (G // 2) + lane).to(tl.int32) >> (4 * (G % 2))) & 15
         if QTYPE == 13:
             q = q | (((tl.load(blk8[:, None] + 16 + lane).to(tl.int32) >> G) & 1) << 4)
-        sc, mn = _k4_scale_min(blk8, G)
-        a = _f16_at(blk8) * sc
-        b = _f16_at(blk8 + 2) * mn
+        sc, mn = k4_scale_min(blk8, G)
+        a = f16_at(blk8) * sc
+        b = f16_at(blk8 + 2) * mn
     else:
         hf = G // 8
         t = (G % 8) // 2
@@ -404,12 +310,12 @@ def _group_codes(blk8, G: tl.constexpr, QTYPE: tl.constexpr):
         lo = tl.load(blk8[:, None] + 64 * hf + 32 * (t % 2) + lane).to(tl.int32) >> (4 * (t // 2))
         hi = tl.load(blk8[:, None] + 128 + 32 * hf + lane).to(tl.int32) >> (2 * t)
         q = (lo & 15) | ((hi & 3) << 4)
-        a = _f16_at(blk8 + 208) * tl.load(blk8 + 192 + G).to(tl.int8, bitcast=True).to(tl.float32)
+        a = f16_at(blk8 + 208) * tl.load(blk8 + 192 + G).to(tl.int8, bitcast=True).to(tl.float32)
         b = 32 * a
     return q, a, b
 
 
-@triton.jit(do_not_specialize=_GEMV_ARGS + ["M"])  # stride_wn's alignment serves the loads
+@triton.jit(do_not_specialize=GEMV_ARGS + ["M"])  # stride_wn's alignment serves the loads
 def _gemm_dot(x_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_xm, stride_wn,
               stride_ym, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr,
               DOT_DTYPE: tl.constexpr, CODE_BITS: tl.constexpr, CODE_OFF: tl.constexpr):
@@ -466,12 +372,12 @@ def splits_for(cfg: DecodeConfig, n_programs: int, num_tiles: int, device: torch
 
 
 def split_output(cfg: DecodeConfig, x: torch.Tensor, n: int, n_programs: int,
-                 num_tiles: int) -> tuple[int, int, torch.Tensor]:
+                 num_tiles: int, zeroed: bool = True) -> tuple[int, int, torch.Tensor]:
     """(K slices, tiles a slice, the output ``[M, n]``): in x's dtype for one slice, else
-    float32 zeros that the slices add into."""
+    float32 that the slices add into, zeros unless ``zeroed`` is False (the caller zeros it)."""
     per_split = triton.cdiv(num_tiles, splits_for(cfg, n_programs, num_tiles, x.device))
     splits = triton.cdiv(num_tiles, per_split)
-    y = (torch.empty if splits == 1 else torch.zeros)(
+    y = (torch.empty if splits == 1 or not zeroed else torch.zeros)(
         x.shape[0], n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
     return splits, per_split, y
 
@@ -482,12 +388,15 @@ _DOT_CODES = {torch.float32: (tl.float32, 0, 0.0), torch.bfloat16: (tl.bfloat16,
 
 
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
-           cfg: DecodeConfig | None = None) -> torch.Tensor:
+           cfg: DecodeConfig | None = None,
+           x8: gguf_q8.Q8Activations | None = None) -> torch.Tensor:
     """``x [M, k] · Wᵀ`` -> ``[M, N]`` in x's dtype (float32/bf16/fp16) for ``1 <= M <= 16``,
     W the Q4_K, Q5_K or Q6_K blocks ``raw`` (uint8 ``[N, row_bytes]``, contiguous rows, 16-byte
     aligned data; the caller, ``gguf_gemm.matmul``, checks the shapes). ``cfg`` (default
     :func:`default_config`) must not be ``file``; a ``gemv`` config at M > 1 runs the ``dot``
-    kernel with its tile. Raises ValueError for another type, M, dtype or a ``file`` config."""
+    kernel with its tile. ``x8``: ``gguf_q8.quantize(x)`` already made, for matrices that read
+    the same ``x`` (used by a "q8" config, else ignored). Raises ValueError for another type,
+    M, dtype or a ``file`` config."""
     qtype, (m, n) = int(qtype), (x.shape[0], raw.shape[0])
     if qtype not in TYPES or not 1 <= m <= MAX_M:
         raise ValueError(f"gguf_gemv serves Q4_K/Q5_K/Q6_K (12, 13, 14) at 1 <= M <= {MAX_M}, "
@@ -500,13 +409,18 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
         raise ValueError("a file-layout config runs through gguf_gemm.matmul")
     if cfg.kernel == "gemv" and m > 1:
         cfg = replace(cfg, kernel="dot")
+    q8 = cfg.kernel == "gemv" and cfg.codes == "q8"
+    if q8 and qtype not in Q8_TYPES:
+        raise ValueError(f"codes='q8' serves GGUF types {Q8_TYPES}, not {qtype}")
     tiles, n_programs = k // TILE_K, triton.cdiv(n, cfg.block_n)
-    splits, per_split, y = split_output(cfg, x, n, n_programs, tiles)
+    splits, per_split, y = split_output(cfg, x, n, n_programs, tiles,
+                                        zeroed=not q8 or x8 is not None)
     grid = (n_programs, splits)
-    if cfg.kernel == "gemv" and cfg.codes == "q8":
-        if qtype not in Q8_TYPES:
-            raise ValueError(f"codes='q8' serves GGUF types {Q8_TYPES}, not {qtype}")
-        _gemv_q8(x, raw, y, grid, per_split, cfg)
+    if q8:
+        if x8 is None:
+            x8 = gguf_q8.quantize(x, y if splits > 1 else None)
+        gguf_q8.gemv(x8, raw, qtype, y, grid, per_split, cfg.block_n, cfg.blocks_per_step,
+                     cfg.num_warps)
     elif cfg.kernel == "gemv":
         knobs = dict(BLOCK_N=cfg.block_n, KB=cfg.blocks_per_step, ATOMIC=splits > 1,
                      MODE=CODE_MODES[cfg.codes], num_warps=cfg.num_warps)

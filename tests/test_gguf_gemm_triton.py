@@ -98,7 +98,8 @@ def test_default_decode_path_matches_float64(qtype, kernel_device):
     q8 = gguf_gemv.default_config(qtype, 1).codes == "q8"
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        check_q8_matmul(None, kernel_device) if q8 else check_matmul(qtype, 1, None, kernel_device)
+        check_q8_matmul(None, kernel_device, qtype) if q8 else check_matmul(qtype, 1, None,
+                                                                            kernel_device)
     assert not gguf_gemm.FAILED_DEFAULTS
 
 
@@ -201,39 +202,67 @@ def test_unaligned_blocks_take_the_file_kernel(kernel_device):
     assert (np.abs(y.double().numpy() - x.double().numpy() @ w.T) <= tol).all()
 
 
+@pytest.mark.parametrize("qtype", gguf_gemv.Q8_TYPES)
 @pytest.mark.parametrize("cfg", [
     gguf_gemv.DecodeConfig("gemv", block_n=16, split_k=1, codes="q8"),
     gguf_gemv.DecodeConfig("gemv", block_n=8, split_k=2, blocks_per_step=2, codes="q8"),
+    gguf_gemv.DecodeConfig("gemv", block_n=4, split_k=3, blocks_per_step=4, codes="q8"),
 ])
-def test_q8_activations_within_their_rounding(cfg, kernel_device):
-    check_q8_matmul(cfg, kernel_device)
+def test_q8_activations_within_their_rounding(qtype, cfg, kernel_device):
+    """Split K (the output zeroed in the rounding kernel's launch) and several blocks a step,
+    the last step past the slice's end."""
+    check_q8_matmul(cfg, kernel_device, qtype)
 
 
-def check_q8_matmul(cfg, kernel_device) -> None:
-    """Q4_K against 8-bit activations (``_quantize_x8``: int8 per 32-group, ``d = max|x|/127``,
-    round half away from zero). Each activation moves by at most ``d/2`` and only the scale
-    term ``a·q`` meets it (the min term uses the exact ``Σ x``), so
-    ``|y - y64| <= Σ_j |a q_j|·d_g(j)/2``, plus float32 summation (hand-derived bound; ``a·q``
-    is the weight dequantized with ``dmin`` set to 0)."""
-    qtype, n, k = Q.Q4_K, 37, 768
+def q8_x() -> torch.Tensor:
+    """The activations ``check_q8_matmul`` multiplies (CPU, ``[1, 768]``)."""
+    return torch.randn(1, 768, generator=torch.Generator().manual_seed(5))
+
+
+def check_q8_matmul(cfg, kernel_device, qtype=Q.Q4_K, x8=None) -> None:
+    """Q4_K or Q6_K against 8-bit activations (``gguf_q8.quantize``: int8 per 32-group,
+    ``d = max|x|/127``, round half away from zero). Each activation moves by at most ``d/2``.
+    Q4_K: only the scale term ``a·q`` meets it (the min term uses the exact ``Σ x``), so
+    ``|y - y64| <= Σ_j |a q_j|·d_g(j)/2`` (``a·q``: the weight dequantized with ``dmin`` set
+    to 0); Q6_K: the whole weight ``a·(q - 32)`` meets it, so ``Σ_j |w_j|·d_g(j)/2``; plus
+    float32 summation (hand-derived bounds). ``x8``: ``gguf_q8.quantize`` of :func:`q8_x`."""
+    n, k = 37, 768
     raw = random_blocks(qtype, n, k, seed=11)
-    no_min = raw.reshape(n, -1, 144).copy()
-    no_min[:, :, 2:4] = 0
-    aq = np.abs(reference(no_min.reshape(n, -1), qtype, k))
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(5))
-    y = gguf_gemm.matmul(x.to(kernel_device), torch.from_numpy(raw).to(kernel_device), qtype, k,
-                         cfg).cpu().double().numpy()
+    w = reference(raw, qtype, k)
+    if qtype == Q.Q4_K:
+        no_min = raw.reshape(n, -1, 144).copy()
+        no_min[:, :, 2:4] = 0
+        meets = np.abs(reference(no_min.reshape(n, -1), qtype, k))
+    else:
+        meets = np.abs(w)
+    x, raw_d = q8_x(), torch.from_numpy(raw).to(kernel_device)
+    if x8 is None:
+        y = gguf_gemm.matmul(x.to(kernel_device), raw_d, qtype, k, cfg)
+    else:
+        y = gguf_gemv.matmul(x.to(kernel_device), raw_d, qtype, k, cfg, x8=x8)
+    y = y.cpu().double().numpy()
     xn = x.double().numpy()
     half_step = np.repeat(np.abs(xn).reshape(-1, 32).max(axis=1) / 127 / 2, 32)[None, :]
-    w = reference(raw, qtype, k)
-    bound = half_step @ aq.T + 1e-5 * np.abs(xn) @ np.abs(w).T + 1e-6
+    bound = half_step @ meets.T + 1e-5 * np.abs(xn) @ np.abs(w).T + 1e-6
     err = np.abs(y - xn @ w.T)
     assert (err <= bound).all()
     assert err.max() > 0  # the activations were rounded: this is not the float kernel
 
 
+def test_q8_activations_shared_between_matrices(kernel_device):
+    """One ``gguf_q8.quantize`` of x serves a Q4_K and a Q6_K matrix (as q/k/v read one x),
+    split K included (the output then zeroed apart from the rounding launch)."""
+    from localgen.kernels import gguf_q8
+
+    x8 = gguf_q8.quantize(q8_x().to(kernel_device))
+    for qtype in gguf_gemv.Q8_TYPES:
+        for split in (1, 2):
+            cfg = gguf_gemv.DecodeConfig("gemv", block_n=8, split_k=split, codes="q8")
+            check_q8_matmul(cfg, kernel_device, qtype, x8=x8)
+
+
 def test_q8_codes_refuse_other_types():
-    raw = torch.zeros(1, 210, dtype=torch.uint8)
+    raw = torch.zeros(1, 176, dtype=torch.uint8)
     with pytest.raises(ValueError, match="q8"):
-        gguf_gemv.matmul(torch.zeros(1, 256), raw, Q.Q6_K, 256,
+        gguf_gemv.matmul(torch.zeros(1, 256), raw, Q.Q5_K, 256,
                          gguf_gemv.DecodeConfig("gemv", codes="q8"))

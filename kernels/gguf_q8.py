@@ -1,0 +1,204 @@
+"""M = 1 decode over GGUF Q4_K and Q6_K blocks against 8-bit activations (``gguf_gemv``'s
+``codes="q8"``; llama.cpp's MMVQ idea): the activations are first rounded to int8 per 32-group
+(:func:`quantize`, one small kernel), and four codes of a 32-bit word meet four of them in one
+``dp4a``. Not bit-compatible with the float-code kernels: the error is that rounding's, at most
+``Σ_j |w_j|·d_g(j)/2`` for a row (``d_g``: the step of the 32-group holding weight ``j``).
+
+Block layouts: ggml-common.h (``block_q4_K``, ``block_q6_K``), value order as ``gguf.quants``
+reads them. Q4_K's weight is ``d·sc·q - dmin·m``: the code term goes through ``dp4a`` and the min
+term uses the exact float ``Σ x`` of the group. Q6_K's is ``d·sc·(q - 32)``: the codes' ``q``
+meet the int8 activations as they are and ``32·Σ q_x`` (also one ``dp4a``, against 0x20 bytes)
+comes off in integers, so the product is ``d·sc·d_x·Σ (q - 32)·q_x`` as llama.cpp computes it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .gguf_tiles import GEMV_ARGS, f16_at, finish, k4_scale_min, slots
+from .triton_common import interpreting
+
+Q4_K, Q6_K = 12, 14  # GGMLQuantizationType values
+TYPES = (Q4_K, Q6_K)
+TILE_K = 256
+
+
+class Q8Activations(NamedTuple):
+    """One activation row rounded per 32-group: ``xq`` int8 ``[k]``, ``xd`` float32 ``[k/32]``
+    (the group's step ``max|x|/127``), ``xs`` float32 ``[k/32]`` (the group's exact ``Σ x``)."""
+
+    xq: torch.Tensor
+    xd: torch.Tensor
+    xs: torch.Tensor
+
+
+@triton.jit
+def _quantize_x8(x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr, N, zero_chunk, ZERO: tl.constexpr):
+    """Program t: the 256 activations of tile t as int8 per 32-group, ``q = round(x / d)`` with
+    ``d = max|x| / 127`` (llama.cpp's ``block_q8_1`` rule, half away from zero), the group's
+    ``d`` and its exact float sum ``Σ x``. With ZERO it also zeros outputs
+    ``t·zero_chunk ..`` of ``y`` (``N`` of them), which split-K programs then add into: one
+    launch fewer than a separate fill."""
+    t = tl.program_id(0)
+    offs = t * 256 + tl.arange(0, 8)[:, None] * 32 + tl.arange(0, 32)[None, :]
+    x = tl.load(x_ptr + offs).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+    v = x * inv[:, None]
+    q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
+    tl.store(xq_ptr + offs, q.to(tl.int8))
+    tl.store(xd_ptr + t * 8 + tl.arange(0, 8), amax / 127.0)
+    tl.store(xs_ptr + t * 8 + tl.arange(0, 8), tl.sum(x, axis=1))
+    if ZERO:
+        stop = tl.minimum((t + 1) * zero_chunk, N)
+        for i in range(t * zero_chunk, stop, 1024):
+            o = i + tl.arange(0, 1024)
+            tl.store(y_ptr + o, tl.zeros([1024], tl.float32), mask=o < stop)
+
+
+@triton.jit
+def _dp4a(a, b, ASM: tl.constexpr):
+    """``Σ_k a_k·b_k`` over the four signed bytes of int32 ``a`` and ``b`` (same shape): PTX
+    ``dp4a`` (ASM), else the same sum by shifts (the interpreter)."""
+    if ASM:
+        out = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r",
+                                        [a, b, tl.zeros_like(a)], dtype=tl.int32, is_pure=True,
+                                        pack=1)
+    else:
+        out = ((a << 24) >> 24) * ((b << 24) >> 24) + ((a << 16) >> 24) * ((b << 16) >> 24)
+        out += ((a << 8) >> 24) * ((b << 8) >> 24) + (a >> 24) * (b >> 24)
+    return out
+
+
+@triton.jit
+def _small_int_float(p):
+    """float32 of int32 ``|p| < 2**22``, exactly: added under the exponent of 1.5·2**23, with no
+    int-to-float conversion instruction."""
+    return (p + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+
+@triton.jit(do_not_specialize=GEMV_ARGS + ["row_16b"])
+def _q4k_gemv_q8(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
+                 BLOCK_N: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr,
+                 ASM: tl.constexpr):
+    """Q4_K, program (n, s) over rows ``n*BLOCK_N ..`` and K tiles ``s*tiles_per_split ..``
+    (``gguf_gemv._q45k_gemv``'s word grid: byte ``b`` of word (c, i) holds weight
+    ``64c + 4i + b`` in its low nibble, ``64c + 32 + 4i + b`` in its high one). A word's four
+    low (high) nibbles meet the four int8 activations of the same weights, which are
+    contiguous, in one ``dp4a``; per group ``acc += d·sc·d_x·Σ q·q_x`` and ``dmin·m·Σ x``
+    comes off. ``row_16b``: the row stride in 16-byte units (rows are whole 144-byte blocks)."""
+    offs_n, kt0, end, j2 = slots(tl.program_id(0), tl.program_id(1), num_tiles,
+                                 tiles_per_split, BLOCK_N, KB)
+    rows = (w_ptr.to(tl.pointer_type(tl.int32))
+            + tl.minimum(offs_n, N - 1).to(tl.int64) * (row_16b * 4))[:, None, None]
+    xq32 = xq_ptr.to(tl.pointer_type(tl.int32))
+    j3 = j2[:, :, None]
+    c3 = j3 % 4
+    i3 = tl.arange(0, 8)[None, None, :]
+    acc = tl.zeros([BLOCK_N, 4 * KB, 8], tl.float32)
+    acc_m = tl.zeros([BLOCK_N, 4 * KB, 1], tl.float32)
+    for kt in range(kt0, end, KB):
+        kb3 = kt + j3 // 4
+        live = kb3 < end
+        blk = rows + tl.minimum(kb3, end - 1) * 36
+        words = tl.load(blk + 4 + 8 * c3 + i3)
+        blk8 = blk.to(tl.pointer_type(tl.uint8))
+        d = f16_at(blk8)
+        dmin = f16_at(blk8 + 2)
+        for h in tl.static_range(2):
+            g3 = 2 * c3 + h
+            xw = tl.load(xq32 + kb3 * 64 + 8 * g3 + i3, mask=live, other=0)
+            xd = tl.load(xd_ptr + kb3 * 8 + g3, mask=live, other=0.0)
+            xsum = tl.load(xs_ptr + kb3 * 8 + g3, mask=live, other=0.0)
+            p = _dp4a((words >> (4 * h)) & 0x0F0F0F0F, tl.broadcast_to(xw, words.shape), ASM)
+            sc, mn = k4_scale_min(blk8, g3)
+            acc += _small_int_float(p) * (d * sc * xd)
+            acc_m += dmin * mn * xsum
+    out = tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(tl.sum(acc_m, axis=2), axis=1)
+    finish(out, y_ptr, offs_n, N, ATOMIC)
+
+
+@triton.jit
+def _word16x2(ptr):
+    """int32 of the two 16-bit words at ``ptr`` and ``ptr + 1`` (Q6_K blocks are 210 bytes, only
+    2-byte aligned, so a 32-bit word is read as two halves)."""
+    lo = tl.load(ptr).to(tl.int32) & 0xFFFF
+    return lo | (tl.load(ptr + 1).to(tl.int32) << 16)
+
+
+@triton.jit(do_not_specialize=GEMV_ARGS + ["stride_wn"])
+def _q6k_gemv_q8(xq_ptr, xd_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, stride_wn,
+                 BLOCK_N: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr,
+                 ASM: tl.constexpr):
+    """Q6_K as :func:`_q4k_gemv_q8` (``stride_wn`` in 16-bit words). Weight
+    ``128hf + 32t + l`` of a block (half ``hf``, quarter ``t``, ``l`` 0..31) takes its low 4 bits
+    from ql byte ``64hf + l`` (t = 0, 2) or ``64hf + 32 + l`` (t = 1, 3), nibble ``t // 2``, its
+    high 2 bits from qh byte ``128 + 32hf + l`` at bit ``2t``, and scale ``8hf + 2t + l // 16``.
+    Slot ``j`` is part ``p = j % 4`` of its block: ``hf = p // 2`` and ``l = 16(p % 2) + 4i + e``
+    (word ``i`` 0..3, byte ``e``), so a slot's 16 weights of a quarter share one scale, and
+    three words (ql, ql + 32, qh) give the codes of all four quarters."""
+    offs_n, kt0, end, j2 = slots(tl.program_id(0), tl.program_id(1), num_tiles,
+                                 tiles_per_split, BLOCK_N, KB)
+    rows = (w_ptr.to(tl.pointer_type(tl.int16))
+            + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn)[:, None, None]
+    xq32 = xq_ptr.to(tl.pointer_type(tl.int32))
+    j3 = j2[:, :, None]
+    p3 = j3 % 4
+    hf3 = p3 // 2
+    l3 = 16 * (p3 % 2) + 4 * tl.arange(0, 4)[None, None, :]
+    acc = tl.zeros([BLOCK_N, 4 * KB, 4], tl.float32)
+    for kt in range(kt0, end, KB):
+        kb3 = kt + j3 // 4
+        live = kb3 < end
+        blk = rows + tl.minimum(kb3, end - 1) * 105
+        ql = blk + 32 * hf3 + l3 // 2  # 16-bit word of ql byte 64hf + l
+        ql_a = _word16x2(ql)
+        ql_b = _word16x2(ql + 16)
+        qh = _word16x2(ql + 64 - 16 * hf3)
+        blk8 = blk.to(tl.pointer_type(tl.uint8))
+        d = f16_at(blk8 + 208)
+        for t in tl.static_range(4):
+            src = ql_a if t % 2 == 0 else ql_b
+            q = ((src >> (4 * (t // 2))) & 0x0F0F0F0F) | (((qh >> (2 * t)) & 0x03030303) << 4)
+            xw = tl.load(xq32 + kb3 * 64 + 32 * hf3 + 8 * t + l3 // 4, mask=live, other=0)
+            xd = tl.load(xd_ptr + kb3 * 8 + 4 * hf3 + t, mask=live, other=0.0)
+            off = _dp4a(tl.full(xw.shape, 0x20202020, tl.int32), xw, ASM)
+            p = _dp4a(q, tl.broadcast_to(xw, q.shape), ASM) - off
+            scale = tl.load(blk8 + 192 + 8 * hf3 + 2 * t + p3 % 2).to(tl.int8, bitcast=True)
+            acc += _small_int_float(p) * (d * scale.to(tl.float32) * xd)
+    finish(tl.sum(tl.sum(acc, axis=2), axis=1), y_ptr, offs_n, N, ATOMIC)
+
+
+def quantize(x: torch.Tensor, zero: torch.Tensor | None = None) -> Q8Activations:
+    """:func:`_quantize_x8` of ``x`` ``[1, k]`` (k a multiple of 256); ``zero``: a float32
+    output to zero in the same launch (split K), or None."""
+    k = x.shape[1]
+    xq = torch.empty(k, dtype=torch.int8, device=x.device)
+    xd, xs = torch.empty(2, k // 32, dtype=torch.float32, device=x.device)
+    n = 0 if zero is None else zero.numel()
+    _quantize_x8[(k // TILE_K,)](x, xq, xd, xs, xq if zero is None else zero, n,
+                                 triton.cdiv(n, k // TILE_K), ZERO=zero is not None)
+    return Q8Activations(xq, xd, xs)
+
+
+def gemv(x8: Q8Activations, raw: torch.Tensor, qtype: int, y: torch.Tensor, grid,
+         per_split: int, block_n: int, blocks_per_step: int, num_warps: int) -> None:
+    """``y`` ``[1, N]`` (float32 zeros when ``grid[1] > 1``: the K slices add into it) of the
+    Q4_K or Q6_K rows ``raw`` (uint8 ``[N, row_bytes]``, 16-byte aligned for Q4_K) against
+    ``x8``; ``grid`` (row programs, K slices) of ``per_split`` tiles each. Raises ValueError
+    for another type."""
+    n, tiles = raw.shape[0], x8.xq.numel() // TILE_K
+    knobs = dict(BLOCK_N=block_n, KB=blocks_per_step, ATOMIC=grid[1] > 1, ASM=not interpreting(),
+                 num_warps=num_warps)
+    if qtype == Q4_K:
+        _q4k_gemv_q8[grid](x8.xq, x8.xd, x8.xs, raw, y, n, tiles, per_split,
+                           raw.stride(0) // 16, **knobs)
+    elif qtype == Q6_K:
+        _q6k_gemv_q8[grid](x8.xq, x8.xd, raw, y, n, tiles, per_split, raw.stride(0) // 2,
+                           **knobs)
+    else:
+        raise ValueError(f"codes='q8' serves GGUF types {TYPES} (Q4_K, Q6_K), not {qtype}")
