@@ -52,15 +52,19 @@ Q4_K, Q5_K, Q6_K = 12, 13, 14  # GGMLQuantizationType values
 TYPES = (Q4_K, Q5_K, Q6_K)
 TILE_K = 256
 MAX_M = 16
+MMA_TYPES, MMA_MAX_M = (Q4_K, Q6_K), 64  # the types and the largest M of gguf_mma's kernel
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
     """One launch of the decode kernels. ``kernel``: ``gemv`` (M = 1 only), ``dot`` or ``file``
-    (``gguf_gemm``'s kernel over the file's blocks, dequantizing each weight); ``block_n``:
+    (``gguf_gemm``'s kernel over the file's blocks, dequantizing each weight; M <= 16),
+    ``mma`` (``gguf_mma``'s tensor-core kernel, Q4_K and Q6_K, 2 <= M <= 64) or ``dequant``
+    (the whole matrix dequantized, then cuBLAS: the prefill path); ``block_n``:
     output rows a program; ``split_k``: K slices (0: enough for ``programs_per_sm`` programs on
     every multiprocessor); ``num_warps``; ``codes``: how the gemv kernels turn codes into floats
-    (``CODE_MODES``); ``blocks_per_step``: blocks of each row a gemv loop step loads (1, 2, 4)."""
+    (``CODE_MODES``); ``blocks_per_step``: blocks of each row a gemv loop step loads (1, 2, 4);
+    ``num_stages``: the mma kernel's software-pipeline depth over K (0: Triton's default)."""
 
     kernel: str = "gemv"
     block_n: int = 16
@@ -69,6 +73,7 @@ class DecodeConfig:
     codes: str = "mask"
     programs_per_sm: int = 4
     blocks_per_step: int = 1
+    num_stages: int = 0
 
 
 # gemv code-to-float modes (the MODE constexpr): "i2f" converts the integer; "shift" moves the
@@ -82,25 +87,37 @@ Q8_TYPES = gguf_q8.TYPES
 
 def serves(cfg: DecodeConfig, qtype: int, m: int) -> bool:
     """Whether ``cfg`` runs as itself for ``qtype`` at ``m`` rows (gemv only at M = 1, and its
-    "q8" codes only for ``Q8_TYPES``): the sweep's filter."""
+    "q8" codes only for ``Q8_TYPES``; dot and file up to ``MAX_M``; mma for ``MMA_TYPES`` from
+    2 to ``MMA_MAX_M`` rows): the sweep's filter."""
+    if cfg.kernel == "mma":
+        return int(qtype) in MMA_TYPES and 2 <= m <= MMA_MAX_M
     if cfg.kernel != "gemv":
-        return True
+        return cfg.kernel == "dequant" or m <= MAX_M
     return m == 1 and (cfg.codes != "q8" or int(qtype) in Q8_TYPES)
 
 
 # every other type the decode path reads (gguf_gemm.KERNEL_TYPES): the file-layout kernel
 FILE_CONFIG = DecodeConfig("file", block_n=32)
+# past MAX_M rows, where the table names nothing else: dequantize, then cuBLAS
+DEQUANT_CONFIG = DecodeConfig("dequant")
 
-# (qtype, M == 1) -> config: the one place to change after ``gguf_gemm_bench --sweep``, whose
-# ranking on the 7B shapes (docs/benchmarks.md) chose these. At M = 1, Q4_K takes 8-bit
+
+def decode_class(m: int) -> int:
+    """The table's M class of ``m`` activation rows: 1, 16 (2..16) or 64 (17..64)."""
+    return 1 if m == 1 else (MAX_M if m <= MAX_M else MMA_MAX_M)
+
+# (qtype, decode_class(M)) -> config: the one place to change after ``gguf_gemm_bench
+# --sweep``, whose ranking on the 7B shapes (docs/benchmarks.md) chose these. At M = 1, Q4_K takes 8-bit
 # activations and dp4a (one warp a 16-row tile, eight programs a multiprocessor) and Q6_K the
 # masked-code gemv; the dot kernel lost to the file kernel at M = 16, and Q5_K's gemv was not
-# ranked, so those stay on the file kernel.
-DECODE_CONFIGS: dict[tuple[int, bool], DecodeConfig] = {
+# ranked, so those stay on the file kernel. From 17 to 64 rows the prefill path (DEQUANT_CONFIG)
+# serves until a sweep ranks the mma kernel above it.
+DECODE_CONFIGS: dict[tuple[int, int], DecodeConfig] = {
     (Q4_K, True): DecodeConfig("gemv", block_n=16, num_warps=1, codes="q8", programs_per_sm=8),
     (Q6_K, True): DecodeConfig("gemv", block_n=16, num_warps=4, codes="mask"),
-    (Q4_K, False): FILE_CONFIG, (Q5_K, True): FILE_CONFIG, (Q5_K, False): FILE_CONFIG,
-    (Q6_K, False): FILE_CONFIG,
+    (Q5_K, 1): FILE_CONFIG,
+    (Q4_K, 16): FILE_CONFIG, (Q5_K, 16): FILE_CONFIG, (Q6_K, 16): FILE_CONFIG,
+    (Q4_K, 64): DEQUANT_CONFIG, (Q5_K, 64): DEQUANT_CONFIG, (Q6_K, 64): DEQUANT_CONFIG,
 }
 
 
@@ -108,17 +125,19 @@ ENV_CONFIGS = "LOCALGEN_GGUF_DECODE_CONFIGS"  # a sweep's JSON whose ``winners``
 
 
 def default_config(qtype: int, m: int) -> DecodeConfig:
-    """The config for ``qtype`` at ``m`` activation rows (1..16): the ``ENV_CONFIGS`` file's
-    winner of the nearest measured M at or above ``m`` where it has one, else the table's;
-    ``FILE_CONFIG`` for a type neither names. Raises ValueError (naming the file) for a file
+    """The config for ``qtype`` at ``m`` activation rows (1..``MMA_MAX_M``): the
+    ``ENV_CONFIGS`` file's winner of the nearest measured M at or above ``m`` that serves ``m``
+    where it has one, else the table's; for a type neither names ``FILE_CONFIG`` up to
+    ``MAX_M`` rows, ``DEQUANT_CONFIG`` past it. Raises ValueError (naming the file) for a file
     that cannot be read or whose winners are not configs that serve their type and M."""
     path = os.environ.get(ENV_CONFIGS)
     if path:
         above = [(wm, cfg) for wq, wm, cfg in measured_winners(path) if wq == int(qtype)
-                 and wm >= m]
+                 and wm >= m and serves(cfg, qtype, m)]
         if above:
             return min(above, key=lambda e: e[0])[1]
-    return DECODE_CONFIGS.get((int(qtype), m == 1), FILE_CONFIG)
+    return DECODE_CONFIGS.get((int(qtype), decode_class(m)),
+                              FILE_CONFIG if m <= MAX_M else DEQUANT_CONFIG)
 
 
 @functools.lru_cache(maxsize=4)

@@ -1,0 +1,209 @@
+"""Decode matmul for 2 <= M <= 64 over GGUF Q4_K and Q6_K blocks in the file's layout, on tensor
+cores: each 256-weight tile of a program's rows is dequantized once, in registers, and meets every
+activation row in one ``tl.dot``.
+
+``y[m, n] = x[m, k] · W[n, k]ᵀ``, W the raw bytes ``[N, row_bytes]`` of ``block_q4_K`` /
+``block_q6_K`` rows (ggml-common.h; value order as ``gguf.quants`` reads it). Weight ``w = a·q - b``
+with the code ``q`` and, per group, ``a`` and ``b`` (Q4_K: 32-weight groups, ``a = d·scale``,
+``b = dmin·min``; Q6_K: 16-weight groups, ``a = d·scale``, ``b = 32·a``).
+
+A program owns ``BLOCK_N`` output rows and a slice of K tiles. Per tile it loads each row's codes
+as 32-bit (Q4_K) or 16-bit (Q6_K, whose 210-byte blocks are only 2-byte aligned) words, a few
+wide loads per thread; splits every word into its codes by a broadcast shift, so the codes of a
+tile come out in a fixed order of K that is not the weights' order (``_q4k_order``,
+``_q6k_order``); and gathers the ``[256, M_PAD]`` activation tile in that same order, which costs
+nothing since the activations are read through an index anyway. The group's ``a`` and ``b`` are
+computed once per group and row and broadcast over its weights. A code becomes a float without an
+int-to-float conversion: its bits go under the mantissa of 1.0 (``f = 1 + q/2**B``) and
+``w = (a·2**B)·f - (a·2**B + b)`` is one multiply-add. The ``[BLOCK_N, 256]`` tile, in the
+activations' dtype (the product's operand), is the left operand of ``tl.dot`` and the
+activations the right one, so that the tensor core's wide dimension is the weight rows, not the
+few activation rows (``M_PAD`` 16, 32 or 64: the smallest that holds M).
+
+K is split across programs when the rows alone do not fill the GPU (``gguf_gemv.split_output``);
+split programs add their float32 partial sums atomically. ``DecodeConfig(kernel="mma")`` selects
+this kernel in ``gguf_gemm.matmul`` (``block_n``, ``num_warps``, ``split_k`` /
+``programs_per_sm``, ``num_stages``: the software pipeline's depth over the K loop).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import gguf_gemv
+
+TYPES = gguf_gemv.MMA_TYPES
+MIN_M, MAX_M = 2, gguf_gemv.MMA_MAX_M
+TILE_K = 256
+
+# activation dtype -> the dot's operand dtype
+_DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _f16(ptr):
+    """float32 of the fp16 at ``ptr`` (an integer pointer tensor, 2-byte aligned)."""
+    return tl.load(ptr.to(tl.pointer_type(tl.float16))).to(tl.float32)
+
+
+@triton.jit
+def _code_weights(q, a, b, BITS: tl.constexpr):
+    """float32 ``a·q - b`` of non-negative int32 codes ``q < 2**BITS``: the code ORed under the
+    mantissa of 1.0 is ``f = 1 + q/2**BITS`` exactly, and ``a·q = a·2**BITS·(f - 1)``."""
+    f = ((q << (23 - BITS)) | 0x3F800000).to(tl.float32, bitcast=True)
+    scaled = a * (1 << BITS)
+    return f * scaled - (scaled + b)
+
+
+@triton.jit
+def _q4k_order():
+    """Weight index within a tile of each of :func:`_q4k_tile`'s 256 columns: column
+    ``64c + 8i + 4h + b`` is weight ``64c + 32h + 4i + b``."""
+    kk = tl.arange(0, 256)
+    return 64 * (kk // 64) + 32 * ((kk // 4) % 2) + 4 * ((kk // 8) % 8) + kk % 4
+
+
+@triton.jit
+def _q4k_tile(rows32, kt):
+    """float32 ``[BLOCK_N, 256]`` weights of tile ``kt`` (``rows32``: ``[BLOCK_N]`` int32
+    pointers to each row's first block), columns in :func:`_q4k_order`. A block is 36 words: d and
+    dmin, 12 scale bytes, then 32 words of nibbles; byte ``b`` of nibble word ``8c + i`` holds
+    weight ``64c + 4i + b`` (low nibble, group ``2c``) and ``64c + 32 + 4i + b`` (high, ``2c+1``)."""
+    blk = rows32 + kt * 36
+    c = tl.arange(0, 4)[None, :, None, None, None]
+    i = tl.arange(0, 8)[None, None, :, None, None]
+    h = tl.arange(0, 2)[None, None, None, :, None]
+    b = tl.arange(0, 4)[None, None, None, None, :]
+    blk5 = blk[:, None, None, None, None]
+    words = tl.load(blk5 + 4 + 8 * c + i)
+    q = (words >> (4 * h + 8 * b)) & 15
+    blk8 = blk5.to(tl.pointer_type(tl.uint8))
+    g = 2 * c + h  # the group, [1, 4, 1, 2, 1]
+    lane = g % 4
+    sc_byte = tl.load(blk8 + 4 + lane).to(tl.int32)
+    mn_byte = tl.load(blk8 + 8 + lane).to(tl.int32)
+    hi_byte = tl.load(blk8 + 12 + lane).to(tl.int32)
+    sc = tl.where(g < 4, sc_byte & 63, (hi_byte & 15) | ((sc_byte >> 6) << 4))
+    mn = tl.where(g < 4, mn_byte & 63, (hi_byte >> 4) | ((mn_byte >> 6) << 4))
+    w = _code_weights(q, _f16(blk8) * sc.to(tl.float32), _f16(blk8 + 2) * mn.to(tl.float32), 4)
+    return tl.reshape(w, (w.shape[0], 256))
+
+
+@triton.jit
+def _q6k_order():
+    """Weight index within a tile of each of :func:`_q6k_tile`'s 256 columns: column
+    ``128hf + 64vh + 8vl + 2t + e`` is weight ``128hf + 32t + 16vh + 2vl + e``."""
+    kk = tl.arange(0, 256)
+    return (128 * (kk // 128) + 32 * ((kk // 2) % 4) + 16 * ((kk // 64) % 2)
+            + 2 * ((kk // 8) % 8) + kk % 2)
+
+
+@triton.jit
+def _q6k_tile(rows16, kt):
+    """float32 ``[BLOCK_N, 256]`` weights of tile ``kt`` (``rows16``: ``[BLOCK_N]`` int16
+    pointers), columns in :func:`_q6k_order`. A block is 105 16-bit words: ql (64 words), qh (32),
+    16 int8 scales, d. With ``l = 2v + e`` (``v = 8vh + vl``) and quarter ``t``, weight
+    ``128hf + 32t + l`` takes its low 4 bits from ql byte ``64hf + 32(t % 2) + l``, nibble
+    ``t // 2``, its high 2 bits from qh byte ``128 + 32hf + l`` at bit ``2t``, and scale
+    ``8hf + 2t + vh``."""
+    blk = rows16 + kt * 105
+    hf = tl.arange(0, 2)[None, :, None, None, None, None]
+    vh = tl.arange(0, 2)[None, None, :, None, None, None]
+    vl = tl.arange(0, 8)[None, None, None, :, None, None]
+    t = tl.arange(0, 4)[None, None, None, None, :, None]
+    e = tl.arange(0, 2)[None, None, None, None, None, :]
+    blk6 = blk[:, None, None, None, None, None]
+    v = 8 * vh + vl
+    ql = tl.load(blk6 + 32 * hf + 16 * (t % 2) + v).to(tl.int32)  # [BN, 2, 2, 8, 4, 1]
+    qh = tl.load(blk6 + 64 + 16 * hf + v).to(tl.int32)  # [BN, 2, 2, 8, 1, 1]
+    # bits 0..15 only: the sign extension of the 16-bit words never reaches a code
+    q = ((ql >> (4 * (t // 2) + 8 * e)) & 15) | (((qh >> (2 * t + 8 * e)) & 3) << 4)
+    blk8 = blk6.to(tl.pointer_type(tl.uint8))
+    scale = tl.load(blk8 + 192 + 8 * hf + 2 * t + vh).to(tl.int8, bitcast=True)  # [BN,2,2,1,4,1]
+    a = _f16(blk8 + 208) * scale.to(tl.float32)
+    w = _code_weights(q, a, 32 * a, 6)
+    return tl.reshape(w, (w.shape[0], 256))
+
+
+@triton.jit(do_not_specialize=["M", "N", "num_tiles", "tiles_per_split"])
+def _gguf_mma(x_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_xm, row_words,
+              stride_ym, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, M_PAD: tl.constexpr,
+              ATOMIC: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Program (n, s): ``y[:, n*BLOCK_N ..]`` over K tiles ``s*tiles_per_split ..``, as
+    ``acc [BLOCK_N, M_PAD] += W_tile · x_tileᵀ`` per tile. ``row_words``: the row stride in the
+    kernel's words (32-bit for Q4_K, 16-bit for Q6_K). float32 activations multiply in IEEE
+    float32 (no TF32 rounding)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, M_PAD)
+    row = tl.minimum(offs_n, N - 1).to(tl.int64) * row_words  # rows past N read row N - 1
+    if QTYPE == 12:
+        rows = w_ptr.to(tl.pointer_type(tl.int32)) + row
+        order = _q4k_order()
+    else:
+        rows = w_ptr.to(tl.pointer_type(tl.int16)) + row
+        order = _q6k_order()
+    x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + order[:, None]  # [256, M_PAD]
+    m_live = (offs_m < M)[None, :]
+    acc = tl.zeros([BLOCK_N, M_PAD], tl.float32)
+    kt0 = pid_k * tiles_per_split
+    for kt in range(kt0, tl.minimum(kt0 + tiles_per_split, num_tiles)):
+        if QTYPE == 12:
+            w = _q4k_tile(rows, kt)
+        else:
+            w = _q6k_tile(rows, kt)
+        xt = tl.load(x_cols + kt * 256, mask=m_live, other=0.0)
+        if DOT_DTYPE == tl.float32:
+            acc = tl.dot(w, xt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w.to(DOT_DTYPE), xt.to(DOT_DTYPE), acc)
+    y = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+    mask = m_live & (offs_n < N)[:, None]
+    if not ATOMIC:
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(y, acc, mask=mask)
+
+
+def m_pad(m: int) -> int:
+    """The dot's activation rows for ``m``: 16, 32 or 64 (the tensor core's smallest is 16)."""
+    return max(16, triton.next_power_of_2(m))
+
+
+def serves(raw: torch.Tensor, qtype: int, m: int) -> bool:
+    """Whether this kernel takes the call: Q4_K or Q6_K, ``MIN_M <= m <= MAX_M``, raw data
+    and rows aligned to the kernel's words (4 bytes for Q4_K, 2 for Q6_K)."""
+    word = 4 if int(qtype) == gguf_gemv.Q4_K else 2
+    return (int(qtype) in TYPES and MIN_M <= m <= MAX_M and raw.data_ptr() % word == 0
+            and raw.stride(0) % word == 0)
+
+
+def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
+           cfg: gguf_gemv.DecodeConfig) -> torch.Tensor:
+    """``x [M, k] · Wᵀ`` -> ``[M, N]`` in x's dtype (float32/bf16/fp16), W the Q4_K or Q6_K
+    blocks ``raw`` (uint8 ``[N, row_bytes]``, contiguous rows; the caller, ``gguf_gemm.matmul``,
+    checks the shapes and :func:`serves`). ``cfg``: ``block_n`` (16, 32, 64, 128), ``num_warps``,
+    ``num_stages`` (0: Triton's default), ``split_k`` / ``programs_per_sm``. The weights are
+    ``gguf.quants.dequantize``'s within float32 rounding, then rounded to the activations' dtype.
+    Raises ValueError for another type, M or activation dtype."""
+    qtype, (m, n) = int(qtype), (x.shape[0], raw.shape[0])
+    if qtype not in TYPES or not MIN_M <= m <= MAX_M:
+        raise ValueError(f"gguf_mma serves Q4_K/Q6_K (12, 14) at {MIN_M} <= M <= {MAX_M}, "
+                         f"got type {qtype}, M={m}")
+    if x.dtype not in _DOT_DTYPES:
+        raise ValueError(f"gguf_mma takes float32/bf16/fp16 activations, got {x.dtype}")
+    x = x.contiguous()
+    tiles, n_programs = k // TILE_K, triton.cdiv(n, cfg.block_n)
+    splits, per_split, y = gguf_gemv.split_output(cfg, x, n, n_programs, tiles)
+    word = 4 if qtype == gguf_gemv.Q4_K else 2
+    launch = dict(num_warps=cfg.num_warps)
+    if cfg.num_stages:
+        launch["num_stages"] = cfg.num_stages
+    _gguf_mma[(n_programs, splits)](
+        x, raw, y, m, n, tiles, per_split, x.stride(0), raw.stride(0) // word, y.stride(0),
+        QTYPE=qtype, BLOCK_N=cfg.block_n, M_PAD=m_pad(m), ATOMIC=splits > 1,
+        DOT_DTYPE=_DOT_DTYPES[x.dtype], **launch)
+    return y.to(x.dtype)
