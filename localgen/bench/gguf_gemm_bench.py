@@ -4,6 +4,7 @@ read-bandwidth bound and cuBLAS on the same weights in bf16, measured in one run
     python -m localgen.bench.gguf_gemm_bench --out gguf_gemm.json
     python -m localgen.bench.gguf_gemm_bench --sweep --out gguf_gemv_sweep.json
     python -m localgen.bench.gguf_gemm_bench --dry-run     # the sweep's code on the CPU
+    LOCALGEN_GGUF_DECODE_CONFIGS=gguf_gemv_sweep.json localgen bench decode ...  # its winners
 
 For each weight shape (Llama-2-7B's by default), type and M: the kernel's time per call (CUDA-graph
 replays over weight copies that together exceed L2, as in a decode step), the bytes of
@@ -132,20 +133,22 @@ def sweep_configs() -> list:
     from localgen.kernels.gguf_gemv import DecodeConfig as C
 
     return [C("file", 32),
-            C("gemv", 16, num_warps=4), C("gemv", 16, num_warps=2), C("gemv", 32, num_warps=4),
-            C("gemv", 16, num_warps=2, blocks_per_step=2),
-            C("gemv", 16, num_warps=1, programs_per_sm=8),
-            C("gemv", 16, num_warps=2, blocks_per_step=2, codes="i2f"),
-            C("gemv", 16, num_warps=2, blocks_per_step=2, codes="shift"),
+            # M = 1, float codes: the last sweep's best for Q6_K, and one unsplit tile
+            C("gemv", 16, num_warps=4),
             C("gemv", 8, split_k=1, num_warps=1, blocks_per_step=2),
-            C("gemv", 8, split_k=1, num_warps=2, blocks_per_step=2),
-            C("gemv", 16, split_k=1, num_warps=2, blocks_per_step=2),
-            C("gemv", 16, split_k=1, num_warps=4, blocks_per_step=4),
-            C("gemv", 16, num_warps=2, programs_per_sm=8, blocks_per_step=2),
-            C("gemv", 32, num_warps=4, blocks_per_step=2),
-            C("gemv", 16, num_warps=2, blocks_per_step=2, codes="q8"),
-            C("gemv", 32, num_warps=2, codes="q8"),
+            # M = 1, 8-bit activations (Q4_K, Q6_K): the last sweep's best two for Q4_K ...
             C("gemv", 16, num_warps=1, programs_per_sm=8, codes="q8"),
+            C("gemv", 16, num_warps=2, blocks_per_step=2, codes="q8"),
+            # ... more programs a multiprocessor, more blocks in flight a row ...
+            C("gemv", 8, num_warps=1, programs_per_sm=8, blocks_per_step=2, codes="q8"),
+            C("gemv", 16, num_warps=1, programs_per_sm=16, codes="q8"),
+            C("gemv", 16, num_warps=2, programs_per_sm=8, blocks_per_step=4, codes="q8"),
+            # ... and unsplit grids of few-row tiles: no atomics, no float32 output to cast
+            C("gemv", 8, split_k=1, num_warps=1, blocks_per_step=2, codes="q8"),
+            C("gemv", 4, split_k=1, num_warps=1, blocks_per_step=2, codes="q8"),
+            C("gemv", 4, split_k=1, num_warps=1, blocks_per_step=4, codes="q8"),
+            C("gemv", 2, split_k=1, num_warps=1, blocks_per_step=4, codes="q8"),
+            C("gemv", 8, split_k=1, num_warps=2, blocks_per_step=4, codes="q8"),
             C("dot", 16), C("dot", 32), C("dot", 32, num_warps=8), C("dot", 64, num_warps=8),
             C("dot", 128, num_warps=8),
             C("dot", 32, split_k=1), C("dot", 32, programs_per_sm=8)]
@@ -212,7 +215,7 @@ def _sweep_weights(qt: int, n: int, k: int, dev, dtype):
 
 
 def sweep(shapes: dict[str, tuple[int, int]], qtypes, ms, dev, dtype=torch.bfloat16,
-          budget_s: float = 330.0) -> dict:
+          budget_s: float = 220.0) -> dict:
     """Every config of :func:`sweep_configs` on every (shape, type, M), beside bf16 cuBLAS, in
     one process; rows past ``budget_s`` seconds are skipped. Prints one line a cell and, per
     (type, M), the configs ranked by their summed time over the shapes."""
@@ -231,21 +234,24 @@ def sweep(shapes: dict[str, tuple[int, int]], qtypes, ms, dev, dtype=torch.bfloa
                                        dev)
                 _sweep_cell(cells, floor, name, qt, m, raws, x, ref, cublas, dev, deadline)
             del raws, w16s
-    ranking = _rank(cells)
+    ranking, winners = _rank(cells)
     return dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (dry run)",
-                read_gbps=floor, dtype=str(dtype), cells=cells, ranking=ranking)
+                read_gbps=floor, dtype=str(dtype), cells=cells, ranking=ranking,
+                winners=winners)
 
 
-def _rank(cells: list[dict]) -> dict:
+def _rank(cells: list[dict]) -> tuple[dict, list[dict]]:
     """Per ``"type T M=m"``: ``[(config, summed us)]`` best first, summed over the shapes that
     the most configs completed (a sweep cut short by its budget ranks on those), each config
-    that ran on all of them; printed with the config to put in ``gguf_gemv.DECODE_CONFIGS``."""
+    that ran on all of them; printed with the config to put in ``gguf_gemv.DECODE_CONFIGS``.
+    Also the ``winners``, ``[{"qtype", "m", "cfg"}]``, the best of each type and M, that
+    ``LOCALGEN_GGUF_DECODE_CONFIGS=<this JSON>`` makes the decode's defaults."""
     from collections import Counter
 
     from localgen.kernels import gguf_gemv
 
     timed = [c for c in cells if "us" in c]
-    out = {}
+    out, winners = {}, []
     for qt, m in sorted({(c["qtype"], c["m"]) for c in timed}):
         mine = [c for c in timed if (c["qtype"], c["m"]) == (qt, m)]
         per_shape = Counter(c["shape"] for c in mine)
@@ -258,15 +264,16 @@ def _rank(cells: list[dict]) -> dict:
                 sums[c["config"]][1] += 1
         ranked = sorted((v[0], lab, v[2]) for lab, v in sums.items() if v[1] == len(shapes))
         out[f"type {qt} M={m}"] = [(lab, us) for us, lab, _ in ranked]
+        winners.append(dict(qtype=qt, m=m, cfg=ranked[0][2]))
         default = label(gguf_gemv.default_config(qt, m))
         now = next((f"{us:.1f} us" for us, lab, _ in ranked if lab == default), "not swept")
         print(f"type {qt} M={m}: best {ranked[0][1]} ({ranked[0][0]:.1f} us over "
               f"{len(shapes)} shapes; the default {default}: {now}): "
               f"DecodeConfig(**{ranked[0][2]})", flush=True)
-    return out
+    return out, winners
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="JSON results (required without --sweep / --dry-run)")
     p.add_argument("--qtypes", default="12,14,8,13,2", help="GGMLQuantizationType values")
@@ -276,10 +283,10 @@ def main() -> None:
                    help="time every decode config (Q4_K, Q6_K; M 1 and 16) in one process")
     p.add_argument("--dry-run", action="store_true",
                    help="the sweep at a tiny shape on the CPU under the Triton interpreter")
-    p.add_argument("--budget-s", type=float, default=330.0, help="the sweep's time limit")
+    p.add_argument("--budget-s", type=float, default=220.0, help="the sweep's time limit")
     p.add_argument("--sweep-qtypes", default=",".join(map(str, SWEEP_QTYPES)),
                    help="the sweep's types (13: Q5_K too)")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     if a.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels' module is imported
