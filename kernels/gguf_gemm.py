@@ -4,10 +4,11 @@
 the type (ggml-common.h: ``block_q4_K``, ``block_q5_K``, ``block_q6_K``, ``block_q8_0``,
 ``block_q4_0``), raw bytes ``[N, row_bytes]`` as read from the file.
 
-* Decode (``M <= DECODE_MAX_M``): Q4_K, Q5_K and Q6_K go by default to ``gguf_gemv``'s kernels,
-  which apply the scales once per group (its ``DECODE_CONFIGS`` picks the kernel and tile per
-  type and M). This module's kernel, the reference and the path of the other types, is one
-  fused kernel as follows. Each program owns ``BLOCK_N`` output rows and
+* Decode (``M <= DECODE_MAX_M``): Q4_K, Q5_K and Q6_K go by default to the kernel that
+  ``gguf_gemv.DECODE_CONFIGS`` names per type and M: ``gguf_gemv``'s, which apply the scales
+  once per group, ``gguf_mma``'s tensor-core kernel (2 <= M <= 64), this module's, or the
+  prefill path. This module's kernel (M <= 16), the reference and the path of the other types,
+  is one fused kernel as follows. Each program owns ``BLOCK_N`` output rows and
   a slice of K, walked one 256-weight tile at a time; each 32-weight group of the tile is loaded
   as contiguous bytes of every row (``_group``), dequantized in registers with that row's scales
   and multiplied into the ``[BLOCK_M, BLOCK_N]`` accumulator with ``tl.dot`` (for M = 1, products
@@ -32,7 +33,7 @@ import triton.language as tl
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from triton.errors import TritonError
 
-from . import gguf_gemv
+from . import gguf_gemv, gguf_mma
 
 # The types these kernels read; ``_group`` dispatches on their GGMLQuantizationType values.
 KERNEL_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
@@ -41,7 +42,7 @@ KERNEL_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0, GGMLQuanti
 BLOCK_WEIGHTS = {int(t): GGML_QUANT_SIZES[t][0] for t in KERNEL_TYPES}
 BLOCK_BYTES = {int(t): GGML_QUANT_SIZES[t][1] for t in KERNEL_TYPES}
 TILE_K = 256  # weights dequantized per loop step: one K-quant super-block, eight 32-blocks
-DECODE_MAX_M = 16
+DECODE_MAX_M = gguf_gemv.MMA_MAX_M  # past it, the prefill path whatever the table says
 
 
 @triton.jit
@@ -217,36 +218,57 @@ def _new_kernel_serves(raw: torch.Tensor, qtype: int, cfg: gguf_gemv.DecodeConfi
             and raw.stride(0) % step == 0)
 
 
-# (qtype, M == 1) -> the error of a default gguf_gemv config that failed in this process
-FAILED_DEFAULTS: dict[tuple[int, bool], str] = {}
+def _dequant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """The prefill path: W dequantized once to x's dtype, then cuBLAS."""
+    return x @ dequantize(raw, qtype, k, x.dtype).t()
 
 
-def _default_gguf_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int):
-    """``gguf_gemv.matmul`` under the default config, or None where it does not serve the call
-    or has failed to compile or run in this process: a model's decode then keeps running, on
-    the file kernel, after one RuntimeWarning that names the config and the error."""
-    key = (qtype, x.shape[0] == 1)
+def _run_config(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
+                cfg: gguf_gemv.DecodeConfig) -> torch.Tensor | None:
+    """The product under ``cfg``'s kernel (``dequant``, ``mma``, or ``gguf_gemv``'s), or None
+    where that kernel does not take the type, M or raw's layout, or ``cfg`` is ``file``."""
+    m = x.shape[0]
+    if cfg.kernel == "dequant":
+        return _dequant_matmul(x, raw, qtype, k)
+    if cfg.kernel == "mma":
+        return gguf_mma.matmul(x, raw, qtype, k, cfg) if gguf_mma.serves(raw, qtype, m) else None
+    if m <= gguf_gemv.MAX_M and _new_kernel_serves(raw, qtype, cfg):
+        return gguf_gemv.matmul(x, raw, qtype, k, cfg)
+    return None
+
+
+# (qtype, gguf_gemv.decode_class(M)) -> the error of a default config that failed in this process
+FAILED_DEFAULTS: dict[tuple[int, int], str] = {}
+
+
+def _default_decode(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int):
+    """The product under ``gguf_gemv.default_config``, or None where that config does not serve
+    the call or has failed to compile or run in this process: a model's decode then keeps
+    running, on the file kernel (the prefill path past ``gguf_gemv.MAX_M`` rows), after one
+    RuntimeWarning that names the config and the error."""
+    key = (qtype, gguf_gemv.decode_class(x.shape[0]))
     cfg = gguf_gemv.default_config(qtype, x.shape[0])
-    if key in FAILED_DEFAULTS or not _new_kernel_serves(raw, qtype, cfg):
+    if key in FAILED_DEFAULTS:
         return None
     try:
-        return gguf_gemv.matmul(x, raw, qtype, k, cfg)
+        return _run_config(x, raw, qtype, k, cfg)
     except (TritonError, RuntimeError) as exc:
         FAILED_DEFAULTS[key] = f"{type(exc).__name__}: {exc}"
-        warnings.warn(f"gguf_gemv's default {cfg} for GGUF type {qtype} at M={x.shape[0]} "
-                      f"failed ({FAILED_DEFAULTS[key][:300]}); the file-layout kernel serves "
-                      "it in this process", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"the default decode config {cfg} for GGUF type {qtype} at M={x.shape[0]} "
+                      f"failed ({FAILED_DEFAULTS[key][:300]}); the file-layout kernel or the "
+                      "prefill path serves it in this process", RuntimeWarning, stacklevel=3)
         return None
 
 
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
            cfg: gguf_gemv.DecodeConfig | None = None) -> torch.Tensor:
     """``x [M, k] · Wᵀ`` -> ``[M, N]`` in x's dtype (fp16/bf16/fp32), W the GGUF blocks ``raw``.
-    M <= DECODE_MAX_M runs a fused kernel: ``cfg`` (None: ``gguf_gemv.default_config``) picks
-    ``gguf_gemv``'s per-group kernels (Q4_K, Q5_K, Q6_K) or this module's file-layout kernel
-    (``kernel="file"``: every type here; also where raw's data or rows are not aligned for
-    ``gguf_gemv``). Larger M
-    dequantizes W once and calls cuBLAS.
+    M <= DECODE_MAX_M runs the kernel that ``cfg`` (None: ``gguf_gemv.default_config``) names:
+    ``gguf_gemv``'s per-group kernels (Q4_K, Q5_K, Q6_K; M <= 16), ``gguf_mma``'s tensor-core
+    kernel (Q4_K, Q6_K; 2 <= M <= 64), the prefill path (``dequant``) or this module's
+    file-layout kernel (``file``: every type here, M <= 16; also where the named kernel does not
+    take the type, M or raw's layout, the prefill path past 16 rows). Larger M dequantizes W
+    once and calls cuBLAS.
     A default config that fails to compile or run falls back to the file kernel with a warning
     (``FAILED_DEFAULTS``); a given config's errors propagate.
     Raises ValueError as :func:`dequantize`, or when x is not ``[M, k]``."""
@@ -255,16 +277,14 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
         raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
     m, n = x.shape[0], raw.shape[0]
     if m > DECODE_MAX_M:
-        return x @ dequantize(raw, qtype, k, x.dtype).t()
+        return _dequant_matmul(x, raw, qtype, k)
     x = x.contiguous()
-    if cfg is None:
-        y = _default_gguf_gemv(x, raw, qtype, k)
-        if y is not None:
-            return y
-        cfg = gguf_gemv.FILE_CONFIG
-    elif _new_kernel_serves(raw, qtype, cfg):
-        return gguf_gemv.matmul(x, raw, qtype, k, cfg)
-    if cfg.kernel != "file":  # a type or a layout that gguf_gemv does not take
+    y = _default_decode(x, raw, qtype, k) if cfg is None else _run_config(x, raw, qtype, k, cfg)
+    if y is not None:
+        return y
+    if m > gguf_gemv.MAX_M:
+        return _dequant_matmul(x, raw, qtype, k)
+    if cfg is None or cfg.kernel != "file":  # a type, M or layout the named kernel does not take
         cfg = gguf_gemv.FILE_CONFIG
     block_n = cfg.block_n
     tiles, n_programs = k // TILE_K, triton.cdiv(n, block_n)
