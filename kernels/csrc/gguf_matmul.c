@@ -202,11 +202,18 @@ static void k4_scales(const uint8_t *p, uint8_t *sc, uint8_t *mn) {
 }
 
 #ifdef LG_AVX2
-/* k4_scales in a register (no trip through memory): bytes 0..7 the scales, 8..15 the mins. */
+/* k4_scales in a register, k4_words' four words computed side by side: bytes 0..7 the scales,
+ * 8..15 the mins. Reads 16 bytes at p (the 12 packed bytes and the 4 after them, which a Q4_K
+ * or Q5_K block always has). */
 static inline __m128i k4_scales_mins(const uint8_t *p) {
-    uint32_t v[4];
-    k4_words(p, v);
-    return _mm_setr_epi32((int)v[0], (int)v[1], (int)v[2], (int)v[3]);
+    const __m128i u = _mm_loadu_si128((const __m128i *)p); /* words u0 u1 u2 (u3 unused) */
+    /* low bits: u0 & 0x3f.., u2 & 0x0f.., u1 & 0x3f.., (u2 >> 4) & 0x0f.. */
+    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(u, 0x98), _mm_setr_epi32(0, 0, 0, 4)),
+                                     _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    /* high bits of scales and mins 4..7: (u0 >> 2) & 0x30.., (u1 >> 2) & 0x30.. */
+    const __m128i hi = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(u, 0x50), 2),
+                                     _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    return _mm_or_si128(lo, hi);
 }
 #endif
 
@@ -367,6 +374,18 @@ AI __m256i dot_u8s8(__m256i u, __m256i s) {
     return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* acc + the sums of adjacent int16 products of a and b, as int32 (VNNI's vpdpwssd: one
+ * instruction, no saturation, the same integers as madd + add). */
+AI __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 #endif
 }
 
@@ -604,7 +623,7 @@ AI void k32_block(const int t, const uint8_t *blk, const uint8_t *x, int64_t k, 
     const __m256i sc16 = _mm256_broadcastsi128_si256(sc8);
     const uint8_t *qs = blk + (iq ? 8 : 16 + 32 * five);
     __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
-    __m256i isum = _mm256_setzero_si256();
+    __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* two chains */
     for (int c = 0; c < 4; c++) {
         __m256i lo, hi;
         k32_pair_codes(t, qs + 32 * c, &qh, kv, &lo, &hi);
@@ -615,11 +634,10 @@ AI void k32_block(const int t, const uint8_t *blk, const uint8_t *x, int64_t k, 
             x0 = _mm256_sign_epi8(x0, lo);
             x1 = _mm256_sign_epi8(x1, hi);
         }
-        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(ulo, x0), pick16(sc16, 2 * c, 2 * c));
-        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(uhi, x1), pick16(sc16, 2 * c + 1, 2 * c + 1));
-        isum = _mm256_add_epi32(isum, _mm256_add_epi32(p0, p1));
+        isum[0] = madd_acc(isum[0], _mm256_maddubs_epi16(ulo, x0), pick16(sc16, 2 * c, 2 * c));
+        isum[1] = madd_acc(isum[1], _mm256_maddubs_epi16(uhi, x1), pick16(sc16, 2 * c + 1, 2 * c + 1));
     }
-    *acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(ddx), _mm256_cvtepi32_ps(isum), *acc);
+    *acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(ddx), _mm256_cvtepi32_ps(_mm256_add_epi32(isum[0], isum[1])), *acc);
     if (!iq) {
         const int16_t *bs = (const int16_t *)(x + k + 4 * (k / 256)) + 16 * b;
         const __m128i s32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs),
@@ -698,20 +716,20 @@ AI void k16_block(const int t, const uint8_t *blk, const uint8_t *x, int64_t k, 
     }
     const __m256i sc16 = _mm256_cvtepi8_epi16(sc8); /* scale i at int16 i */
     __m256i hm = t == T_Q3_K ? _mm256_loadu_si256((const __m256i *)blk) : _mm256_setzero_si256();
-    __m256i isum = _mm256_setzero_si256();
+    __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* two chains */
     for (int h = 0; h < 2; h++) {
         const __m256i sch = _mm256_permute4x64_epi64(sc16, h ? 0xEE : 0x44); /* scales 8h.. in both lanes */
         __m256i g[4];
         k16_half_codes(t, blk, h, &hm, g);
         for (int s = 0; s < 4; s++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 128 * h + 32 * s));
-            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(g[s], xv),
-                                                            pick16(sch, 2 * s, 2 * s + 1)));
+            isum[s & 1] = madd_acc(isum[s & 1], _mm256_maddubs_epi16(g[s], xv), pick16(sch, 2 * s, 2 * s + 1));
         }
     }
+    __m256i is = _mm256_add_epi32(isum[0], isum[1]);
     if (t != T_Q2_K) /* offsets 32 (Q6_K) and 4 (Q3_K), as shifts */
-        isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), t == T_Q6_K ? 5 : 2));
-    *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(isum), *acc);
+        is = _mm256_sub_epi32(is, _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), t == T_Q6_K ? 5 : 2));
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(is), *acc);
     if (t == T_Q2_K)
         *accm = _mm256_fmadd_ps(_mm256_set1_ps(dmin * dx),
                                 _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, _mm256_cvtepu8_epi16(mn8))), *accm);
@@ -850,7 +868,7 @@ AI void rows_kmulti(const int t, const uint8_t *w, const uint8_t *x, size_t xs, 
             for (int i = 0; i < 8; i++) {
                 __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * i));
                 if (sgn) xv = _mm256_sign_epi8(xv, kb.w[i]);
-                is = _mm256_add_epi32(is, _mm256_madd_epi16(_mm256_maddubs_epi16(kb.u[i], xv), kb.sc[i]));
+                is = madd_acc(is, _mm256_maddubs_epi16(kb.u[i], xv), kb.sc[i]);
             }
             const float dx = ((const float *)(xr + k))[b];
             const __m256i bs = _mm256_loadu_si256((const __m256i *)((const int16_t *)(xr + k + 4 * nb) + 16 * b));
