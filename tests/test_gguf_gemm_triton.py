@@ -266,3 +266,61 @@ def test_q8_codes_refuse_other_types():
     with pytest.raises(ValueError, match="q8"):
         gguf_gemv.matmul(torch.zeros(1, 256), raw, Q.Q5_K, 256,
                          gguf_gemv.DecodeConfig("gemv", codes="q8"))
+
+
+def _winners_file(tmp_path, winners) -> str:
+    path = tmp_path / "sweep.json"
+    path.write_text(__import__("json").dumps({"winners": winners}))
+    return str(path)
+
+
+def test_env_configs_take_the_nearest_measured_m_at_or_above(tmp_path, monkeypatch):
+    """``LOCALGEN_GGUF_DECODE_CONFIGS``: a sweep's winners replace the table's defaults, each M
+    taking the entry of the nearest measured M at or above it; the table serves the rest."""
+    q8 = gguf_gemv.DecodeConfig("gemv", block_n=4, split_k=1, blocks_per_step=4, codes="q8")
+    wide = gguf_gemv.DecodeConfig("file", block_n=64)
+    path = _winners_file(tmp_path, [dict(qtype=12, m=1, cfg=q8.__dict__),
+                                    dict(qtype=12, m=16, cfg=wide.__dict__)])
+    table = {(qt, m): gguf_gemv.default_config(qt, m) for qt in (12, 14) for m in (1, 5, 40)}
+    monkeypatch.setenv(gguf_gemv.ENV_CONFIGS, path)
+    assert gguf_gemv.default_config(Q.Q4_K, 1) == q8
+    assert gguf_gemv.default_config(Q.Q4_K, 5) == wide
+    assert gguf_gemv.default_config(Q.Q4_K, 40) == table[(12, 40)]  # none measured at or above
+    assert gguf_gemv.default_config(Q.Q6_K, 1) == table[(14, 1)]  # the file names no Q6_K
+
+
+@pytest.mark.parametrize("content,match", [
+    (None, "No such file"),
+    ({"cells": []}, "'winners'"),
+    ({"winners": [{"qtype": 12, "m": 1, "cfg": {"kernel": "gemv", "tile": 3}}]}, "tile"),
+    ({"winners": [{"qtype": 12, "m": 16, "cfg": {"kernel": "gemv"}}]}, "does not serve"),
+])
+def test_env_configs_refuse_a_bad_file_naming_it(content, match, tmp_path, monkeypatch):
+    path = tmp_path / "sweep.json"
+    if content is not None:
+        path.write_text(__import__("json").dumps(content))
+    monkeypatch.setenv(gguf_gemv.ENV_CONFIGS, str(path))
+    with pytest.raises(ValueError, match=match) as err:
+        gguf_gemv.default_config(Q.Q4_K, 1)
+    assert gguf_gemv.ENV_CONFIGS in str(err.value) and str(path) in str(err.value)
+
+
+def test_dry_run_writes_winners_that_the_decode_takes(tmp_path, monkeypatch):
+    """``gguf_gemm_bench --dry-run --out`` as the lead runs it, in its own process (so the
+    module sets the interpreter itself): it exits 0 and its JSON's winners, one per type and
+    M, become ``default_config``'s choices through ``LOCALGEN_GGUF_DECODE_CONFIGS``."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "dry.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-m", "localgen.bench.gguf_gemm_bench", "--dry-run",
+                    "--sweep-qtypes", "14", "--out", str(out)], check=True, env=env,
+                   capture_output=True, timeout=600)
+    winners = json.loads(out.read_text())["winners"]
+    assert sorted((w["qtype"], w["m"]) for w in winners) == [(14, 1), (14, 3)]
+    monkeypatch.setenv(gguf_gemv.ENV_CONFIGS, str(out))
+    for w in winners:
+        assert gguf_gemv.default_config(Q.Q6_K, w["m"]) == gguf_gemv.DecodeConfig(**w["cfg"])
