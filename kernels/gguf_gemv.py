@@ -88,11 +88,13 @@ Q8_TYPES = gguf_q8.TYPES
 def serves(cfg: DecodeConfig, qtype: int, m: int) -> bool:
     """Whether ``cfg`` runs as itself for ``qtype`` at ``m`` rows (gemv only at M = 1, and its
     "q8" codes only for ``Q8_TYPES``; dot and file up to ``MAX_M``; mma for ``MMA_TYPES`` from
-    2 to ``MMA_MAX_M`` rows): the sweep's filter."""
+    2 to ``MMA_MAX_M`` rows; dequant, the prefill path, past one row): the sweep's filter."""
     if cfg.kernel == "mma":
         return int(qtype) in MMA_TYPES and 2 <= m <= MMA_MAX_M
+    if cfg.kernel == "dequant":
+        return m > 1
     if cfg.kernel != "gemv":
-        return cfg.kernel == "dequant" or m <= MAX_M
+        return m <= MAX_M
     return m == 1 and (cfg.codes != "q8" or int(qtype) in Q8_TYPES)
 
 
