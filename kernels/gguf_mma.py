@@ -58,21 +58,24 @@ def _code_weights(q, a, b, BITS: tl.constexpr):
 
 
 @triton.jit
-def _q4k_order():
-    """Weight index within a tile of each of :func:`_q4k_tile`'s 256 columns: column
-    ``64c + 8i + 4h + b`` is weight ``64c + 32h + 4i + b``."""
-    kk = tl.arange(0, 256)
-    return 64 * (kk // 64) + 32 * ((kk // 4) % 2) + 4 * ((kk // 8) % 8) + kk % 4
+def _q4k_order(J: tl.constexpr, KC: tl.constexpr):
+    """Weight index within a tile of each of :func:`_q4k_part`'s ``KC`` columns for step ``J``:
+    column ``64c' + 8i + 4h + b`` is weight ``64c + 32h + 4i + b`` of chunk
+    ``c = J·KC/64 + c'``."""
+    kk = tl.arange(0, KC)
+    return (64 * (J * (KC // 64) + kk // 64) + 32 * ((kk // 4) % 2) + 4 * ((kk // 8) % 8)
+            + kk % 4)
 
 
 @triton.jit
-def _q4k_tile(rows32, kt):
-    """float32 ``[BLOCK_N, 256]`` weights of tile ``kt`` (``rows32``: ``[BLOCK_N]`` int32
-    pointers to each row's first block), columns in :func:`_q4k_order`. A block is 36 words: d and
-    dmin, 12 scale bytes, then 32 words of nibbles; byte ``b`` of nibble word ``8c + i`` holds
-    weight ``64c + 4i + b`` (low nibble, group ``2c``) and ``64c + 32 + 4i + b`` (high, ``2c+1``)."""
+def _q4k_part(rows32, kt, J: tl.constexpr, KC: tl.constexpr):
+    """float32 ``[BLOCK_N, KC]`` weights, step ``J`` of tile ``kt`` (``rows32``: ``[BLOCK_N]``
+    int32 pointers to each row's first block), columns in :func:`_q4k_order`. A block is 36
+    words: d and dmin, 12 scale bytes, then 32 words of nibbles; byte ``b`` of nibble word
+    ``8c + i`` holds weight ``64c + 4i + b`` (low nibble, group ``2c``) and ``64c + 32 + 4i + b``
+    (high, ``2c + 1``)."""
     blk = rows32 + kt * 36
-    c = tl.arange(0, 4)[None, :, None, None, None]
+    c = J * (KC // 64) + tl.arange(0, KC // 64)[None, :, None, None, None]
     i = tl.arange(0, 8)[None, None, :, None, None]
     h = tl.arange(0, 2)[None, None, None, :, None]
     b = tl.arange(0, 4)[None, None, None, None, :]
@@ -80,7 +83,7 @@ def _q4k_tile(rows32, kt):
     words = tl.load(blk5 + 4 + 8 * c + i)
     q = (words >> (4 * h + 8 * b)) & 15
     blk8 = blk5.to(tl.pointer_type(tl.uint8))
-    g = 2 * c + h  # the group, [1, 4, 1, 2, 1]
+    g = 2 * c + h  # the group, [1, KC/64, 1, 2, 1]
     lane = g % 4
     sc_byte = tl.load(blk8 + 4 + lane).to(tl.int32)
     mn_byte = tl.load(blk8 + 8 + lane).to(tl.int32)
@@ -88,53 +91,55 @@ def _q4k_tile(rows32, kt):
     sc = tl.where(g < 4, sc_byte & 63, (hi_byte & 15) | ((sc_byte >> 6) << 4))
     mn = tl.where(g < 4, mn_byte & 63, (hi_byte >> 4) | ((mn_byte >> 6) << 4))
     w = _code_weights(q, _f16(blk8) * sc.to(tl.float32), _f16(blk8 + 2) * mn.to(tl.float32), 4)
-    return tl.reshape(w, (w.shape[0], 256))
+    return tl.reshape(w, (w.shape[0], KC))
 
 
 @triton.jit
-def _q6k_order():
-    """Weight index within a tile of each of :func:`_q6k_tile`'s 256 columns: column
-    ``128hf + 64vh + 8vl + 2t + e`` is weight ``128hf + 32t + 16vh + 2vl + e``."""
-    kk = tl.arange(0, 256)
-    return (128 * (kk // 128) + 32 * ((kk // 2) % 4) + 16 * ((kk // 64) % 2)
-            + 2 * ((kk // 8) % 8) + kk % 2)
+def _q6k_order(J: tl.constexpr, KC: tl.constexpr):
+    """Weight index within a tile of each of :func:`_q6k_part`'s ``KC`` columns for step ``J``:
+    column ``64p' + 8vl + 2t + e`` is weight ``128hf + 32t + 16vh + 2vl + e`` of part
+    ``p = J·KC/64 + p' = 2hf + vh``."""
+    kk = tl.arange(0, KC)
+    p = J * (KC // 64) + kk // 64
+    return 128 * (p // 2) + 32 * ((kk // 2) % 4) + 16 * (p % 2) + 2 * ((kk // 8) % 8) + kk % 2
 
 
 @triton.jit
-def _q6k_tile(rows16, kt):
-    """float32 ``[BLOCK_N, 256]`` weights of tile ``kt`` (``rows16``: ``[BLOCK_N]`` int16
-    pointers), columns in :func:`_q6k_order`. A block is 105 16-bit words: ql (64 words), qh (32),
-    16 int8 scales, d. With ``l = 2v + e`` (``v = 8vh + vl``) and quarter ``t``, weight
+def _q6k_part(rows16, kt, J: tl.constexpr, KC: tl.constexpr):
+    """float32 ``[BLOCK_N, KC]`` weights, step ``J`` of tile ``kt`` (``rows16``: ``[BLOCK_N]``
+    int16 pointers), columns in :func:`_q6k_order`. A block is 105 16-bit words: ql (64 words),
+    qh (32), 16 int8 scales, d. With ``l = 2v + e`` (``v = 8vh + vl``) and quarter ``t``, weight
     ``128hf + 32t + l`` takes its low 4 bits from ql byte ``64hf + 32(t % 2) + l``, nibble
     ``t // 2``, its high 2 bits from qh byte ``128 + 32hf + l`` at bit ``2t``, and scale
     ``8hf + 2t + vh``."""
     blk = rows16 + kt * 105
-    hf = tl.arange(0, 2)[None, :, None, None, None, None]
-    vh = tl.arange(0, 2)[None, None, :, None, None, None]
-    vl = tl.arange(0, 8)[None, None, None, :, None, None]
-    t = tl.arange(0, 4)[None, None, None, None, :, None]
-    e = tl.arange(0, 2)[None, None, None, None, None, :]
-    blk6 = blk[:, None, None, None, None, None]
-    v = 8 * vh + vl
-    ql = tl.load(blk6 + 32 * hf + 16 * (t % 2) + v).to(tl.int32)  # [BN, 2, 2, 8, 4, 1]
-    qh = tl.load(blk6 + 64 + 16 * hf + v).to(tl.int32)  # [BN, 2, 2, 8, 1, 1]
+    p = J * (KC // 64) + tl.arange(0, KC // 64)[None, :, None, None, None]
+    vl = tl.arange(0, 8)[None, None, :, None, None]
+    t = tl.arange(0, 4)[None, None, None, :, None]
+    e = tl.arange(0, 2)[None, None, None, None, :]
+    hf = p // 2
+    v = 8 * (p % 2) + vl
+    blk5 = blk[:, None, None, None, None]
+    ql = tl.load(blk5 + 32 * hf + 16 * (t % 2) + v).to(tl.int32)  # [BN, KC/64, 8, 4, 1]
+    qh = tl.load(blk5 + 64 + 16 * hf + v).to(tl.int32)  # [BN, KC/64, 8, 1, 1]
     # bits 0..15 only: the sign extension of the 16-bit words never reaches a code
     q = ((ql >> (4 * (t // 2) + 8 * e)) & 15) | (((qh >> (2 * t + 8 * e)) & 3) << 4)
-    blk8 = blk6.to(tl.pointer_type(tl.uint8))
-    scale = tl.load(blk8 + 192 + 8 * hf + 2 * t + vh).to(tl.int8, bitcast=True)  # [BN,2,2,1,4,1]
-    a = _f16(blk8 + 208) * scale.to(tl.float32)
+    blk8 = blk5.to(tl.pointer_type(tl.uint8))
+    scale = tl.load(blk8 + 192 + 8 * hf + 2 * t + p % 2).to(tl.int8, bitcast=True)
+    a = _f16(blk8 + 208) * scale.to(tl.float32)  # [BN, KC/64, 1, 4, 1]
     w = _code_weights(q, a, 32 * a, 6)
-    return tl.reshape(w, (w.shape[0], 256))
+    return tl.reshape(w, (w.shape[0], KC))
 
 
 @triton.jit(do_not_specialize=["M", "N", "num_tiles", "tiles_per_split"])
 def _gguf_mma(x_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_xm, row_words,
               stride_ym, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, M_PAD: tl.constexpr,
-              ATOMIC: tl.constexpr, DOT_DTYPE: tl.constexpr):
+              KC: tl.constexpr, ATOMIC: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Program (n, s): ``y[:, n*BLOCK_N ..]`` over K tiles ``s*tiles_per_split ..``, as
-    ``acc [BLOCK_N, M_PAD] += W_tile · x_tileᵀ`` per tile. ``row_words``: the row stride in the
-    kernel's words (32-bit for Q4_K, 16-bit for Q6_K). float32 activations multiply in IEEE
-    float32 (no TF32 rounding)."""
+    ``acc [BLOCK_N, M_PAD] += W_part · x_partᵀ`` for each ``KC`` columns of a tile (64, 128 or
+    256: how much of the tile is dequantized, in registers, at once). ``row_words``: the row
+    stride in the kernel's words (32-bit for Q4_K, 16-bit for Q6_K). float32 activations
+    multiply in IEEE float32 (no TF32 rounding)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -142,30 +147,38 @@ def _gguf_mma(x_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_xm, 
     row = tl.minimum(offs_n, N - 1).to(tl.int64) * row_words  # rows past N read row N - 1
     if QTYPE == 12:
         rows = w_ptr.to(tl.pointer_type(tl.int32)) + row
-        order = _q4k_order()
     else:
         rows = w_ptr.to(tl.pointer_type(tl.int16)) + row
-        order = _q6k_order()
-    x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + order[:, None]  # [256, M_PAD]
+    x_rows = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
     m_live = (offs_m < M)[None, :]
     acc = tl.zeros([BLOCK_N, M_PAD], tl.float32)
     kt0 = pid_k * tiles_per_split
     for kt in range(kt0, tl.minimum(kt0 + tiles_per_split, num_tiles)):
-        if QTYPE == 12:
-            w = _q4k_tile(rows, kt)
-        else:
-            w = _q6k_tile(rows, kt)
-        xt = tl.load(x_cols + kt * 256, mask=m_live, other=0.0)
-        if DOT_DTYPE == tl.float32:
-            acc = tl.dot(w, xt.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w.to(DOT_DTYPE), xt.to(DOT_DTYPE), acc)
+        for j in tl.static_range(256 // KC):
+            if QTYPE == 12:
+                w = _q4k_part(rows, kt, j, KC)
+                order = _q4k_order(j, KC)
+            else:
+                w = _q6k_part(rows, kt, j, KC)
+                order = _q6k_order(j, KC)
+            xt = tl.load(x_rows + kt * 256 + order[:, None], mask=m_live, other=0.0)
+            if DOT_DTYPE == tl.float32:
+                acc = tl.dot(w, xt.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w.to(DOT_DTYPE), xt.to(DOT_DTYPE), acc)
     y = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
     mask = m_live & (offs_n < N)[:, None]
     if not ATOMIC:
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(y, acc, mask=mask)
+
+
+def k_chunk(block_n: int, num_warps: int) -> int:
+    """Columns of a tile dequantized at once: 256, or fewer where a ``[block_n, 256]`` tile
+    would take more than 128 values a thread (the registers that the accumulator and the loads
+    need too), down to 64."""
+    return max(64, min(256, 128 * 32 * num_warps // block_n))
 
 
 def m_pad(m: int) -> int:
@@ -204,6 +217,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
         launch["num_stages"] = cfg.num_stages
     _gguf_mma[(n_programs, splits)](
         x, raw, y, m, n, tiles, per_split, x.stride(0), raw.stride(0) // word, y.stride(0),
-        QTYPE=qtype, BLOCK_N=cfg.block_n, M_PAD=m_pad(m), ATOMIC=splits > 1,
+        QTYPE=qtype, BLOCK_N=cfg.block_n, M_PAD=m_pad(m),
+        KC=k_chunk(cfg.block_n, cfg.num_warps), ATOMIC=splits > 1,
         DOT_DTYPE=_DOT_DTYPES[x.dtype], **launch)
     return y.to(x.dtype)

@@ -53,6 +53,17 @@ def test_mma_matches_float64(qtype, m, cfg):
 
 
 @pytest.mark.parametrize("qtype", gguf_mma.TYPES)
+@pytest.mark.parametrize("block_n,num_warps,kc", [(64, 2, 128), (128, 2, 64)])
+def test_mma_tile_in_parts(qtype, block_n, num_warps, kc):
+    """A tile dequantized 128 or 64 columns at a time (large row tiles on few warps), each part
+    with its own share of the activations, gives the same product."""
+    assert gguf_mma.k_chunk(block_n, num_warps) == kc
+    cfg = DecodeConfig("mma", block_n=block_n, split_k=2, num_warps=num_warps)
+    y, want, scale = product(qtype, 9, cfg, n=block_n + 3)
+    assert (np.abs(y - want) <= 1e-5 * scale + 1e-6).all()
+
+
+@pytest.mark.parametrize("qtype", gguf_mma.TYPES)
 def test_mma_split_k_uneven(qtype):
     """Three tiles a row over two K slices: the second slice is shorter."""
     y, want, scale = product(qtype, 7, DecodeConfig("mma", block_n=16, split_k=2), k=768)
