@@ -83,7 +83,7 @@ def run(shapes: dict[str, tuple[int, int]], qtypes: list[int], ms: list[int],
         block_ns: list[int], dtype: torch.dtype = torch.bfloat16) -> dict:
     """One row per (shape, type, M): the best of ``block_ns`` (output rows a program) for the
     fused kernel; the prefill path (M > 16) has no such choice."""
-    from localgen.kernels import gguf_gemm
+    from localgen.kernels import gguf_gemm, gguf_gemv
 
     dev = torch.device("cuda")
     floor = read_gbps(dev)
@@ -97,7 +97,7 @@ def run(shapes: dict[str, tuple[int, int]], qtypes: list[int], ms: list[int],
                 x = torch.randn(m, k, device=dev, dtype=dtype)
                 ref = x.float() @ w16.float().t()
                 err = (gguf_gemm.matmul(x, raw, qt, k).float() - ref).abs().max()
-                blocks = block_ns if m <= gguf_gemm.DECODE_MAX_M else block_ns[:1]
+                blocks = block_ns if m <= gguf_gemv.MAX_M else block_ns[:1]
                 tried = {bn: _time_us([functools.partial(gguf_gemm.matmul, x, r, qt, k,
                                                          _block_n_config(qt, m, bn))
                                        for r in raws]) for bn in blocks}
@@ -123,7 +123,7 @@ def run(shapes: dict[str, tuple[int, int]], qtypes: list[int], ms: list[int],
 
 SWEEP_SHAPES = {**SHAPES, "7b_output": (32000, 4096)}
 SWEEP_QTYPES = (12, 14)  # Q4_K, Q6_K
-SWEEP_MS = (1, 16)
+SWEEP_MS = (1, 16, 64)
 BAD_REL_ERR = 2e-2  # a config whose output is this far from the bf16 reference is broken
 
 
@@ -149,15 +149,23 @@ def sweep_configs() -> list:
             C("gemv", 4, split_k=1, num_warps=1, blocks_per_step=4, codes="q8"),
             C("gemv", 2, split_k=1, num_warps=1, blocks_per_step=4, codes="q8"),
             C("gemv", 8, split_k=1, num_warps=2, blocks_per_step=4, codes="q8"),
-            C("dot", 16), C("dot", 32), C("dot", 32, num_warps=8), C("dot", 64, num_warps=8),
-            C("dot", 128, num_warps=8),
-            C("dot", 32, split_k=1), C("dot", 32, programs_per_sm=8)]
+            # M > 1: the prefill path (dequantize, then cuBLAS) beside the file kernel above, and
+            # the tensor-core kernel (gguf_mma): rows a program and warps (which set how much
+            # of a tile is dequantized at once, gguf_mma.k_chunk), the pipeline's depth over K,
+            # and 256 rows a program, for fewer re-reads of the activations at M = 64
+            C("dequant"),
+            C("mma", 64, num_warps=4), C("mma", 128, num_warps=4), C("mma", 128, num_warps=8),
+            C("mma", 256, num_warps=8),
+            C("mma", 64, num_warps=4, num_stages=3), C("mma", 128, num_warps=8, num_stages=3)]
 
 
 def label(cfg) -> str:
     split = f"sk{cfg.split_k}" if cfg.split_k else f"auto{cfg.programs_per_sm}/SM"
     codes = f" kb{cfg.blocks_per_step} {cfg.codes}" if cfg.kernel == "gemv" else ""
-    return f"{cfg.kernel} bn{cfg.block_n} w{cfg.num_warps} {split}{codes}"
+    stages = f" st{cfg.num_stages}" if cfg.num_stages else ""
+    if cfg.kernel == "dequant":
+        return "dequant + cuBLAS"
+    return f"{cfg.kernel} bn{cfg.block_n} w{cfg.num_warps} {split}{codes}{stages}"
 
 
 def _time_or_once(fns, dev) -> float:
@@ -215,7 +223,7 @@ def _sweep_weights(qt: int, n: int, k: int, dev, dtype):
 
 
 def sweep(shapes: dict[str, tuple[int, int]], qtypes, ms, dev, dtype=torch.bfloat16,
-          budget_s: float = 220.0) -> dict:
+          budget_s: float = 270.0) -> dict:
     """Every config of :func:`sweep_configs` on every (shape, type, M), beside bf16 cuBLAS, in
     one process; rows past ``budget_s`` seconds are skipped. Prints one line a cell and, per
     (type, M), the configs ranked by their summed time over the shapes."""
@@ -280,10 +288,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ms", default="1,4,16,64,512")
     p.add_argument("--block-n", default="32,64,128", help="output rows a program, tried per cell")
     p.add_argument("--sweep", action="store_true",
-                   help="time every decode config (Q4_K, Q6_K; M 1 and 16) in one process")
+                   help="time every decode config (Q4_K, Q6_K; M 1, 16 and 64) in one process")
     p.add_argument("--dry-run", action="store_true",
                    help="the sweep at a tiny shape on the CPU under the Triton interpreter")
-    p.add_argument("--budget-s", type=float, default=220.0, help="the sweep's time limit")
+    p.add_argument("--budget-s", type=float, default=270.0, help="the sweep's time limit")
     p.add_argument("--sweep-qtypes", default=",".join(map(str, SWEEP_QTYPES)),
                    help="the sweep's types (13: Q5_K too)")
     a = p.parse_args(argv)
@@ -291,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels' module is imported
         # fp16: the interpreter's bf16 tl.dot is wrong
-        result = sweep({"tiny": (40, 512)}, ints(a.sweep_qtypes), (1, 3), torch.device("cpu"),
+        result = sweep({"tiny": (40, 512)}, ints(a.sweep_qtypes), (1, 3, 33), torch.device("cpu"),
                        torch.float16, budget_s=a.budget_s)
     elif a.sweep:
         result = sweep(SWEEP_SHAPES, ints(a.sweep_qtypes), SWEEP_MS, torch.device("cuda"),
