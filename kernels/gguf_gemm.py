@@ -33,7 +33,7 @@ import triton.language as tl
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from triton.errors import TritonError
 
-from . import gguf_gemv, gguf_mma
+from . import gguf_gemv, gguf_mma, gguf_q8
 
 # The types these kernels read; ``_group`` dispatches on their GGMLQuantizationType values.
 KERNEL_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
@@ -224,16 +224,17 @@ def _dequant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int) -> t
 
 
 def _run_config(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
-                cfg: gguf_gemv.DecodeConfig) -> torch.Tensor | None:
-    """The product under ``cfg``'s kernel (``dequant``, ``mma``, or ``gguf_gemv``'s), or None
-    where that kernel does not take the type, M or raw's layout, or ``cfg`` is ``file``."""
+                cfg: gguf_gemv.DecodeConfig, x8=None) -> torch.Tensor | None:
+    """The product under ``cfg``'s kernel (``dequant``, ``mma``, or ``gguf_gemv``'s, which takes
+    ``x8``), or None where that kernel does not take the type, M or raw's layout, or ``cfg`` is
+    ``file``."""
     m = x.shape[0]
     if cfg.kernel == "dequant":
         return _dequant_matmul(x, raw, qtype, k)
     if cfg.kernel == "mma":
         return gguf_mma.matmul(x, raw, qtype, k, cfg) if gguf_mma.serves(raw, qtype, m) else None
     if m <= gguf_gemv.MAX_M and _new_kernel_serves(raw, qtype, cfg):
-        return gguf_gemv.matmul(x, raw, qtype, k, cfg)
+        return gguf_gemv.matmul(x, raw, qtype, k, cfg, x8=x8)
     return None
 
 
@@ -241,7 +242,7 @@ def _run_config(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
 FAILED_DEFAULTS: dict[tuple[int, int], str] = {}
 
 
-def _default_decode(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int):
+def _default_decode(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int, x8=None):
     """The product under ``gguf_gemv.default_config``, or None where that config does not serve
     the call or has failed to compile or run in this process: a model's decode then keeps
     running, on the file kernel (the prefill path past ``gguf_gemv.MAX_M`` rows), after one
@@ -251,7 +252,7 @@ def _default_decode(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int):
     if key in FAILED_DEFAULTS:
         return None
     try:
-        return _run_config(x, raw, qtype, k, cfg)
+        return _run_config(x, raw, qtype, k, cfg, x8)
     except (TritonError, RuntimeError) as exc:
         FAILED_DEFAULTS[key] = f"{type(exc).__name__}: {exc}"
         warnings.warn(f"the default decode config {cfg} for GGUF type {qtype} at M={x.shape[0]} "
@@ -261,7 +262,7 @@ def _default_decode(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int):
 
 
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
-           cfg: gguf_gemv.DecodeConfig | None = None) -> torch.Tensor:
+           cfg: gguf_gemv.DecodeConfig | None = None, x8=None) -> torch.Tensor:
     """``x [M, k] · Wᵀ`` -> ``[M, N]`` in x's dtype (fp16/bf16/fp32), W the GGUF blocks ``raw``.
     M <= DECODE_MAX_M runs the kernel that ``cfg`` (None: ``gguf_gemv.default_config``) names:
     ``gguf_gemv``'s per-group kernels (Q4_K, Q5_K, Q6_K; M <= 16), ``gguf_mma``'s tensor-core
@@ -271,6 +272,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     once and calls cuBLAS.
     A default config that fails to compile or run falls back to the file kernel with a warning
     (``FAILED_DEFAULTS``); a given config's errors propagate.
+    ``x8``: ``gguf_q8.quantize(x)`` made once for several matrices (:func:`matmuls_same_x`).
     Raises ValueError as :func:`dequantize`, or when x is not ``[M, k]``."""
     qtype = _check(raw, qtype, k)
     if x.dim() != 2 or x.shape[1] != k:
@@ -279,7 +281,8 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     if m > DECODE_MAX_M:
         return _dequant_matmul(x, raw, qtype, k)
     x = x.contiguous()
-    y = _default_decode(x, raw, qtype, k) if cfg is None else _run_config(x, raw, qtype, k, cfg)
+    y = (_default_decode(x, raw, qtype, k, x8) if cfg is None
+         else _run_config(x, raw, qtype, k, cfg, x8))
     if y is not None:
         return y
     if m > gguf_gemv.MAX_M:
@@ -296,3 +299,15 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
         BLOCK_M=1 if m == 1 else 16, BLOCK_N=block_n, SPLIT_K=splits, DOT_DTYPE=dot,
         IEEE=x.dtype == torch.float32, GEMV=m == 1, num_warps=cfg.num_warps)
     return y.to(x.dtype)
+
+
+def matmuls_same_x(x: torch.Tensor, mats, k: int) -> list[torch.Tensor]:
+    """:func:`matmul` (default configs) of one ``x`` ``[M, k]`` by each ``(raw, qtype)`` of
+    ``mats`` (q, k and v), the same values as apart; where two or more of them round x to 8 bits
+    at M = 1 into an unsplit output (``gguf_gemv.rounds_x_once``), x is rounded once for them."""
+    x = x.contiguous()
+    share = [x.shape[0] == 1 and (qt, 1) not in FAILED_DEFAULTS
+             and gguf_gemv.rounds_x_once(raw, qt, k, x.device)
+             and _new_kernel_serves(raw, qt, gguf_gemv.default_config(qt, 1)) for raw, qt in mats]
+    x8 = gguf_q8.quantize(x) if sum(share) > 1 else None
+    return [matmul(x, raw, qt, k, x8=x8 if s else None) for (raw, qt), s in zip(mats, share)]

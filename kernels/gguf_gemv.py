@@ -403,6 +403,16 @@ def split_output(cfg: DecodeConfig, x: torch.Tensor, n: int, n_programs: int,
     return splits, per_split, y
 
 
+def rounds_x_once(raw: torch.Tensor, qtype: int, k: int, device: torch.device) -> bool:
+    """Whether the default M = 1 config of ``qtype`` rounds x to 8 bits and writes its output
+    unsplit, so that an ``x8`` made once for several matrices saves a launch (a split output
+    needs zeroing, which otherwise rides in the rounding launch)."""
+    cfg = default_config(qtype, 1)
+    if cfg.kernel != "gemv" or cfg.codes != "q8" or int(qtype) not in Q8_TYPES:
+        return False
+    return splits_for(cfg, triton.cdiv(raw.shape[0], cfg.block_n), k // TILE_K, device) == 1
+
+
 # activation dtype -> (dot operand dtype, CODE_BITS, CODE_OFF) of ``_gemm_dot``
 _DOT_CODES = {torch.float32: (tl.float32, 0, 0.0), torch.bfloat16: (tl.bfloat16, 0x4300, 128.0),
               torch.float16: (tl.float16, 0x6400, 1024.0)}

@@ -319,8 +319,86 @@ def test_dry_run_writes_winners_that_the_decode_takes(tmp_path, monkeypatch):
     subprocess.run([sys.executable, "-m", "localgen.bench.gguf_gemm_bench", "--dry-run",
                     "--sweep-qtypes", "14", "--out", str(out)], check=True, env=env,
                    capture_output=True, timeout=600)
-    winners = json.loads(out.read_text())["winners"]
-    assert sorted((w["qtype"], w["m"]) for w in winners) == [(14, 1), (14, 3)]
+    result = json.loads(out.read_text())
+    winners, measured = result["winners"], {(c["qtype"], c["m"]) for c in result["cells"]}
+    assert sorted((w["qtype"], w["m"]) for w in winners) == sorted(measured)
+    assert (14, 1) in measured and len(measured) > 1
     monkeypatch.setenv(gguf_gemv.ENV_CONFIGS, str(out))
     for w in winners:
         assert gguf_gemv.default_config(Q.Q6_K, w["m"]) == gguf_gemv.DecodeConfig(**w["cfg"])
+
+
+def _qkv_mats(kernel_device, k: int = 512):
+    """Q4_K q ``[40, k]`` and k ``[24, k]``, Q6_K v ``[24, k]`` (Q4_K_M's mix) as (raw, qtype)."""
+    return [(torch.from_numpy(random_blocks(qt, n, k, seed=n + qt)).to(kernel_device), qt)
+            for n, qt in ((40, Q.Q4_K), (24, Q.Q4_K), (24, Q.Q6_K))]
+
+
+@pytest.mark.parametrize("q6k_q8", [False, True])
+def test_matmuls_same_x_rounds_once_with_the_values_apart(q6k_q8, tmp_path, monkeypatch,
+                                                          kernel_device):
+    """q, k and v of one x: the matrices whose default configs round x to 8 bits unsplit (Q4_K
+    here; Q6_K too where a sweep's winners say "q8") share one rounding launch, and each output
+    equals its own ``gguf_gemm.matmul`` bit for bit."""
+    from localgen.kernels import gguf_q8
+
+    if q6k_q8:
+        cfg = gguf_gemv.DecodeConfig("gemv", block_n=8, split_k=1, codes="q8")
+        monkeypatch.setenv(gguf_gemv.ENV_CONFIGS,
+                           _winners_file(tmp_path, [dict(qtype=14, m=1, cfg=cfg.__dict__)]))
+    mats, k = _qkv_mats(kernel_device), 512
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(kernel_device)
+    apart = [gguf_gemm.matmul(x, raw, qt, k) for raw, qt in mats]
+    calls = []
+    quantize = gguf_q8.quantize
+    monkeypatch.setattr(gguf_q8, "quantize", lambda *a: calls.append(a) or quantize(*a))
+    together = gguf_gemm.matmuls_same_x(x, mats, k)
+    assert len(calls) == 1 and len(calls[0]) == 1  # one rounding, no output zeroed in it
+    assert all(torch.equal(a, b) for a, b in zip(apart, together))
+
+
+def _llama_cfg():
+    from localgen.models.config import ModelConfig
+
+    return ModelConfig("LlamaForCausalLM", "llama", 64, 512, 1024, 1, 10, 6, 4, 64)
+
+
+def test_project_qkv_reads_a_stacked_qk_as_the_three_apart(kernel_device):
+    """``fuse.project_qkv`` over ``qk`` (q and k of one GGUF type stacked) beside ``v`` gives
+    the q, k, v of the three matrices apart (CPU weights: fuse_qkv itself keeps them apart,
+    since the CPU decode paths read them by name)."""
+    from localgen.models import fuse
+    from localgen.quant.gguf_blocks import PackedGGUFWeight
+
+    cfg = _llama_cfg()
+    q, k, v = (PackedGGUFWeight(raw.cpu(), qt, (raw.shape[0], 512))
+               for raw, qt in _qkv_mats("cpu"))
+    apart = {"q": q, "k": k, "v": v}
+    fused = dict(apart)
+    fuse.fuse_qkv(fused)
+    assert fused.keys() == apart.keys()  # mixed types on the CPU: left as they are
+    stacked = {"qk": PackedGGUFWeight.cat_rows([q, k]), "v": v}
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(2))
+    for want, got in zip(fuse.project_qkv(cfg, apart, x), fuse.project_qkv(cfg, stacked, x)):
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="q and k stack on CUDA only")
+def test_fuse_qkv_stacks_qk_on_cuda_and_projects_as_apart():
+    """On CUDA, Q4_K_M's q/k stack (``qk``) beside the Q6_K v, and ``project_qkv`` (one 8-bit
+    rounding of x for the matrices whose kernels take it) agrees with each matrix's own call
+    within float32 summation order (the stacked matrix may split K otherwise)."""
+    from localgen.models import fuse
+    from localgen.quant.gguf_blocks import PackedGGUFWeight
+
+    cfg = _llama_cfg()
+    q, k, v = (PackedGGUFWeight(raw, qt, (raw.shape[0], 512))
+               for raw, qt in _qkv_mats(torch.device("cuda")))
+    w = {"q": q, "k": k, "v": v}
+    fuse.fuse_qkv(w)
+    assert set(w) == {"qk", "v"}
+    x = torch.randn(1, 512, device="cuda")
+    want = [m(x) for m in (q, k, v)]
+    for a, b in zip(want, fuse.project_qkv(cfg, w, x)):
+        b = b.reshape(1, -1)
+        assert torch.allclose(b, a, rtol=1e-4, atol=1e-4 * a.abs().max().item())

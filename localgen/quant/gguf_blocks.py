@@ -307,6 +307,25 @@ def _cuda_kernel_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch
     return gguf_gemm.matmul(x.contiguous(), raw, int(qtype), k)
 
 
+def products_same_x(x: torch.Tensor, weights: Sequence["PackedGGUFWeight"]):
+    """``[w(x) for w in weights]`` (no bias) for 2-D ``x`` on CUDA through
+    ``gguf_gemm.matmuls_same_x``, which rounds x to 8 bits once for the matrices whose decode
+    kernels take it so (q, k and v read one x); None unless every weight is a
+    ``PackedGGUFWeight`` the Triton kernels serve on x's device."""
+    if x.dim() != 2 or not x.is_cuda or not all(type(w) is PackedGGUFWeight for w in weights):
+        return None
+    try:
+        from localgen.kernels import gguf_gemm
+    except ImportError:  # no triton
+        return None
+    k = x.shape[1]
+    if k % gguf_gemm.TILE_K or any(not gguf_gemm.supported(int(w.qtype)) or w.shape[1] != k
+                                   or w.raw.device != x.device for w in weights):
+        return None
+    ys = gguf_gemm.matmuls_same_x(x, [(w.raw, int(w.qtype)) for w in weights], k)
+    return [y.to(x.dtype) for y in ys]
+
+
 class PackedGGUFWeight:
     """A 2-D GGUF matrix ``[out_features, in_features]`` held as the file's blocks.
 
