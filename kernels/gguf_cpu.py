@@ -31,6 +31,23 @@ SUPPORTED = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q
                        Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS})
 # Activation block (values per scale) by weight type: ggml's Q8_K for the 256-value types.
 _ACT_BLOCK = {t: 256 if GGML_QUANT_SIZES[t][0] == 256 else 32 for t in SUPPORTED}
+# Q4_K rows repacked 8 at a time (``repack``; the C's gguf_q4k_x8.h): not a GGUF type, an id
+# of this module's own that the entry points, ``RowSegments`` and ``dequantize`` take like one.
+Q4_K_X8 = 1012
+X8_ROWS = 8
+
+
+def _file_type(qtype: int) -> Q:
+    """The GGUF type whose blocks (sizes, values) qtype holds: Q4_K for ``Q4_K_X8``."""
+    return Q.Q4_K if int(qtype) == Q4_K_X8 else Q(qtype)
+
+
+def _name(qtype: int) -> str:
+    return "Q4_K_X8" if int(qtype) == Q4_K_X8 else Q(qtype).name
+
+
+def _served(qtype: int) -> bool:
+    return int(qtype) == Q4_K_X8 or int(qtype) in SUPPORTED
 
 # What the kernel does with the activations: round them to 8 bits per block ("q8", llama.cpp's
 # way: integer dot products) or keep them float32 ("f32": the float product of the file's values).
@@ -51,6 +68,7 @@ _SIGNATURES = {
     "lg_gguf_dequant": [_p, _i64, _i64, _int, _i64, _p, _int],
     "lg_gguf_supported": [_int],
     "lg_gguf_simd": [],
+    "lg_gguf_repack_q4k": [_p, _i64, _i64, _p, _int, _int],
 }
 
 
@@ -77,9 +95,9 @@ def simd() -> bool:
 def row_bytes(qtype: int, k: int) -> int:
     """Bytes of one row of k values of qtype. Raises ValueError if k is not a multiple of the
     type's block."""
-    block, size = GGML_QUANT_SIZES[Q(qtype)]
+    block, size = GGML_QUANT_SIZES[_file_type(qtype)]
     if k <= 0 or k % block:
-        raise ValueError(f"gguf_cpu: k={k} is not a positive multiple of {Q(qtype).name}'s "
+        raise ValueError(f"gguf_cpu: k={k} is not a positive multiple of {_name(qtype)}'s "
                          f"block of {block} values")
     return k // block * size
 
@@ -92,7 +110,7 @@ def _check(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int) -> None:
         raise ValueError(f"gguf_cpu: x has shape {tuple(x.shape)}, expected [m, {k}]")
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != want:
         raise ValueError(f"gguf_cpu: raw has shape {tuple(raw.shape)} {raw.dtype}, expected "
-                         f"[n, {want}] uint8 for {Q(qtype).name} with k={k}")
+                         f"[n, {want}] uint8 for {_name(qtype)} with k={k}")
     if raw.shape[0] and raw.stride(1) != 1:
         raise ValueError(f"gguf_cpu: raw's bytes must be contiguous within a row (strides "
                          f"{raw.stride()})")
@@ -147,7 +165,7 @@ def _matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int, scalar: bool
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     qtype = int(qtype)
-    if qtype not in SUPPORTED:
+    if not _served(qtype):
         return None
     lib = _lib()
     if lib is None:
@@ -204,7 +222,7 @@ def product(raw: torch.Tensor, qtype: int, k: int,
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     qtype = int(qtype)
-    lib = _lib() if qtype in SUPPORTED else None
+    lib = _lib() if _served(qtype) else None
     if lib is None:
         return None
     _check(torch.empty((0, k)), raw, qtype, k)
@@ -261,8 +279,8 @@ class RowSegments:
             raise ValueError(f"gguf_cpu: {len(raws)} segments with {len(qtypes)} types; 1 to "
                              f"{MAX_SEGMENTS} segments, one type each")
         for raw, qtype in zip(raws, qtypes):
-            if int(qtype) not in SUPPORTED:
-                raise ValueError(f"gguf_cpu: segment type {Q(qtype).name} is not in SUPPORTED")
+            if not _served(qtype):
+                raise ValueError(f"gguf_cpu: segment type {_name(qtype)} is not in SUPPORTED")
             _check(torch.empty((0, k)), raw, int(qtype), k)
         self.raws, self.qtypes, self.k = tuple(raws), tuple(int(t) for t in qtypes), k
         self.n = sum(r.shape[0] for r in raws)
@@ -297,7 +315,7 @@ class RowSegments:
                    y.data_ptr(), threads, m_tile, n_chunk, 0)
         if rc:
             raise ValueError(f"gguf_cpu: the kernel rejected x {tuple(x.shape)} against "
-                             f"segments {[Q(t).name for t in self.qtypes]} (code {rc})")
+                             f"segments {[_name(t) for t in self.qtypes]} (code {rc})")
         return y
 
 
@@ -307,14 +325,14 @@ def _raise(rc: int, x: torch.Tensor, raw: torch.Tensor, qtype: int) -> None:
         raise MemoryError(f"gguf_cpu: no memory for the quantized activations of x "
                           f"{tuple(x.shape)}")
     raise ValueError(f"gguf_cpu: the kernel rejected x {tuple(x.shape)}, raw "
-                     f"{tuple(raw.shape)} {Q(qtype).name} (code {rc})")
+                     f"{tuple(raw.shape)} {_name(qtype)} (code {rc})")
 
 
 def dequantize(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor | None:
     """W as float32 ``[n, k]`` from raw ``[n, row_bytes]`` uint8 GGUF blocks (the scalar C
     decoding, threaded over rows; equal to ``gguf.quants.dequantize``), or None where the type
     is not in ``SUPPORTED`` or the library cannot be built. Raises ValueError as ``matmul``."""
-    if int(qtype) not in SUPPORTED:
+    if not _served(qtype):
         return None
     _check(torch.empty((0, k)), raw, qtype, k)
     lib = _lib()
@@ -324,7 +342,7 @@ def dequantize(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor | None:
     rc = lib.lg_gguf_dequant(raw.data_ptr(), raw.shape[0], raw.stride(0), int(qtype), k,
                              out.data_ptr(), torch.get_num_threads())
     if rc:
-        raise ValueError(f"gguf_cpu: the kernel rejected raw {tuple(raw.shape)} {Q(qtype).name}")
+        raise ValueError(f"gguf_cpu: the kernel rejected raw {tuple(raw.shape)} {_name(qtype)}")
     return out
 
 
@@ -347,6 +365,50 @@ def reference(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     from gguf.quants import dequantize as gguf_dequantize
 
     _check(x, raw, qtype, k)
-    w = gguf_dequantize(np.ascontiguousarray(raw.numpy()), Q(qtype))
-    xs = quantize_activations(x, _ACT_BLOCK[Q(qtype)]) if quantize_x else x
+    if int(qtype) == Q4_K_X8:
+        raw = repack(raw, Q4_K_X8, k, unpack=True)
+    w = gguf_dequantize(np.ascontiguousarray(raw.numpy()), _file_type(qtype))
+    xs = quantize_activations(x, _ACT_BLOCK[_file_type(qtype)]) if quantize_x else x
     return xs.to(torch.float64) @ torch.from_numpy(w).to(torch.float64).T
+
+
+def repackable(raw: torch.Tensor, qtype: int, k: int) -> bool:
+    """Whether ``repack`` applies: Q4_K rows ``[n, row_bytes]``, n a multiple of 8, rows back to
+    back, on the CPU, and the library built with its SIMD kernels (the repacked layout's fast
+    path)."""
+    return (int(qtype) == Q.Q4_K and raw.dim() == 2 and raw.shape[0] % X8_ROWS == 0
+            and raw.is_cpu and raw.is_contiguous() and raw.dtype == torch.uint8 and k % 256 == 0
+            and raw.shape[1] == row_bytes(Q.Q4_K, k) and simd())
+
+
+def repack(raw: torch.Tensor, qtype: int, k: int, unpack: bool = False,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Q4_K rows ``raw`` ``[n, row_bytes]`` (n a multiple of 8, contiguous, CPU) rearranged 8
+    rows at a time into the ``Q4_K_X8`` layout (the C's gguf_q4k_x8.h: per 8 rows and 256
+    values, the 8 rows' d, dmin, scales and codes side by side), or, with ``unpack``, a
+    ``Q4_K_X8`` matrix back to the file's blocks. The same bytes per weight, so the result has
+    raw's shape; ``out`` (may be raw itself, for no second copy) receives it. qtype: the type
+    raw holds (Q4_K, or ``Q4_K_X8`` with ``unpack``). Raises ValueError for another type or a
+    bad shape, RuntimeError where the library cannot be built, MemoryError when a group's copy
+    cannot be allocated (an in-place call then leaves raw part done)."""
+    want = Q4_K_X8 if unpack else Q.Q4_K
+    if int(qtype) != int(want):
+        raise ValueError(f"gguf_cpu.repack: raw holds {_name(qtype)}, expected {_name(want)}")
+    _check(torch.empty((0, k)), raw, qtype, k)
+    if raw.shape[0] % X8_ROWS or not raw.is_contiguous():
+        raise ValueError(f"gguf_cpu.repack: raw {tuple(raw.shape)} needs a multiple of "
+                         f"{X8_ROWS} rows, back to back")
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("gguf_cpu.repack: the C library cannot be built on this machine")
+    out = torch.empty_like(raw) if out is None else out
+    if out.shape != raw.shape or out.dtype != torch.uint8 or not out.is_contiguous():
+        raise ValueError(f"gguf_cpu.repack: out {tuple(out.shape)} {out.dtype} must be a "
+                         f"contiguous uint8 {tuple(raw.shape)}")
+    rc = lib.lg_gguf_repack_q4k(raw.data_ptr(), raw.shape[0], k, out.data_ptr(), int(unpack),
+                                torch.get_num_threads())
+    if rc == -3:
+        raise MemoryError(f"gguf_cpu.repack: no memory for a group of {X8_ROWS} rows")
+    if rc:
+        raise ValueError(f"gguf_cpu.repack: the kernel rejected raw {tuple(raw.shape)} (code {rc})")
+    return out

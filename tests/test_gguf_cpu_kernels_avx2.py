@@ -72,3 +72,12 @@ def test_avx2_build_one_row_bits_whatever_the_chunks(on_avx2, qtype, seed, monke
     """The four-weight-row kernel and the one-row kernel give a decode row the same bits in the
     AVX2 build too."""
     check_one_row_bits(qtype, seed, monkeypatch)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_avx2_build_repacked_q4_k(on_avx2, m, seed):
+    """The 8-row repacked Q4_K kernel without VNNI (maddubs + madd in place of dpbusd)."""
+    from test_gguf_cpu_x8 import check_x8
+
+    check_x8(m, 512, seed)
+    check_x8(m, 512, seed, activations="f32")

@@ -43,14 +43,16 @@
 /* ggml's type ids (gguf.GGMLQuantizationType). */
 enum {
     T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11,
-    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23
+    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23,
+    T_Q4_K_X8 = 1012 /* Q4_K repacked 8 rows at a time: gguf_q4k_x8.h */
 };
 
 /* Values per block and bytes per block, by type (0 where not implemented). */
 static int block_values(int t) {
     switch (t) {
     case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: case T_IQ4_NL: return 32;
-    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: return 256;
+    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS:
+    case T_Q4_K_X8: return 256;
     default: return 0;
     }
 }
@@ -59,7 +61,7 @@ static int block_bytes(int t) {
     switch (t) {
     case T_Q4_0: return 18;  case T_Q4_1: return 20;  case T_Q5_0: return 22;
     case T_Q5_1: return 24;  case T_Q8_0: return 34;  case T_IQ4_NL: return 18;
-    case T_Q2_K: return 84;  case T_Q3_K: return 110; case T_Q4_K: return 144;
+    case T_Q2_K: return 84;  case T_Q3_K: return 110; case T_Q4_K: case T_Q4_K_X8: return 144;
     case T_Q5_K: return 176; case T_Q6_K: return 210; case T_IQ4_XS: return 136;
     default: return 0;
     }
@@ -1064,6 +1066,8 @@ static void rowsf(int t, const uint8_t *w, const float *x, int64_t k, float *y, 
     for (int j = 0; j < nx; j++) y[j * ys] = (float)acc[j];
 }
 
+#include "gguf_q4k_x8.h"
+
 /* ---- Entry points -------------------------------------------------------------------------- */
 
 /* 1 for the types this file implements (ggml type ids), else 0. */
@@ -1098,6 +1102,49 @@ static int check_rows(int qtype, int64_t k, int64_t w_stride) {
     return 0;
 }
 
+/* check_rows for n rows; a repacked Q4_K matrix also needs whole 8-row groups, rows back to back
+ * and rows no longer than X8_MAX_ROW_BYTES (else -2). */
+static int check_matrix(int qtype, int64_t k, int64_t w_stride, int64_t n) {
+    const int rc = check_rows(qtype, k, w_stride);
+    if (rc || qtype != T_Q4_K_X8) return rc;
+    const int64_t bytes = k / 256 * 144;
+    return n % X8_ROWS || w_stride != bytes || bytes > X8_MAX_ROW_BYTES ? -2 : 0;
+}
+
+/* sweep() for a repacked Q4_K matrix (n a multiple of 8): chunks of whole 8-row groups; one
+ * quantized activation row meets 8 rows a visit (x8_rows); otherwise each row is unpacked to the
+ * file's blocks in a stack buffer and goes through rows() / rowsf() as a Q4_K row. */
+static void sweep_x8(const uint8_t *w, int64_t ws, int64_t n, const uint8_t *xa, size_t xs,
+                     int64_t m, int64_t k, float *y, int64_t ldy, int64_t m_tile, int64_t n_chunk,
+                     int f32, int scalar) {
+    const int64_t chunk = (n_chunk + X8_ROWS - 1) / X8_ROWS * X8_ROWS, chunks = (n + chunk - 1) / chunk;
+#ifdef LG_AVX2
+    const int direct = m == 1 && !f32 && !scalar;
+#else
+    const int direct = 0;
+#endif
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t r0 = c * chunk, r1 = r0 + chunk < n ? r0 + chunk : n;
+        if (direct) {
+#ifdef LG_AVX2
+            for (int64_t g = r0; g < r1; g += X8_ROWS) x8_rows(w + g * ws, xa, k, y + g);
+#endif
+            continue;
+        }
+        uint8_t row[X8_MAX_ROW_BYTES] __attribute__((aligned(64)));
+        for (int64_t r = r0; r < r1; r++) {
+            x8_unpack_row(w, ws, r, k, row);
+            for (int64_t i = 0; i < m; i += 4) {
+                const int nx = (int)(m - i < 4 ? m - i : 4);
+                if (f32) rowsf(T_Q4_K, row, (const float *)(xa + i * xs), k, y + i * ldy + r, ldy, nx, scalar);
+                else rows(T_Q4_K, row, xa + i * xs, xs, k, y + i * ldy + r, ldy, nx, scalar);
+            }
+        }
+    }
+    (void)m_tile;
+}
+
 /* The shared work split, run inside a parallel region (its loop is an orphaned omp for, nowait:
  * the caller's region ends in a barrier, and consecutive sweeps write apart): threads take
  * chunks of n_chunk output rows; within a chunk, activation rows go m_tile at a time, 4 per
@@ -1106,6 +1153,10 @@ static int check_rows(int qtype, int64_t k, int64_t w_stride) {
 static void sweep(int qtype, const uint8_t *w, int64_t w_stride, int64_t n, const uint8_t *xa,
                   size_t xs, int64_t m, int64_t k, float *y, int64_t ldy, int64_t m_tile,
                   int64_t n_chunk, int f32, int scalar) {
+    if (qtype == T_Q4_K_X8) {
+        sweep_x8(w, w_stride, n, xa, xs, m, k, y, ldy, m_tile, n_chunk, f32, scalar);
+        return;
+    }
     const int64_t chunks = (n + n_chunk - 1) / n_chunk;
 #ifdef LG_AVX2
     const w4_fn w4 = m == 1 && !f32 && !scalar ? w4_kernel(qtype) : NULL;
@@ -1157,15 +1208,15 @@ static int segments_of(const uint8_t *w, int64_t n, int64_t w_stride, int qtype,
     if (qtype != T_SEGMENTS) {
         s->count = 1;
         s->seg[0] = (lg_segment){w, n, w_stride, qtype};
-        return check_rows(qtype, k, w_stride);
+        return check_matrix(qtype, k, w_stride, n);
     }
     const lg_segments *t = (const lg_segments *)w;
     if (!t || t->count < 1 || t->count > MAX_SEGMENTS) return -4;
     int64_t rows = 0;
     for (int j = 0; j < t->count; j++) {
-        const int rc = check_rows(t->seg[j].qtype, k, t->seg[j].w_stride);
-        if (rc) return rc;
         if (t->seg[j].n < 0) return -4;
+        const int rc = check_matrix(t->seg[j].qtype, k, t->seg[j].w_stride, t->seg[j].n);
+        if (rc) return rc;
         rows += t->seg[j].n;
     }
     if (rows != n) return -4;
@@ -1267,10 +1318,19 @@ int lg_gguf_matmul_f32(const float *x, int64_t m, int64_t k, const uint8_t *w, i
  * Returns 0, -1 for a type not implemented, -2 for a bad k or stride. */
 int lg_gguf_dequant(const uint8_t *w, int64_t n, int64_t w_stride, int qtype, int64_t k, float *out,
                     int threads) {
-    const int rc = check_rows(qtype, k, w_stride);
+    const int rc = check_matrix(qtype, k, w_stride, n);
     if (rc) return rc;
     const int B = block_values(qtype), bb = block_bytes(qtype);
     if (threads < 1) threads = 1;
+    if (qtype == T_Q4_K_X8) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t r = 0; r < n; r++) {
+            uint8_t row[X8_MAX_ROW_BYTES];
+            x8_unpack_row(w, w_stride, r, k, row);
+            for (int64_t b = 0; b < k / B; b++) deq_block(T_Q4_K, row + b * bb, out + r * k + b * B);
+        }
+        return 0;
+    }
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < n; r++)
         for (int64_t b = 0; b < k / B; b++) deq_block(qtype, w + r * w_stride + b * bb, out + r * k + b * B);
@@ -1283,4 +1343,33 @@ int64_t lg_gguf_xrow_bytes(int qtype, int64_t k) {
     const int B = block_values(qtype);
     if (!B) return 0;
     return (int64_t)xrow_bytes(k, B);
+}
+
+/* Q4_K rows w [n, k / 256 * 144 bytes, rows back to back] repacked 8 at a time into out (the
+ * layout of gguf_q4k_x8.h, the same size), or back when unpack != 0; out may be w (a group's 8
+ * rows are copied aside before they are written). Returns 0, -2 for n not a multiple of 8 or a
+ * bad k, -3 when a group's copy cannot be allocated. */
+int lg_gguf_repack_q4k(const uint8_t *w, int64_t n, int64_t k, uint8_t *out, int unpack,
+                       int threads) {
+    if (k <= 0 || k % 256 || n % X8_ROWS) return -2;
+    const int64_t ws = k / 256 * 144, nb = k / 256;
+    int failed = 0;
+    if (threads < 1) threads = 1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t g = 0; g < n; g += X8_ROWS) {
+        uint8_t *tmp = malloc((size_t)(X8_ROWS * ws));
+        if (!tmp) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        memcpy(tmp, w + g * ws, (size_t)(X8_ROWS * ws));
+        for (int64_t b = 0; b < nb; b++) {
+            if (unpack)
+                for (int r = 0; r < X8_ROWS; r++) x8_unpack_block(tmp + b * X8_GROUP_BYTES, r, out + (g + r) * ws + b * 144);
+            else x8_pack_group(tmp + b * 144, ws, out + g * ws + b * X8_GROUP_BYTES);
+        }
+        free(tmp);
+    }
+    return failed ? -3 : 0;
 }

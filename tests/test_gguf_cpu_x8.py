@@ -1,0 +1,104 @@
+"""Q4_K rows repacked 8 at a time (``gguf_cpu.repack``, ``Q4_K_X8``; kernels/csrc/gguf_q4k_x8.h)
+against the file's blocks and the float64 reference twin, on fresh random blocks each run.
+
+The repack moves bytes only, so unpacking gives the file's bytes back and ``dequantize`` gives
+``gguf.quants.dequantize``'s values. Products take the tolerances of tests/test_gguf_cpu_kernels.py
+(``1e-5 * sum |w_i x_i|`` against x quantized as the kernel does, plus half an activation step
+against the exact float product): one activation row meets 8 repacked rows in exact int32 sums
+per block, every other case unpacks each row and runs the Q4_K kernels, so it equals the file
+layout's result bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from localgen.kernels import gguf_cpu
+
+from test_gguf_cpu_kernels import FLOAT32_TOL, act_step_bound, random_blocks, weights
+
+pytestmark = pytest.mark.skipif(not (gguf_cpu.available() and gguf_cpu.simd()),
+                                reason="needs the kernel's SIMD build")
+X8 = gguf_cpu.Q4_K_X8
+N = 40  # 5 groups of 8: more than one chunk at one-row chunks, not a multiple of 2 threads x 4
+
+
+def pair(seed: int, n: int = N, k: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    raw = random_blocks(Q.Q4_K, n, k, np.random.default_rng(seed))
+    return raw, gguf_cpu.repack(raw, Q.Q4_K, k)
+
+
+def check_x8(m: int, k: int, seed: int, activations: str = "q8", scalar: bool = False) -> None:
+    """The repacked matrix's product within the reference's tolerance; for more than one
+    activation row, float activations or the scalar path, the file layout's bits."""
+    raw, x8 = pair(seed, k=k)
+    x = torch.from_numpy(np.random.default_rng(seed + 1).standard_normal((m, k), dtype=np.float32))
+    y = gguf_cpu._matmul(x, x8, X8, k, scalar=scalar, activations=activations)
+    w = weights(raw, Q.Q4_K)
+    if activations == "f32":
+        rounding = FLOAT32_TOL * (x.double().abs() @ w.abs().T)
+        assert ((y.double() - gguf_cpu.reference(x, raw, Q.Q4_K, k)).abs() <= rounding).all()
+    else:
+        xq = gguf_cpu.quantize_activations(x, 256)
+        rounding = FLOAT32_TOL * (xq.abs() @ w.abs().T)
+        tight = (y.double() - gguf_cpu.reference(x, x8, X8, k, quantize_x=True)).abs()
+        assert (tight <= rounding).all(), f"seed {seed}: max excess {(tight - rounding).max():.3g}"
+        loose = (y.double() - gguf_cpu.reference(x, raw, Q.Q4_K, k)).abs()
+        assert (loose <= act_step_bound(x, w, Q.Q4_K) + rounding).all()
+    if m > 1 or activations == "f32" or scalar:
+        want = gguf_cpu._matmul(x, raw, Q.Q4_K, k, scalar=scalar, activations=activations)
+        assert torch.equal(y, want)
+
+
+def test_repack_moves_bytes_only(seed):
+    raw, x8 = pair(seed)
+    assert x8.shape == raw.shape and not torch.equal(x8, raw)
+    assert torch.equal(gguf_cpu.repack(x8, X8, 512, unpack=True), raw)
+    inplace = raw.clone()
+    assert gguf_cpu.repack(inplace, Q.Q4_K, 512, out=inplace) is inplace
+    assert torch.equal(inplace, x8)
+    assert torch.equal(gguf_cpu.dequantize(x8, X8, 512).double(), weights(raw, Q.Q4_K))
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_repacked_product_matches_reference(m, seed):
+    check_x8(m, 512, seed)
+    check_x8(min(m, 3), 512, seed, activations="f32")
+    check_x8(2, 512, seed, scalar=True)
+
+
+def test_one_row_bits_whatever_the_chunks(seed, monkeypatch):
+    """A decode row's outputs do not depend on the thread split (chunks round up to whole
+    8-row groups)."""
+    raw, x8 = pair(seed, k=768)
+    x = torch.randn(1, 768)
+    want = gguf_cpu.matmul(x, x8, X8, 768)
+    monkeypatch.setattr(gguf_cpu, "W_CHUNK_BYTES", 1)
+    assert torch.equal(gguf_cpu.matmul(x, x8, X8, 768), want)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert torch.equal(gguf_cpu.matmul(x, x8, X8, 768), want)
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_segments_take_a_repacked_segment(m, seed):
+    """q/k/v as segments (Q4_K_X8 beside Q6_K): each segment's columns are its own product."""
+    raw, x8 = pair(seed, n=16)
+    q6 = random_blocks(Q.Q6_K, 11, 512, np.random.default_rng(seed + 2))
+    x = torch.randn(m, 512)
+    segs = gguf_cpu.RowSegments([x8, q6], [X8, Q.Q6_K], 512)
+    want = torch.cat([gguf_cpu.matmul(x, x8, X8, 512), gguf_cpu.matmul(x, q6, Q.Q6_K, 512)], 1)
+    assert torch.equal(segs.matmul(x), want)
+
+
+def test_bad_input_is_named():
+    raw = random_blocks(Q.Q4_K, 12, 512, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        gguf_cpu.repack(raw, Q.Q4_K, 512)
+    with pytest.raises(ValueError, match="expected Q4_K"):
+        gguf_cpu.repack(raw[:8], Q.Q6_K, 512)
+    with pytest.raises(ValueError, match="Q4_K_X8"):  # 12 rows are not whole groups
+        gguf_cpu.matmul(torch.zeros(1, 512), raw, X8, 512)
+    assert gguf_cpu.repackable(raw[:8], Q.Q4_K, 512) and not gguf_cpu.repackable(raw, Q.Q4_K, 512)
