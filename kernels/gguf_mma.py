@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from . import gguf_gemv
+from .gguf_tiles import f16_at, k4_scale_min
 
 TYPES = gguf_gemv.MMA_TYPES
 MIN_M, MAX_M = 2, gguf_gemv.MMA_MAX_M
@@ -40,12 +41,6 @@ TILE_K = 256
 
 # activation dtype -> the dot's operand dtype
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-@triton.jit
-def _f16(ptr):
-    """float32 of the fp16 at ``ptr`` (an integer pointer tensor, 2-byte aligned)."""
-    return tl.load(ptr.to(tl.pointer_type(tl.float16))).to(tl.float32)
 
 
 @triton.jit
@@ -83,14 +78,8 @@ def _q4k_part(rows32, kt, J: tl.constexpr, KC: tl.constexpr):
     words = tl.load(blk5 + 4 + 8 * c + i)
     q = (words >> (4 * h + 8 * b)) & 15
     blk8 = blk5.to(tl.pointer_type(tl.uint8))
-    g = 2 * c + h  # the group, [1, KC/64, 1, 2, 1]
-    lane = g % 4
-    sc_byte = tl.load(blk8 + 4 + lane).to(tl.int32)
-    mn_byte = tl.load(blk8 + 8 + lane).to(tl.int32)
-    hi_byte = tl.load(blk8 + 12 + lane).to(tl.int32)
-    sc = tl.where(g < 4, sc_byte & 63, (hi_byte & 15) | ((sc_byte >> 6) << 4))
-    mn = tl.where(g < 4, mn_byte & 63, (hi_byte >> 4) | ((mn_byte >> 6) << 4))
-    w = _code_weights(q, _f16(blk8) * sc.to(tl.float32), _f16(blk8 + 2) * mn.to(tl.float32), 4)
+    sc, mn = k4_scale_min(blk8, 2 * c + h)  # per group 2c + h, [BN, KC/64, 1, 2, 1]
+    w = _code_weights(q, f16_at(blk8) * sc, f16_at(blk8 + 2) * mn, 4)
     return tl.reshape(w, (w.shape[0], KC))
 
 
@@ -126,7 +115,7 @@ def _q6k_part(rows16, kt, J: tl.constexpr, KC: tl.constexpr):
     q = ((ql >> (4 * (t // 2) + 8 * e)) & 15) | (((qh >> (2 * t + 8 * e)) & 3) << 4)
     blk8 = blk5.to(tl.pointer_type(tl.uint8))
     scale = tl.load(blk8 + 192 + 8 * hf + 2 * t + p % 2).to(tl.int8, bitcast=True)
-    a = _f16(blk8 + 208) * scale.to(tl.float32)  # [BN, KC/64, 1, 4, 1]
+    a = f16_at(blk8 + 208) * scale.to(tl.float32)  # [BN, KC/64, 1, 4, 1]
     w = _code_weights(q, a, 32 * a, 6)
     return tl.reshape(w, (w.shape[0], KC))
 
@@ -134,12 +123,13 @@ def _q6k_part(rows16, kt, J: tl.constexpr, KC: tl.constexpr):
 @triton.jit(do_not_specialize=["M", "N", "num_tiles", "tiles_per_split"])
 def _gguf_mma(x_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_xm, row_words,
               stride_ym, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, M_PAD: tl.constexpr,
-              KC: tl.constexpr, ATOMIC: tl.constexpr, DOT_DTYPE: tl.constexpr):
+              KC: tl.constexpr, ATOMIC: tl.constexpr, DOT_DTYPE: tl.constexpr,
+              IEEE: tl.constexpr):
     """Program (n, s): ``y[:, n*BLOCK_N ..]`` over K tiles ``s*tiles_per_split ..``, as
     ``acc [BLOCK_N, M_PAD] += W_part · x_partᵀ`` for each ``KC`` columns of a tile (64, 128 or
     256: how much of the tile is dequantized, in registers, at once). ``row_words``: the row
-    stride in the kernel's words (32-bit for Q4_K, 16-bit for Q6_K). float32 activations
-    multiply in IEEE float32 (no TF32 rounding)."""
+    stride in the kernel's words (32-bit for Q4_K, 16-bit for Q6_K). IEEE (float32
+    activations): the dot in IEEE float32, no TF32 rounding."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -162,7 +152,7 @@ def _gguf_mma(x_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_xm, 
                 w = _q6k_part(rows, kt, j, KC)
                 order = _q6k_order(j, KC)
             xt = tl.load(x_rows + kt * 256 + order[:, None], mask=m_live, other=0.0)
-            if DOT_DTYPE == tl.float32:
+            if IEEE:
                 acc = tl.dot(w, xt.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(w.to(DOT_DTYPE), xt.to(DOT_DTYPE), acc)
@@ -219,5 +209,5 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
         x, raw, y, m, n, tiles, per_split, x.stride(0), raw.stride(0) // word, y.stride(0),
         QTYPE=qtype, BLOCK_N=cfg.block_n, M_PAD=m_pad(m),
         KC=k_chunk(cfg.block_n, cfg.num_warps), ATOMIC=splits > 1,
-        DOT_DTYPE=_DOT_DTYPES[x.dtype], **launch)
+        DOT_DTYPE=_DOT_DTYPES[x.dtype], IEEE=x.dtype == torch.float32, **launch)
     return y.to(x.dtype)
