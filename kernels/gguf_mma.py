@@ -1,24 +1,25 @@
 """Decode matmul for 2 <= M <= 64 over GGUF Q4_K and Q6_K blocks in the file's layout, on tensor
-cores: each 256-weight tile of a program's rows is dequantized once, in registers, and meets every
-activation row in one ``tl.dot``.
+cores: each weight of a program's rows is dequantized once, in registers, and meets every
+activation row in ``tl.dot``.
 
 ``y[m, n] = x[m, k] · W[n, k]ᵀ``, W the raw bytes ``[N, row_bytes]`` of ``block_q4_K`` /
-``block_q6_K`` rows (ggml-common.h; value order as ``gguf.quants`` reads it). Weight ``w = a·q - b``
-with the code ``q`` and, per group, ``a`` and ``b`` (Q4_K: 32-weight groups, ``a = d·scale``,
-``b = dmin·min``; Q6_K: 16-weight groups, ``a = d·scale``, ``b = 32·a``).
+``block_q6_K`` rows (ggml-common.h; value order as ``gguf.quants`` reads it). Weight
+``w = a·q - b`` with the code ``q`` and, per group, ``a`` and ``b`` (Q4_K: 32-weight groups,
+``a = d·scale``, ``b = dmin·min``; Q6_K: 16-weight groups, ``a = d·scale``, ``b = 32·a``).
 
-A program owns ``BLOCK_N`` output rows and a slice of K tiles. Per tile it loads each row's codes
-as 32-bit (Q4_K) or 16-bit (Q6_K, whose 210-byte blocks are only 2-byte aligned) words, a few
-wide loads per thread; splits every word into its codes by a broadcast shift, so the codes of a
-tile come out in a fixed order of K that is not the weights' order (``_q4k_order``,
-``_q6k_order``); and gathers the ``[256, M_PAD]`` activation tile in that same order, which costs
-nothing since the activations are read through an index anyway. The group's ``a`` and ``b`` are
-computed once per group and row and broadcast over its weights. A code becomes a float without an
-int-to-float conversion: its bits go under the mantissa of 1.0 (``f = 1 + q/2**B``) and
-``w = (a·2**B)·f - (a·2**B + b)`` is one multiply-add. The ``[BLOCK_N, 256]`` tile, in the
-activations' dtype (the product's operand), is the left operand of ``tl.dot`` and the
-activations the right one, so that the tensor core's wide dimension is the weight rows, not the
-few activation rows (``M_PAD`` 16, 32 or 64: the smallest that holds M).
+A program owns ``BLOCK_N`` output rows and a slice of K tiles (256 weights, one block a row).
+It takes a tile in parts of ``KC`` columns (64, 128 or 256, :func:`k_chunk`: as much as the
+registers hold). Per part it loads each row's codes as 32-bit (Q4_K) or 16-bit (Q6_K, whose
+210-byte blocks are only 2-byte aligned) words, the words the last axis as they lie in memory,
+and splits every word into its codes by a broadcast shift, so the codes come out in a fixed
+order of K that is not the weights' order (``_q4k_order``, ``_q6k_order``); the ``[KC, M_PAD]``
+activations are gathered in that same order, which costs nothing since they are read through an
+index anyway. The group's ``a`` and ``b`` are computed once per group and row and broadcast over
+its weights. A code becomes a float without an int-to-float conversion: its bits go under the
+mantissa of 1.0 (``f = 1 + q/2**B``) and ``w = (a·2**B)·f - (a·2**B + b)`` is one multiply-add.
+The ``[BLOCK_N, KC]`` weights, in the activations' dtype, are the left operand of ``tl.dot`` and
+the activations the right one, so that the tensor core's wide dimension is the weight rows, not
+the few activation rows (``M_PAD`` 16, 32 or 64: the smallest that holds M).
 
 K is split across programs when the rows alone do not fill the GPU (``gguf_gemv.split_output``);
 split programs add their float32 partial sums atomically. ``DecodeConfig(kernel="mma")`` selects
@@ -55,11 +56,10 @@ def _code_weights(q, a, b, BITS: tl.constexpr):
 @triton.jit
 def _q4k_order(J: tl.constexpr, KC: tl.constexpr):
     """Weight index within a tile of each of :func:`_q4k_part`'s ``KC`` columns for step ``J``:
-    column ``64c' + 8i + 4h + b`` is weight ``64c + 32h + 4i + b`` of chunk
+    column ``64c' + 32h + 8b + i`` is weight ``64c + 32h + 4i + b`` of chunk
     ``c = J·KC/64 + c'``."""
     kk = tl.arange(0, KC)
-    return (64 * (J * (KC // 64) + kk // 64) + 32 * ((kk // 4) % 2) + 4 * ((kk // 8) % 8)
-            + kk % 4)
+    return 64 * (J * (KC // 64) + kk // 64) + 32 * ((kk // 32) % 2) + 4 * (kk % 8) + (kk // 8) % 4
 
 
 @triton.jit
@@ -70,15 +70,16 @@ def _q4k_part(rows32, kt, J: tl.constexpr, KC: tl.constexpr):
     ``8c + i`` holds weight ``64c + 4i + b`` (low nibble, group ``2c``) and ``64c + 32 + 4i + b``
     (high, ``2c + 1``)."""
     blk = rows32 + kt * 36
+    # [BN, chunk c, nibble h, byte b, word i]: the words last, as they lie in memory
     c = J * (KC // 64) + tl.arange(0, KC // 64)[None, :, None, None, None]
-    i = tl.arange(0, 8)[None, None, :, None, None]
-    h = tl.arange(0, 2)[None, None, None, :, None]
-    b = tl.arange(0, 4)[None, None, None, None, :]
+    h = tl.arange(0, 2)[None, None, :, None, None]
+    b = tl.arange(0, 4)[None, None, None, :, None]
+    i = tl.arange(0, 8)[None, None, None, None, :]
     blk5 = blk[:, None, None, None, None]
-    words = tl.load(blk5 + 4 + 8 * c + i)
+    words = tl.load(blk5 + 4 + 8 * c + i)  # [BN, KC/64, 1, 1, 8]
     q = (words >> (4 * h + 8 * b)) & 15
     blk8 = blk5.to(tl.pointer_type(tl.uint8))
-    sc, mn = k4_scale_min(blk8, 2 * c + h)  # per group 2c + h, [BN, KC/64, 1, 2, 1]
+    sc, mn = k4_scale_min(blk8, 2 * c + h)  # per group 2c + h, [BN, KC/64, 2, 1, 1]
     w = _code_weights(q, f16_at(blk8) * sc, f16_at(blk8 + 2) * mn, 4)
     return tl.reshape(w, (w.shape[0], KC))
 
@@ -86,11 +87,11 @@ def _q4k_part(rows32, kt, J: tl.constexpr, KC: tl.constexpr):
 @triton.jit
 def _q6k_order(J: tl.constexpr, KC: tl.constexpr):
     """Weight index within a tile of each of :func:`_q6k_part`'s ``KC`` columns for step ``J``:
-    column ``64p' + 8vl + 2t + e`` is weight ``128hf + 32t + 16vh + 2vl + e`` of part
+    column ``64p' + 16t + 8e + vl`` is weight ``128hf + 32t + 16vh + 2vl + e`` of part
     ``p = J·KC/64 + p' = 2hf + vh``."""
     kk = tl.arange(0, KC)
     p = J * (KC // 64) + kk // 64
-    return 128 * (p // 2) + 32 * ((kk // 2) % 4) + 16 * (p % 2) + 2 * ((kk // 8) % 8) + kk % 2
+    return 128 * (p // 2) + 32 * ((kk // 16) % 4) + 16 * (p % 2) + 2 * (kk % 8) + (kk // 8) % 2
 
 
 @triton.jit
@@ -102,20 +103,21 @@ def _q6k_part(rows16, kt, J: tl.constexpr, KC: tl.constexpr):
     ``t // 2``, its high 2 bits from qh byte ``128 + 32hf + l`` at bit ``2t``, and scale
     ``8hf + 2t + vh``."""
     blk = rows16 + kt * 105
+    # [BN, part p, quarter t, byte e, word vl]: the words last, as they lie in memory
     p = J * (KC // 64) + tl.arange(0, KC // 64)[None, :, None, None, None]
-    vl = tl.arange(0, 8)[None, None, :, None, None]
-    t = tl.arange(0, 4)[None, None, None, :, None]
-    e = tl.arange(0, 2)[None, None, None, None, :]
+    t = tl.arange(0, 4)[None, None, :, None, None]
+    e = tl.arange(0, 2)[None, None, None, :, None]
+    vl = tl.arange(0, 8)[None, None, None, None, :]
     hf = p // 2
     v = 8 * (p % 2) + vl
     blk5 = blk[:, None, None, None, None]
-    ql = tl.load(blk5 + 32 * hf + 16 * (t % 2) + v).to(tl.int32)  # [BN, KC/64, 8, 4, 1]
-    qh = tl.load(blk5 + 64 + 16 * hf + v).to(tl.int32)  # [BN, KC/64, 8, 1, 1]
+    ql = tl.load(blk5 + 32 * hf + 16 * (t % 2) + v).to(tl.int32)  # [BN, KC/64, 4, 1, 8]
+    qh = tl.load(blk5 + 64 + 16 * hf + v).to(tl.int32)  # [BN, KC/64, 1, 1, 8]
     # bits 0..15 only: the sign extension of the 16-bit words never reaches a code
     q = ((ql >> (4 * (t // 2) + 8 * e)) & 15) | (((qh >> (2 * t + 8 * e)) & 3) << 4)
     blk8 = blk5.to(tl.pointer_type(tl.uint8))
     scale = tl.load(blk8 + 192 + 8 * hf + 2 * t + p % 2).to(tl.int8, bitcast=True)
-    a = f16_at(blk8 + 208) * scale.to(tl.float32)  # [BN, KC/64, 1, 4, 1]
+    a = f16_at(blk8 + 208) * scale.to(tl.float32)  # [BN, KC/64, 4, 1, 1]
     w = _code_weights(q, a, 32 * a, 6)
     return tl.reshape(w, (w.shape[0], KC))
 
