@@ -19,14 +19,15 @@ applied once per group and row. The activation sums ``Σ x`` of a group serve ev
   A loop step loads ``blocks_per_step`` blocks of each row, to keep more bytes in flight.
 * ``codes="q8"`` (Q4_K, Q6_K; M = 1; ``gguf_q8``): the activations are first rounded to int8
   per 32-group, and a word's four codes meet four of them in one ``dp4a``. Not bit-compatible
-  with the float kernels: the error is that rounding's. The split-K zeroing of the output rides
-  in the rounding kernel's launch.
+  with the float kernels: the error is that rounding's; one rounding can serve every matrix
+  that reads the same x.
 * ``dot`` kernel (M <= 16): per group, the codes of ``BLOCK_N`` rows meet the ``[16, 32]``
   (Q6_K: ``[16, 16]``) activations in one ``tl.dot``; the group's scales then multiply the
   ``[16, BLOCK_N]`` result.
 
-K is split across programs (``split_k``) when the rows alone do not fill the GPU; split programs
-add float32 partial sums atomically. Which kernel and tile serve a shape is the table
+K is split across programs (``split_k``) when the rows alone do not fill the GPU. The gemv
+kernels' slices store float32 partials and the last slice of a row tile sums them and stores the
+output (``gguf_tiles.finish``: no zero-fill or cast launch); the dot kernel's add atomically. Which kernel and tile serve a shape is the table
 ``DECODE_CONFIGS`` (the one place to change after a sweep, ``gguf_gemm_bench --sweep``), unless
 the environment names a sweep's results: ``LOCALGEN_GGUF_DECODE_CONFIGS=<sweep.json>`` makes
 :func:`default_config` take that file's ``winners`` (``[{"qtype", "m", "cfg"}]``, one per type
@@ -46,7 +47,7 @@ import triton
 import triton.language as tl
 
 from . import gguf_q8
-from .gguf_tiles import GEMV_ARGS, f16_at, finish, k4_scale_min, slots
+from .gguf_tiles import GEMV_ARGS, f16_at, finish, k4_scale_min, slots, split_buffers
 
 Q4_K, Q5_K, Q6_K = 12, 13, 14  # GGMLQuantizationType values
 TYPES = (Q4_K, Q5_K, Q6_K)
@@ -207,9 +208,9 @@ def _coefs(a, b, BITS: tl.constexpr, MAGIC: tl.constexpr):
 # ---- M = 1 ----
 
 @triton.jit(do_not_specialize=GEMV_ARGS + ["row_16b"])
-def _q45k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
-               QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
-               ATOMIC: tl.constexpr, MODE: tl.constexpr):
+def _q45k_gemv(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, N, num_tiles, tiles_per_split, splits,
+               row_16b, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
+               SPLIT: tl.constexpr, MODE: tl.constexpr):
     """Q4_K (QTYPE 12) or Q5_K (13). Program (n, s): rows ``n*BLOCK_N ..`` over K tiles
     ``s*tiles_per_split ..``. A tile's 128 nibble bytes are 32 words ``[chunk c, word i]``; byte
     ``b`` of word (c, i) holds weight ``64c + 4i + b`` (low nibble, group 2c) and
@@ -256,12 +257,13 @@ def _q45k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
             sc, mn = k4_scale_min(blk8, 2 * c3 + h)
             ca, cb = _coefs(d * sc, dmin * mn, 4 if QTYPE == 12 else 5, MODE == 1)
             acc += s * ca - xs * cb
-    finish(tl.sum(tl.sum(acc, axis=2), axis=1), y_ptr, offs_n, N, ATOMIC)
+    finish(tl.sum(tl.sum(acc, axis=2), axis=1), y_ptr, part_ptr, cnt_ptr, offs_n, N, splits,
+           SPLIT)
 
 
 @triton.jit(do_not_specialize=GEMV_ARGS + ["stride_wn"])
-def _q6k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, stride_wn,
-              BLOCK_N: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr,
+def _q6k_gemv(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, N, num_tiles, tiles_per_split, splits,
+              stride_wn, BLOCK_N: tl.constexpr, KB: tl.constexpr, SPLIT: tl.constexpr,
               MODE: tl.constexpr):
     """Q6_K as :func:`_q45k_gemv`, over 16-bit words (``stride_wn`` in them). A tile is two
     128-weight halves ``hf``; with ``l = 2v + e`` (``v`` 0..15, ``e`` the byte of a word) and
@@ -304,7 +306,8 @@ def _q6k_gemv(x_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, stride_wn,
             a = d * scale.to(tl.float32)
             ca, cb = _coefs(a, 32 * a, 6, MODE == 1)
             acc += s * ca - xs * cb
-    finish(tl.sum(tl.sum(acc, axis=2), axis=1), y_ptr, offs_n, N, ATOMIC)
+    finish(tl.sum(tl.sum(acc, axis=2), axis=1), y_ptr, part_ptr, cnt_ptr, offs_n, N, splits,
+           SPLIT)
 
 
 # ---- 1 < M <= 16 ----
@@ -392,25 +395,28 @@ def splits_for(cfg: DecodeConfig, n_programs: int, num_tiles: int, device: torch
     return max(1, min(num_tiles, want))
 
 
+def _split(cfg: DecodeConfig, n_programs: int, num_tiles: int,
+           device: torch.device) -> tuple[int, int]:
+    """(K slices, tiles a slice) of a launch (:func:`splits_for`, no slice left empty)."""
+    per_split = triton.cdiv(num_tiles, splits_for(cfg, n_programs, num_tiles, device))
+    return triton.cdiv(num_tiles, per_split), per_split
+
+
 def split_output(cfg: DecodeConfig, x: torch.Tensor, n: int, n_programs: int,
-                 num_tiles: int, zeroed: bool = True) -> tuple[int, int, torch.Tensor]:
+                 num_tiles: int) -> tuple[int, int, torch.Tensor]:
     """(K slices, tiles a slice, the output ``[M, n]``): in x's dtype for one slice, else
-    float32 that the slices add into, zeros unless ``zeroed`` is False (the caller zeros it)."""
-    per_split = triton.cdiv(num_tiles, splits_for(cfg, n_programs, num_tiles, x.device))
-    splits = triton.cdiv(num_tiles, per_split)
-    y = (torch.empty if splits == 1 or not zeroed else torch.zeros)(
+    float32 zeros that the slices add into (the dot, mma and file kernels)."""
+    splits, per_split = _split(cfg, n_programs, num_tiles, x.device)
+    y = (torch.empty if splits == 1 else torch.zeros)(
         x.shape[0], n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
     return splits, per_split, y
 
 
-def rounds_x_once(raw: torch.Tensor, qtype: int, k: int, device: torch.device) -> bool:
-    """Whether the default M = 1 config of ``qtype`` rounds x to 8 bits and writes its output
-    unsplit, so that an ``x8`` made once for several matrices saves a launch (a split output
-    needs zeroing, which otherwise rides in the rounding launch)."""
+def rounds_x(qtype: int) -> bool:
+    """Whether the default M = 1 config of ``qtype`` rounds x to 8 bits (``gguf_q8``), so
+    that one ``x8`` made for several matrices saves each of them a launch."""
     cfg = default_config(qtype, 1)
-    if cfg.kernel != "gemv" or cfg.codes != "q8" or int(qtype) not in Q8_TYPES:
-        return False
-    return splits_for(cfg, triton.cdiv(raw.shape[0], cfg.block_n), k // TILE_K, device) == 1
+    return cfg.kernel == "gemv" and cfg.codes == "q8" and int(qtype) in Q8_TYPES
 
 
 # activation dtype -> (dot operand dtype, CODE_BITS, CODE_OFF) of ``_gemm_dot``
@@ -440,30 +446,38 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
         raise ValueError("a file-layout config runs through gguf_gemm.matmul")
     if cfg.kernel == "gemv" and m > 1:
         cfg = replace(cfg, kernel="dot")
-    q8 = cfg.kernel == "gemv" and cfg.codes == "q8"
-    if q8 and qtype not in Q8_TYPES:
-        raise ValueError(f"codes='q8' serves GGUF types {Q8_TYPES}, not {qtype}")
     tiles, n_programs = k // TILE_K, triton.cdiv(n, cfg.block_n)
-    splits, per_split, y = split_output(cfg, x, n, n_programs, tiles,
-                                        zeroed=not q8 or x8 is not None)
-    grid = (n_programs, splits)
-    if q8:
-        if x8 is None:
-            x8 = gguf_q8.quantize(x, y if splits > 1 else None)
-        gguf_q8.gemv(x8, raw, qtype, y, grid, per_split, cfg.block_n, cfg.blocks_per_step,
-                     cfg.num_warps)
-    elif cfg.kernel == "gemv":
-        knobs = dict(BLOCK_N=cfg.block_n, KB=cfg.blocks_per_step, ATOMIC=splits > 1,
-                     MODE=CODE_MODES[cfg.codes], num_warps=cfg.num_warps)
-        if qtype == Q6_K:
-            _q6k_gemv[grid](x, raw, y, n, tiles, per_split, raw.stride(0) // 2, **knobs)
-        else:
-            _q45k_gemv[grid](x, raw, y, n, tiles, per_split, raw.stride(0) // 16, QTYPE=qtype,
-                             **knobs)
-    else:
-        dot, code_bits, code_off = _DOT_CODES[x.dtype]
-        _gemm_dot[grid](x, raw, y, m, n, tiles, per_split, x.stride(0), raw.stride(0),
-                        y.stride(0), QTYPE=qtype, BLOCK_N=cfg.block_n, ATOMIC=splits > 1,
-                        DOT_DTYPE=dot, CODE_BITS=code_bits, CODE_OFF=code_off,
-                        num_warps=cfg.num_warps)
+    if cfg.kernel == "gemv":
+        return _gemv(x, raw, qtype, cfg, x8, tiles, n_programs)
+    splits, per_split, y = split_output(cfg, x, n, n_programs, tiles)
+    dot, code_bits, code_off = _DOT_CODES[x.dtype]
+    _gemm_dot[(n_programs, splits)](
+        x, raw, y, m, n, tiles, per_split, x.stride(0), raw.stride(0), y.stride(0), QTYPE=qtype,
+        BLOCK_N=cfg.block_n, ATOMIC=splits > 1, DOT_DTYPE=dot, CODE_BITS=code_bits,
+        CODE_OFF=code_off, num_warps=cfg.num_warps)
     return y.to(x.dtype)
+
+
+def _gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int, cfg: DecodeConfig, x8,
+          tiles: int, n_programs: int) -> torch.Tensor:
+    """``matmul`` at M = 1 by the gemv kernels (float codes, or "q8": ``gguf_q8``, rounding x
+    unless ``x8`` is given), straight into an output in x's dtype (K slices combined in the
+    launch, ``gguf_tiles.finish``)."""
+    splits, per_split = _split(cfg, n_programs, tiles, x.device)
+    grid = (n_programs, splits)
+    y = torch.empty(1, raw.shape[0], dtype=x.dtype, device=x.device)
+    if cfg.codes == "q8":
+        if qtype not in Q8_TYPES:
+            raise ValueError(f"codes='q8' serves GGUF types {Q8_TYPES}, not {qtype}")
+        gguf_q8.gemv(gguf_q8.quantize(x) if x8 is None else x8, raw, qtype, y, grid, per_split,
+                     cfg.block_n, cfg.blocks_per_step, cfg.num_warps)
+        return y
+    part, cnt = split_buffers(y, splits, n_programs)
+    knobs = dict(BLOCK_N=cfg.block_n, KB=cfg.blocks_per_step, SPLIT=splits > 1,
+                 MODE=CODE_MODES[cfg.codes], num_warps=cfg.num_warps)
+    args = (x, raw, y, part, cnt, raw.shape[0], tiles, per_split, splits)
+    if qtype == Q6_K:
+        _q6k_gemv[grid](*args, raw.stride(0) // 2, **knobs)
+    else:
+        _q45k_gemv[grid](*args, raw.stride(0) // 16, QTYPE=qtype, **knobs)
+    return y

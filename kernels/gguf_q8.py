@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gguf_tiles import GEMV_ARGS, f16_at, finish, k4_scale_min, slots
+from .gguf_tiles import GEMV_ARGS, f16_at, finish, k4_scale_min, slots, split_buffers
 from .triton_common import interpreting
 
 Q4_K, Q6_K = 12, 14  # GGMLQuantizationType values
@@ -37,12 +37,10 @@ class Q8Activations(NamedTuple):
 
 
 @triton.jit
-def _quantize_x8(x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr, N, zero_chunk, ZERO: tl.constexpr):
+def _quantize_x8(x_ptr, xq_ptr, xd_ptr, xs_ptr):
     """Program t: the 256 activations of tile t as int8 per 32-group, ``q = round(x / d)`` with
     ``d = max|x| / 127`` (llama.cpp's ``block_q8_1`` rule, half away from zero), the group's
-    ``d`` and its exact float sum ``Σ x``. With ZERO it also zeros outputs
-    ``t·zero_chunk ..`` of ``y`` (``N`` of them), which split-K programs then add into: one
-    launch fewer than a separate fill."""
+    ``d`` and its exact float sum ``Σ x``."""
     t = tl.program_id(0)
     offs = t * 256 + tl.arange(0, 8)[:, None] * 32 + tl.arange(0, 32)[None, :]
     x = tl.load(x_ptr + offs).to(tl.float32)
@@ -53,11 +51,6 @@ def _quantize_x8(x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr, N, zero_chunk, ZERO: tl.c
     tl.store(xq_ptr + offs, q.to(tl.int8))
     tl.store(xd_ptr + t * 8 + tl.arange(0, 8), amax / 127.0)
     tl.store(xs_ptr + t * 8 + tl.arange(0, 8), tl.sum(x, axis=1))
-    if ZERO:
-        stop = tl.minimum((t + 1) * zero_chunk, N)
-        for i in range(t * zero_chunk, stop, 1024):
-            o = i + tl.arange(0, 1024)
-            tl.store(y_ptr + o, tl.zeros([1024], tl.float32), mask=o < stop)
 
 
 @triton.jit
@@ -82,9 +75,9 @@ def _small_int_float(p):
 
 
 @triton.jit(do_not_specialize=GEMV_ARGS + ["row_16b"])
-def _q4k_gemv_q8(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, row_16b,
-                 BLOCK_N: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr,
-                 ASM: tl.constexpr):
+def _q4k_gemv_q8(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, N, num_tiles,
+                 tiles_per_split, splits, row_16b, BLOCK_N: tl.constexpr, KB: tl.constexpr,
+                 SPLIT: tl.constexpr, ASM: tl.constexpr):
     """Q4_K, program (n, s) over rows ``n*BLOCK_N ..`` and K tiles ``s*tiles_per_split ..``
     (``gguf_gemv._q45k_gemv``'s word grid: byte ``b`` of word (c, i) holds weight
     ``64c + 4i + b`` in its low nibble, ``64c + 32 + 4i + b`` in its high one). A word's four
@@ -119,7 +112,7 @@ def _q4k_gemv_q8(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_s
             acc += _small_int_float(p) * (d * sc * xd)
             acc_m += dmin * mn * xsum
     out = tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(tl.sum(acc_m, axis=2), axis=1)
-    finish(out, y_ptr, offs_n, N, ATOMIC)
+    finish(out, y_ptr, part_ptr, cnt_ptr, offs_n, N, splits, SPLIT)
 
 
 @triton.jit
@@ -131,9 +124,9 @@ def _word16x2(ptr):
 
 
 @triton.jit(do_not_specialize=GEMV_ARGS + ["stride_wn"])
-def _q6k_gemv_q8(xq_ptr, xd_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, stride_wn,
-                 BLOCK_N: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr,
-                 ASM: tl.constexpr):
+def _q6k_gemv_q8(xq_ptr, xd_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, N, num_tiles,
+                 tiles_per_split, splits, stride_wn, BLOCK_N: tl.constexpr, KB: tl.constexpr,
+                 SPLIT: tl.constexpr, ASM: tl.constexpr):
     """Q6_K as :func:`_q4k_gemv_q8` (``stride_wn`` in 16-bit words). Weight
     ``128hf + 32t + l`` of a block (half ``hf``, quarter ``t``, ``l`` 0..31) takes its low 4 bits
     from ql byte ``64hf + l`` (t = 0, 2) or ``64hf + 32 + l`` (t = 1, 3), nibble ``t // 2``, its
@@ -170,35 +163,35 @@ def _q6k_gemv_q8(xq_ptr, xd_ptr, w_ptr, y_ptr, N, num_tiles, tiles_per_split, st
             p = _dp4a(q, tl.broadcast_to(xw, q.shape), ASM) - off
             scale = tl.load(blk8 + 192 + 8 * hf3 + 2 * t + p3 % 2).to(tl.int8, bitcast=True)
             acc += _small_int_float(p) * (d * scale.to(tl.float32) * xd)
-    finish(tl.sum(tl.sum(acc, axis=2), axis=1), y_ptr, offs_n, N, ATOMIC)
+    finish(tl.sum(tl.sum(acc, axis=2), axis=1), y_ptr, part_ptr, cnt_ptr, offs_n, N, splits,
+           SPLIT)
 
 
-def quantize(x: torch.Tensor, zero: torch.Tensor | None = None) -> Q8Activations:
-    """:func:`_quantize_x8` of ``x`` ``[1, k]`` (k a multiple of 256); ``zero``: a float32
-    output to zero in the same launch (split K), or None."""
+def quantize(x: torch.Tensor) -> Q8Activations:
+    """:func:`_quantize_x8` of ``x`` ``[1, k]`` (k a multiple of 256): one launch, whose result
+    can serve every matrix that reads ``x``."""
     k = x.shape[1]
     xq = torch.empty(k, dtype=torch.int8, device=x.device)
     xd, xs = torch.empty(2, k // 32, dtype=torch.float32, device=x.device)
-    n = 0 if zero is None else zero.numel()
-    _quantize_x8[(k // TILE_K,)](x, xq, xd, xs, xq if zero is None else zero, n,
-                                 triton.cdiv(n, k // TILE_K), ZERO=zero is not None)
+    _quantize_x8[(k // TILE_K,)](x, xq, xd, xs)
     return Q8Activations(xq, xd, xs)
 
 
 def gemv(x8: Q8Activations, raw: torch.Tensor, qtype: int, y: torch.Tensor, grid,
          per_split: int, block_n: int, blocks_per_step: int, num_warps: int) -> None:
-    """``y`` ``[1, N]`` (float32 zeros when ``grid[1] > 1``: the K slices add into it) of the
-    Q4_K or Q6_K rows ``raw`` (uint8 ``[N, row_bytes]``, 16-byte aligned for Q4_K) against
-    ``x8``; ``grid`` (row programs, K slices) of ``per_split`` tiles each. Raises ValueError
-    for another type."""
-    n, tiles = raw.shape[0], x8.xq.numel() // TILE_K
-    knobs = dict(BLOCK_N=block_n, KB=blocks_per_step, ATOMIC=grid[1] > 1, ASM=not interpreting(),
+    """``y`` ``[1, N]`` of the Q4_K or Q6_K rows ``raw`` (uint8 ``[N, row_bytes]``, 16-byte
+    aligned for Q4_K) against ``x8``; ``grid`` (row programs, K slices) of ``per_split`` tiles
+    each (slices combined in the launch: ``gguf_tiles.finish``). Raises ValueError for another
+    type."""
+    n, tiles, splits = raw.shape[0], x8.xq.numel() // TILE_K, grid[1]
+    part, cnt = split_buffers(y, splits, grid[0])
+    knobs = dict(BLOCK_N=block_n, KB=blocks_per_step, SPLIT=splits > 1, ASM=not interpreting(),
                  num_warps=num_warps)
     if qtype == Q4_K:
-        _q4k_gemv_q8[grid](x8.xq, x8.xd, x8.xs, raw, y, n, tiles, per_split,
+        _q4k_gemv_q8[grid](x8.xq, x8.xd, x8.xs, raw, y, part, cnt, n, tiles, per_split, splits,
                            raw.stride(0) // 16, **knobs)
     elif qtype == Q6_K:
-        _q6k_gemv_q8[grid](x8.xq, x8.xd, raw, y, n, tiles, per_split, raw.stride(0) // 2,
-                           **knobs)
+        _q6k_gemv_q8[grid](x8.xq, x8.xd, raw, y, part, cnt, n, tiles, per_split, splits,
+                           raw.stride(0) // 2, **knobs)
     else:
         raise ValueError(f"codes='q8' serves GGUF types {TYPES} (Q4_K, Q6_K), not {qtype}")

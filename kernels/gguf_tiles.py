@@ -4,12 +4,15 @@ output store. Block layouts: ggml-common.h, as ``gguf.quants`` reads them."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-# Shape arguments are not specialized (no recompiling per shape: the alignment the loads need
+from .triton_common import tickets
+
+# Shape arguments (and the split count, which ``finish`` reads) are not specialized (no recompiling per shape: the alignment the loads need
 # comes from the row stride's factor in the kernel, not from the argument's value).
-GEMV_ARGS = ["N", "num_tiles", "tiles_per_split"]
+GEMV_ARGS = ["N", "num_tiles", "tiles_per_split", "splits"]
 
 
 @triton.jit
@@ -33,13 +36,27 @@ def k4_scale_min(blk8, g):
 
 
 @triton.jit
-def finish(out, y_ptr, offs_n, N, ATOMIC: tl.constexpr):
-    """Store ``out`` ``[BLOCK_N]`` of one activation row, or add it atomically (split K)."""
+def finish(out, y_ptr, part_ptr, cnt_ptr, offs_n, N, splits, SPLIT: tl.constexpr):
+    """Store ``out`` ``[BLOCK_N]`` of one activation row in ``y``. With ``SPLIT`` (program
+    ``(n, s)`` of ``splits`` K slices): store this slice's partial in ``part`` ``[splits, N]``
+    (float32), take a ticket (``cnt``: a zero counter per row tile, ``triton_common.tickets``),
+    and the row tile's last slice sums the partials in slice order, read through L2 since
+    other programs wrote them in this launch, stores ``y`` and zeros its counter again: a split
+    costs no zero-fill or cast launch (``flat_gemm``'s pattern), and its sum is deterministic."""
     mask = offs_n < N
-    if not ATOMIC:
+    if not SPLIT:
         tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.atomic_add(y_ptr + offs_n, out, mask=mask)
+        tl.store(part_ptr + tl.program_id(1) * N + offs_n, out, mask=mask)
+        tl.debug_barrier()
+        cnt = cnt_ptr + tl.program_id(0)
+        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == splits - 1:
+            total = tl.zeros_like(out)
+            for s in range(splits):
+                total += tl.load(part_ptr + s * N + offs_n, mask=mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(y_ptr + offs_n, total.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # zero for the next launch
 
 
 @triton.jit
@@ -52,3 +69,17 @@ def slots(pid_n, pid_k, num_tiles, tiles_per_split, BLOCK_N: tl.constexpr, KB: t
     end = tl.minimum(kt0 + tiles_per_split, num_tiles)
     j2 = tl.arange(0, 4 * KB)[None, :]
     return offs_n, kt0, end, j2
+
+
+# ticket counters asked for at once: enough for every row tile of the matrices decoded, so the
+# shared counter buffer grows once, before any CUDA graph captures its address
+_MIN_TICKETS = 1 << 15
+
+
+def split_buffers(y: torch.Tensor, splits: int, n_programs: int):
+    """(``part``, ``cnt``) for :func:`finish`: float32 partials ``[splits, N]`` of ``y``
+    ``[1, N]`` and the per-device zero counters, or ``y`` twice (unused) for one slice."""
+    if splits == 1:
+        return y, y
+    part = torch.empty(splits, y.shape[1], dtype=torch.float32, device=y.device)
+    return part, tickets(y.device, max(n_programs, _MIN_TICKETS))
