@@ -4,9 +4,9 @@ against the file's blocks and the float64 reference twin, on fresh random blocks
 The repack moves bytes only, so unpacking gives the file's bytes back and ``dequantize`` gives
 ``gguf.quants.dequantize``'s values. Products take the tolerances of tests/test_gguf_cpu_kernels.py
 (``1e-5 * sum |w_i x_i|`` against x quantized as the kernel does, plus half an activation step
-against the exact float product): one activation row meets 8 repacked rows in exact int32 sums
-per block, every other case unpacks each row and runs the Q4_K kernels, so it equals the file
-layout's result bit for bit.
+against the exact float product): each quantized activation row meets 8 repacked rows in exact
+int32 sums per block; float activations and the scalar path unpack each row and run the Q4_K
+kernels, so they equal the file layout's results bit for bit.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def pair(seed: int, n: int = N, k: int = 512) -> tuple[torch.Tensor, torch.Tenso
 
 
 def check_x8(m: int, k: int, seed: int, activations: str = "q8", scalar: bool = False) -> None:
-    """The repacked matrix's product within the reference's tolerance; for more than one
-    activation row, float activations or the scalar path, the file layout's bits."""
+    """The repacked matrix's product within the reference's tolerance; for float activations or
+    the scalar path, the file layout's bits."""
     raw, x8 = pair(seed, k=k)
     x = torch.from_numpy(np.random.default_rng(seed + 1).standard_normal((m, k), dtype=np.float32))
     y = gguf_cpu._matmul(x, x8, X8, k, scalar=scalar, activations=activations)
@@ -48,7 +48,7 @@ def check_x8(m: int, k: int, seed: int, activations: str = "q8", scalar: bool = 
         assert (tight <= rounding).all(), f"seed {seed}: max excess {(tight - rounding).max():.3g}"
         loose = (y.double() - gguf_cpu.reference(x, raw, Q.Q4_K, k)).abs()
         assert (loose <= act_step_bound(x, w, Q.Q4_K) + rounding).all()
-    if m > 1 or activations == "f32" or scalar:
+    if activations == "f32" or scalar:
         want = gguf_cpu._matmul(x, raw, Q.Q4_K, k, scalar=scalar, activations=activations)
         assert torch.equal(y, want)
 
@@ -70,13 +70,15 @@ def test_repacked_product_matches_reference(m, seed):
     check_x8(2, 512, seed, scalar=True)
 
 
-def test_one_row_bits_whatever_the_chunks(seed, monkeypatch):
-    """A decode row's outputs do not depend on the thread split (chunks round up to whole
-    8-row groups)."""
+@pytest.mark.parametrize("m", [1, 9])
+def test_bits_whatever_the_split(m, seed, monkeypatch):
+    """Outputs do not depend on the thread split (chunks round up to whole 8-row groups) or the
+    activation tiles."""
     raw, x8 = pair(seed, k=768)
-    x = torch.randn(1, 768)
+    x = torch.randn(m, 768)
     want = gguf_cpu.matmul(x, x8, X8, 768)
     monkeypatch.setattr(gguf_cpu, "W_CHUNK_BYTES", 1)
+    monkeypatch.setattr(gguf_cpu, "X_TILE_BYTES", 1)
     assert torch.equal(gguf_cpu.matmul(x, x8, X8, 768), want)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert torch.equal(gguf_cpu.matmul(x, x8, X8, 768), want)
@@ -102,3 +104,25 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="Q4_K_X8"):  # 12 rows are not whole groups
         gguf_cpu.matmul(torch.zeros(1, 512), raw, X8, 512)
     assert gguf_cpu.repackable(raw[:8], Q.Q4_K, 512) and not gguf_cpu.repackable(raw, Q.Q4_K, 512)
+
+
+def test_packed_weight_repacks_at_its_first_cpu_product(seed, monkeypatch):
+    """``PackedGGUFWeight`` (quant/gguf_blocks.py) takes the repacked layout at its first CPU
+    product, in place, and still dequantizes, moves and stacks as the file's blocks."""
+    from localgen.quant import gguf_blocks as gb
+
+    raw, x8 = pair(seed, n=16)
+    w = gb.PackedGGUFWeight(raw.clone(), Q.Q4_K, (16, 512))
+    monkeypatch.setenv(gb.CPU_REPACK_ENV, "0")
+    x = torch.randn(3, 512)
+    want = gguf_cpu.matmul(x, raw, Q.Q4_K, 512)
+    assert torch.equal(w(x), want) and w.kernel_qtype == int(Q.Q4_K)
+    monkeypatch.delenv(gb.CPU_REPACK_ENV)
+    y = w(x)
+    assert w.kernel_qtype == X8 and torch.equal(w.raw, x8)  # in place: the same tensor
+    assert torch.equal(y, gguf_cpu.matmul(x, x8, X8, 512))
+    assert torch.equal(w.file_raw(), raw) and torch.equal(w.dequantize(), gb.dequantize(raw, Q.Q4_K))
+    assert torch.equal(w.embedding(torch.tensor([3, 11])), gb.dequantize(raw[[3, 11]], Q.Q4_K))
+    same = w.to("cpu")
+    assert same.raw is w.raw and same.kernel_qtype == X8
+    assert torch.equal(gb.PackedGGUFWeight.cat_rows([w, w]).raw, torch.cat([raw, raw]))

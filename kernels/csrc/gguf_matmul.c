@@ -1111,15 +1111,16 @@ static int check_matrix(int qtype, int64_t k, int64_t w_stride, int64_t n) {
     return n % X8_ROWS || w_stride != bytes || bytes > X8_MAX_ROW_BYTES ? -2 : 0;
 }
 
-/* sweep() for a repacked Q4_K matrix (n a multiple of 8): chunks of whole 8-row groups; one
- * quantized activation row meets 8 rows a visit (x8_rows); otherwise each row is unpacked to the
- * file's blocks in a stack buffer and goes through rows() / rowsf() as a Q4_K row. */
+/* sweep() for a repacked Q4_K matrix (n a multiple of 8): chunks of whole 8-row groups; each
+ * quantized activation row of a tile meets a group's 8 rows in one visit (x8_rows: the group's
+ * bytes stay in cache across the tile); float activations and the scalar path unpack each row
+ * to the file's blocks in a stack buffer and take the Q4_K kernels. */
 static void sweep_x8(const uint8_t *w, int64_t ws, int64_t n, const uint8_t *xa, size_t xs,
                      int64_t m, int64_t k, float *y, int64_t ldy, int64_t m_tile, int64_t n_chunk,
                      int f32, int scalar) {
     const int64_t chunk = (n_chunk + X8_ROWS - 1) / X8_ROWS * X8_ROWS, chunks = (n + chunk - 1) / chunk;
 #ifdef LG_AVX2
-    const int direct = m == 1 && !f32 && !scalar;
+    const int direct = !f32 && !scalar;
 #else
     const int direct = 0;
 #endif
@@ -1128,7 +1129,15 @@ static void sweep_x8(const uint8_t *w, int64_t ws, int64_t n, const uint8_t *xa,
         const int64_t r0 = c * chunk, r1 = r0 + chunk < n ? r0 + chunk : n;
         if (direct) {
 #ifdef LG_AVX2
-            for (int64_t g = r0; g < r1; g += X8_ROWS) x8_rows(w + g * ws, xa, k, y + g);
+            for (int64_t i0 = 0; i0 < m; i0 += m_tile) {
+                const int64_t i1 = i0 + m_tile < m ? i0 + m_tile : m;
+                for (int64_t g = r0; g < r1; g += X8_ROWS)
+                    for (int64_t i = i0; i < i1; i++) {
+                        float out[X8_ROWS];
+                        x8_rows(w + g * ws, xa + i * xs, k, out);
+                        memcpy(y + i * ldy + g, out, sizeof out);
+                    }
+            }
 #endif
             continue;
         }
@@ -1142,7 +1151,6 @@ static void sweep_x8(const uint8_t *w, int64_t ws, int64_t n, const uint8_t *xa,
             }
         }
     }
-    (void)m_tile;
 }
 
 /* The shared work split, run inside a parallel region (its loop is an orphaned omp for, nowait:

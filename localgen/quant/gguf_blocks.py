@@ -248,6 +248,14 @@ CPU_KERNEL_ENV = "LOCALGEN_GGUF_CPU_KERNEL"
 _cpu_kernels = None  # localgen.kernels.gguf_cpu once looked up; False where it does not import
 
 
+def _cpu_kernel_module_any():
+    """localgen.kernels.gguf_cpu whatever ``LOCALGEN_GGUF_CPU_KERNEL`` says (a repacked matrix
+    needs it to unpack)."""
+    from localgen.kernels import gguf_cpu
+
+    return gguf_cpu
+
+
 def _cpu_kernel_module():
     global _cpu_kernels
     if os.environ.get(CPU_KERNEL_ENV, "1") == "0":
@@ -292,6 +300,23 @@ def cpu_kernel_serves(qtype: int) -> bool:
     packed matrix is dequantized at every call, so a CPU model loads expanded instead."""
     mod = _cpu_kernel_module()
     return mod is not None and mod.available() and Q(qtype) in mod.SUPPORTED
+
+
+# "0": keep every CPU decode matrix in the file's block layout (no repack)
+CPU_REPACK_ENV = "LOCALGEN_GGUF_REPACK"
+
+
+def repack_for_cpu(w: "PackedGGUFWeight", mod) -> None:
+    """Rearrange w's rows in place into the C kernel's layout for one-activation-row products
+    (``gguf_cpu.repack``: Q4_K rows 8 at a time, the same bytes) where it applies and
+    ``LOCALGEN_GGUF_REPACK`` is not 0; w then multiplies, dequantizes and moves as before
+    (``kernel_qtype``, ``file_raw``). Raises MemoryError as ``gguf_cpu.repack``."""
+    repackable = getattr(mod, "repackable", None)  # a kernel module may offer no repack
+    if (w.kernel_qtype != int(w.qtype) or os.environ.get(CPU_REPACK_ENV, "1") == "0"
+            or repackable is None or not repackable(w.raw, int(w.qtype), w.shape[1])):
+        return
+    mod.repack(w.raw, int(w.qtype), w.shape[1], out=w.raw)
+    w._kernel_qtype = mod.Q4_K_X8
 
 
 def _cuda_kernel_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor | None:
@@ -347,6 +372,20 @@ class PackedGGUFWeight:
                              f"{want}, got {raw.dtype} {tuple(raw.shape)}")
         self.raw, self.shape = raw, (out_features, in_features)
         self._cpu_products: dict = {}  # activations -> gguf_cpu.product bound to raw
+        self._kernel_qtype = int(self.qtype)  # gguf_cpu's Q4_K_X8 once repack_for_cpu ran
+
+    @property
+    def kernel_qtype(self) -> int:
+        """The layout raw holds, as the CPU kernel's type id: ``int(qtype)`` (the file's
+        blocks), or ``gguf_cpu.Q4_K_X8`` after ``repack_for_cpu``."""
+        return self.__dict__.get("_kernel_qtype", int(self.qtype))
+
+    def file_raw(self) -> torch.Tensor:
+        """raw as the file's blocks: raw itself, or an unpacked copy of a repacked raw."""
+        if self.kernel_qtype == int(self.qtype):
+            return self.raw
+        return _cpu_kernel_module_any().repack(self.raw, self.kernel_qtype, self.shape[1],
+                                               unpack=True)
 
     def __repr__(self) -> str:
         return f"PackedGGUFWeight({self.qtype.name}, shape={self.shape}, device={self.device})"
@@ -363,26 +402,33 @@ class PackedGGUFWeight:
     decode_nbytes = nbytes  # what a matmul reads (``CausalLM.weight_bytes``' name for it)
 
     def to(self, device: torch.device | str) -> "PackedGGUFWeight":
-        return PackedGGUFWeight(self.raw.to(device), self.qtype, self.shape)
+        if torch.device(device).type == "cpu" and self.raw.is_cpu:  # the same bytes, layout kept
+            out = PackedGGUFWeight(self.raw, self.qtype, self.shape)
+            out._kernel_qtype = self.kernel_qtype
+            return out
+        return PackedGGUFWeight(self.file_raw().to(device), self.qtype, self.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole matrix ``[out_features, in_features]`` in ``dtype``."""
-        return dequantize(self.raw, self.qtype, dtype)
+        return dequantize(self.file_raw(), self.qtype, dtype)
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``ids`` (any shape, int) dequantized: ``[*ids.shape, in_features]`` — an
         embedding lookup that expands only the rows it reads."""
-        rows = self.raw.index_select(0, ids.reshape(-1))
+        rows = self.file_raw().index_select(0, ids.reshape(-1))
         return dequantize(rows, self.qtype, dtype).reshape(*ids.shape, self.shape[1])
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, self.shape[1])
         if flat.device.type == "cpu":
-            y = _cpu_kernel_matmul(flat, self.raw, self.qtype)
+            mod = _cpu_kernel_module()
+            if mod is not None:  # the repacked layout is faster at every M: take it at once
+                repack_for_cpu(self, mod)
+            y = _cpu_kernel_matmul(flat, self.raw, self.kernel_qtype)
         else:
             y = _cuda_kernel_matmul(flat, self.raw, self.qtype)
         if y is None:
-            y = reference_matmul(flat, self.raw, self.qtype)
+            y = reference_matmul(flat, self.file_raw(), self.qtype)
         y = y.to(x.dtype)
         if bias is not None:
             y = y + bias
@@ -395,7 +441,7 @@ class PackedGGUFWeight:
         first = parts[0]
         if any(p.qtype != first.qtype or p.shape[1] != first.shape[1] for p in parts):
             return None
-        raw = torch.cat([p.raw for p in parts])
+        raw = torch.cat([p.file_raw() for p in parts])
         return PackedGGUFWeight(raw, first.qtype, (raw.shape[0], first.shape[1]))
 
 
@@ -405,7 +451,7 @@ def _cpu_product(w: PackedGGUFWeight, mod, activations: str):
     cache = w.__dict__.setdefault("_cpu_products", {})  # also for a copy made without __init__
     fn = cache.get(activations)
     if fn is None:
-        out = mod.product(w.raw, int(w.qtype), w.shape[1], activations)
+        out = mod.product(w.raw, w.kernel_qtype, w.shape[1], activations)
         if out is None:
             return None
 
@@ -448,10 +494,10 @@ class GGUFDecodeDrivers:
         from localgen.kernels.layer_ops_cpu import MatArgs
 
         if isinstance(m, PackedGGUFWeight):
-            threads, m_tile, n_chunk = self._mod.work_split(rows, m.raw, int(m.qtype), m.shape[1],
-                                                            self._act)
+            threads, m_tile, n_chunk = self._mod.work_split(rows, m.raw, m.kernel_qtype,
+                                                            m.shape[1], self._act)
             return MatArgs(m.raw.data_ptr(), m.shape[0], m.shape[1], m.raw.stride(0), m_tile,
-                           n_chunk, int(m.qtype), threads)
+                           n_chunk, m.kernel_qtype, threads)
         threads, m_tile, n_chunk = m.work_split(rows, self._act)
         return MatArgs(m.address, m.n, m.k, 0, m_tile, n_chunk, m.qtype, threads)
 
@@ -488,6 +534,8 @@ def gguf_decode_products(qkv, rest: Sequence) -> DecodeProducts | None:
     cached = mats[0].__dict__.get("_decode_products")
     if cached is not None and cached[0] == key:
         return cached[1]
+    for m in mats:
+        repack_for_cpu(m, mod)
     prods = [_cpu_product(m, mod, act) for m in mats]
     if any(p is None for p in prods):
         return None
@@ -498,7 +546,7 @@ def gguf_decode_products(qkv, rest: Sequence) -> DecodeProducts | None:
         q, k, v = prods[:3]
         out = DecodeProducts((lambda x: torch.cat((q(x), k(x), v(x)), dim=1), *prods[3:]))
         if all(p.shape[1] == parts[0].shape[1] for p in parts):  # q/k/v of mixed types: one call
-            segs = mod.RowSegments([p.raw for p in parts], [int(p.qtype) for p in parts],
+            segs = mod.RowSegments([p.raw for p in parts], [p.kernel_qtype for p in parts],
                                    parts[0].shape[1])
             out.drivers = _decode_drivers((segs, *rest), mod, act)
     mats[0].__dict__["_decode_products"] = (key, out)

@@ -46,7 +46,7 @@ def pack_layer(w: dict[str, torch.Tensor | Int4Tensor | PackedGGUFWeight], dtype
     flat, qmeta = {}, {}
     for k, t in w.items():
         if isinstance(t, PackedGGUFWeight):
-            flat[k + GGUF_SUFFIX] = t.raw
+            flat[k + GGUF_SUFFIX] = t.file_raw()  # the file's blocks, also where repacked for the CPU
             qmeta[k] = ("gguf", int(t.qtype), t.shape)
         elif isinstance(t, Int4Tensor):
             flat[k + QSUFFIX[0]], flat[k + QSUFFIX[1]], flat[k + QSUFFIX[2]] = t.packed, t.scale, t.min
