@@ -26,10 +26,11 @@ applied once per group and row. The activation sums ``Σ x`` of a group serve ev
   ``[16, BLOCK_N]`` result.
 
 K is split across programs (``split_k``) when the rows alone do not fill the GPU. The gemv
-kernels' slices store float32 partials and the last slice of a row tile sums them and stores the
-output (``gguf_tiles.finish``: no zero-fill or cast launch); the dot kernel's add atomically. Which kernel and tile serve a shape is the table
-``DECODE_CONFIGS`` (the one place to change after a sweep, ``gguf_gemm_bench --sweep``), unless
-the environment names a sweep's results: ``LOCALGEN_GGUF_DECODE_CONFIGS=<sweep.json>`` makes
+kernels' slices store float32 partials and the last slice of a row tile sums them and stores
+the output (``gguf_tiles.finish``: no zero-fill or cast launch); the dot kernel's slices add
+atomically. Which kernel and tile serve a shape is the table ``DECODE_CONFIGS`` (the one place
+to change after a sweep, ``gguf_gemm_bench --sweep``), unless the environment names a sweep's
+results: ``LOCALGEN_GGUF_DECODE_CONFIGS=<sweep.json>`` makes
 :func:`default_config` take that file's ``winners`` (``[{"qtype", "m", "cfg"}]``, one per type
 and M measured; the entry of the nearest measured M at or above the call's, the table where the
 file has none), so a sweep's choice runs without editing this module.

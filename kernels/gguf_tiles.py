@@ -10,8 +10,9 @@ import triton.language as tl
 
 from .triton_common import tickets
 
-# Shape arguments (and the split count, which ``finish`` reads) are not specialized (no recompiling per shape: the alignment the loads need
-# comes from the row stride's factor in the kernel, not from the argument's value).
+# Shape arguments and the split count are not specialized (no recompiling per shape: the
+# alignment the loads need comes from the row stride's factor in the kernel, not from the
+# argument's value).
 GEMV_ARGS = ["N", "num_tiles", "tiles_per_split", "splits"]
 
 
