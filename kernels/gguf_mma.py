@@ -45,12 +45,20 @@ _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.flo
 
 
 @triton.jit
-def _code_weights(q, a, b, BITS: tl.constexpr):
-    """float32 ``a·q - b`` of non-negative int32 codes ``q < 2**BITS``: the code ORed under the
-    mantissa of 1.0 is ``f = 1 + q/2**BITS`` exactly, and ``a·q = a·2**BITS·(f - 1)``."""
-    f = ((q << (23 - BITS)) | 0x3F800000).to(tl.float32, bitcast=True)
-    scaled = a * (1 << BITS)
-    return f * scaled - (scaled + b)
+def _mantissa_weights(bits, a, b, S, ONE_APART: tl.constexpr):
+    """float32 ``a·q - b`` where ``bits`` is 1.0's exponent with the code ``q`` at bit ``S`` of
+    the mantissa and nothing else (``S`` + the code's width <= 23): ``f = 1 + q·2**(S-23)``
+    exactly, so ``a·q = A·(f - 1)`` with ``A = a·2**(23-S)``. ONE_APART: ``(f - 1)·A - b``, an
+    exact subtraction and one rounding; else ``f·A - (A + b)``, one multiply-add whose rounding
+    of ``A + b`` is near ``2**-24·A``: for ``S >= 17`` (``A <= 64a``) far below a bf16
+    weight's."""
+    f = bits.to(tl.float32, bitcast=True)
+    scaled = a * ((150 - S) << 23).to(tl.float32, bitcast=True)  # 2**(23 - S)
+    if ONE_APART:
+        w = (f - 1.0) * scaled - b
+    else:
+        w = f * scaled - (scaled + b)
+    return w
 
 
 @triton.jit
@@ -77,10 +85,17 @@ def _q4k_part(rows32, kt, J: tl.constexpr, KC: tl.constexpr):
     i = tl.arange(0, 8)[None, None, None, None, :]
     blk5 = blk[:, None, None, None, None]
     words = tl.load(blk5 + 4 + 8 * c + i)  # [BN, KC/64, 1, 1, 8]
-    q = (words >> (4 * h + 8 * b)) & 15
+    # the nibble at bit P = 4h + 8b, masked where it lies; those at bits 20..31 from the word
+    # shifted right by 12, so that every code sits below bit 23. 1.0's exponent is ORed into
+    # the word once and kept by each code's mask: one operation a code, one constant
+    pos = 4 * h + 8 * b
+    high = pos >= 20
+    at = tl.where(high, pos - 12, pos)
+    one = 0x3F800000
+    bits = tl.where(high, (words >> 12) | one, words | one) & ((15 << at) | one)
     blk8 = blk5.to(tl.pointer_type(tl.uint8))
     sc, mn = k4_scale_min(blk8, 2 * c + h)  # per group 2c + h, [BN, KC/64, 2, 1, 1]
-    w = _code_weights(q, f16_at(blk8) * sc, f16_at(blk8 + 2) * mn, 4)
+    w = _mantissa_weights(bits, f16_at(blk8) * sc, f16_at(blk8 + 2) * mn, at, True)
     return tl.reshape(w, (w.shape[0], KC))
 
 
@@ -103,22 +118,30 @@ def _q6k_part(rows16, kt, J: tl.constexpr, KC: tl.constexpr):
     ``t // 2``, its high 2 bits from qh byte ``128 + 32hf + l`` at bit ``2t``, and scale
     ``8hf + 2t + vh``."""
     blk = rows16 + kt * 105
-    # [BN, part p, quarter t, byte e, word vl]: the words last, as they lie in memory
-    p = J * (KC // 64) + tl.arange(0, KC // 64)[None, :, None, None, None]
-    t = tl.arange(0, 4)[None, None, :, None, None]
-    e = tl.arange(0, 2)[None, None, None, :, None]
-    vl = tl.arange(0, 8)[None, None, None, None, :]
+    # [BN, part p, nibble u, ql word tt, byte e, word vl]: quarter t = 2u + tt, so the columns
+    # 64p' + 16t + 8e + vl; the words last, as they lie in memory, each ql word loaded once
+    p = J * (KC // 64) + tl.arange(0, KC // 64)[None, :, None, None, None, None]
+    u = tl.arange(0, 2)[None, None, :, None, None, None]
+    tt = tl.arange(0, 2)[None, None, None, :, None, None]
+    e = tl.arange(0, 2)[None, None, None, None, :, None]
+    vl = tl.arange(0, 8)[None, None, None, None, None, :]
     hf = p // 2
+    t = 2 * u + tt
     v = 8 * (p % 2) + vl
-    blk5 = blk[:, None, None, None, None]
-    ql = tl.load(blk5 + 32 * hf + 16 * (t % 2) + v).to(tl.int32)  # [BN, KC/64, 4, 1, 8]
-    qh = tl.load(blk5 + 64 + 16 * hf + v).to(tl.int32)  # [BN, KC/64, 1, 1, 8]
-    # bits 0..15 only: the sign extension of the 16-bit words never reaches a code
-    q = ((ql >> (4 * (t // 2) + 8 * e)) & 15) | (((qh >> (2 * t + 8 * e)) & 3) << 4)
-    blk8 = blk5.to(tl.pointer_type(tl.uint8))
+    blk6 = blk[:, None, None, None, None, None]
+    ql = tl.load(blk6 + 32 * hf + 16 * tt + v).to(tl.int32)  # [BN, KC/64, 1, 2, 1, 8]
+    qh = tl.load(blk6 + 64 + 16 * hf + v).to(tl.int32)  # [BN, KC/64, 1, 1, 1, 8]
+    # the 6-bit code assembled where its low 4 bits lie in ql, at bit L = 4u + 8e: its high 2
+    # bits, at bit 2t + 8e of qh, move by 4 - 2tt to bit L + 4 (one shift per qh word and tt).
+    # 1.0's exponent is ORed into ql once and kept by each code's mask; the masks drop the
+    # words' other bits and their sign extension
+    low = 4 * u + 8 * e
+    bits = (((ql | 0x3F800000) & ((15 << low) | 0x3F800000))
+            | ((qh << (4 - 2 * tt)) & (3 << (low + 4))))
+    blk8 = blk6.to(tl.pointer_type(tl.uint8))
     scale = tl.load(blk8 + 192 + 8 * hf + 2 * t + p % 2).to(tl.int8, bitcast=True)
-    a = f16_at(blk8 + 208) * scale.to(tl.float32)  # [BN, KC/64, 4, 1, 1]
-    w = _code_weights(q, a, 32 * a, 6)
+    a = f16_at(blk8 + 208) * scale.to(tl.float32)  # [BN, KC/64, 2, 2, 1, 1]
+    w = _mantissa_weights(bits, a, 32 * a, low, True)
     return tl.reshape(w, (w.shape[0], KC))
 
 
@@ -166,11 +189,12 @@ def _gguf_mma(x_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_xm, 
         tl.atomic_add(y, acc, mask=mask)
 
 
-def k_chunk(block_n: int, num_warps: int) -> int:
+def k_chunk(qtype: int, block_n: int, num_warps: int) -> int:
     """Columns of a tile dequantized at once: 256, or fewer where a ``[block_n, 256]`` tile
-    would take more than 128 values a thread (the registers that the accumulator and the loads
-    need too), down to 64."""
-    return max(64, min(256, 128 * 32 * num_warps // block_n))
+    would take more than 128 values a thread (Q4_K) or 64 (Q6_K, whose 16-bit words and
+    two-part codes take more registers), down to 64: beyond, sm_90 builds spill registers."""
+    per_thread = 128 if int(qtype) == gguf_gemv.Q4_K else 64
+    return max(64, min(256, per_thread * 32 * num_warps // block_n))
 
 
 def m_pad(m: int) -> int:
@@ -210,6 +234,6 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     _gguf_mma[(n_programs, splits)](
         x, raw, y, m, n, tiles, per_split, x.stride(0), raw.stride(0) // word, y.stride(0),
         QTYPE=qtype, BLOCK_N=cfg.block_n, M_PAD=m_pad(m),
-        KC=k_chunk(cfg.block_n, cfg.num_warps), ATOMIC=splits > 1,
+        KC=k_chunk(qtype, cfg.block_n, cfg.num_warps), ATOMIC=splits > 1,
         DOT_DTYPE=_DOT_DTYPES[x.dtype], IEEE=x.dtype == torch.float32, **launch)
     return y.to(x.dtype)
