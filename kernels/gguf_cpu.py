@@ -8,7 +8,10 @@ values for the 32-value block types, per 256 for the K-quants and IQ4_XS: float 
 weight codes (AVX2 maddubs, VNNI dpbusd where present) scaled in float once per block. Output
 rows are split over torch's OpenMP threads; each weight row is read once per call whatever m.
 
-Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS (``SUPPORTED``).
+Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS (``SUPPORTED``),
+and ``Q4_K_X8``: Q4_K rows that ``repack`` rearranged 8 at a time (the same bytes per weight,
+the idea of llama.cpp's repacked CPU layouts), so that one activation row meets 8 weight rows
+per instruction, one row a 32-bit lane, with no horizontal sums.
 
 Reference twin: ``reference`` (``gguf.quants.dequantize`` + float64 matmul, the activations
 optionally quantized as the kernel does).

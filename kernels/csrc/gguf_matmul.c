@@ -1,6 +1,8 @@
-/* y[m, n] = x[m, k] . W[n, k]^T with W kept in GGUF's own block layout (no repack): row r of W is
+/* y[m, n] = x[m, k] . W[n, k]^T with W kept in GGUF's own block layout: row r of W is
  * k / block_size blocks at raw + r * w_stride. Block layouts follow ggml's ggml-common.h (the
- * `gguf` Python package's gguf/quants.py decodes the same bytes).
+ * `gguf` Python package's gguf/quants.py decodes the same bytes). One exception, T_Q4_K_X8: Q4_K
+ * rows repacked 8 at a time at the same size (gguf_q4k_x8.h), whose quantized-activation
+ * products meet 8 rows at once.
  *
  * The activation rows are quantized once per call to 8 bits, as llama.cpp does: per 32 values
  * (float scale, int8 values, float scale * sum) for the 32-value block types, per 256 values

@@ -355,7 +355,9 @@ class PackedGGUFWeight:
     """A 2-D GGUF matrix ``[out_features, in_features]`` held as the file's blocks.
 
     ``raw``: uint8 ``[out_features, row_bytes(qtype, in_features)]``, the file's bytes of each
-    row (no repack: bits per weight are the file's); ``qtype``: a ``PACKED_TYPES`` member.
+    row (bits per weight are the file's; on the CPU a Q4_K matrix is rearranged in place at its
+    first product, ``repack_for_cpu``, and ``file_raw`` gives the file's bytes back);
+    ``qtype``: a ``PACKED_TYPES`` member.
     Callable as ``w(x, bias)`` -> ``x @ W.T (+ bias)`` in x's dtype (``quant.linear``'s
     contract): on the CPU through ``localgen.kernels.gguf_cpu`` and on CUDA through
     ``localgen.kernels.gguf_gemm`` where they serve the type, else by ``reference_matmul``. Raises ValueError on a type or shape mismatch.
