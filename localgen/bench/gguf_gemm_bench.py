@@ -149,6 +149,9 @@ def sweep_configs() -> list:
             C("gemv", 4, split_k=1, num_warps=1, blocks_per_step=4, codes="q8"),
             C("gemv", 2, split_k=1, num_warps=1, blocks_per_step=4, codes="q8"),
             C("gemv", 8, split_k=1, num_warps=2, blocks_per_step=4, codes="q8"),
+            # M = 1, Q4_K: x rounded inside the matmul launch (no rounding launch)
+            C("gemv", 16, num_warps=1, programs_per_sm=8, codes="q8f"),
+            C("gemv", 8, num_warps=1, programs_per_sm=8, blocks_per_step=2, codes="q8f"),
             # M > 1: the prefill path (dequantize, then cuBLAS) beside the file kernel above, and
             # the tensor-core kernel (gguf_mma): rows a program and warps (which set how much
             # of a tile is dequantized at once, gguf_mma.k_chunk), the pipeline's depth over K,
