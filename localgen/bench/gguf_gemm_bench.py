@@ -154,12 +154,14 @@ def sweep_configs() -> list:
             C("gemv", 8, num_warps=1, programs_per_sm=8, blocks_per_step=2, codes="q8f"),
             # M > 1: the prefill path (dequantize, then cuBLAS) beside the file kernel above, and
             # the tensor-core kernel (gguf_mma): rows a program and warps (which set how much
-            # of a tile is dequantized at once, gguf_mma.k_chunk), the pipeline's depth over K,
-            # and 256 rows a program, for fewer re-reads of the activations at M = 64
+            # of a tile is dequantized at once, gguf_mma.k_chunk), 256 rows a program for fewer
+            # re-reads of the activations at M = 64, and the pipeline's depth over K (Triton's
+            # default 3; 1: none, fewer registers; 4: more loads in flight)
             C("dequant"),
             C("mma", 64, num_warps=4), C("mma", 128, num_warps=4), C("mma", 128, num_warps=8),
             C("mma", 256, num_warps=8),
-            C("mma", 64, num_warps=4, num_stages=3), C("mma", 128, num_warps=8, num_stages=3)]
+            C("mma", 64, num_warps=4, num_stages=1), C("mma", 64, num_warps=4, num_stages=4),
+            C("mma", 128, num_warps=8, num_stages=4)]
 
 
 def label(cfg) -> str:
