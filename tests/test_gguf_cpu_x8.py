@@ -122,7 +122,8 @@ def test_packed_weight_repacks_at_its_first_cpu_product(seed, monkeypatch):
     assert w.kernel_qtype == X8 and torch.equal(w.raw, x8)  # in place: the same tensor
     assert torch.equal(y, gguf_cpu.matmul(x, x8, X8, 512))
     assert torch.equal(w.file_raw(), raw) and torch.equal(w.dequantize(), gb.dequantize(raw, Q.Q4_K))
-    assert torch.equal(w.embedding(torch.tensor([3, 11])), gb.dequantize(raw[[3, 11]], Q.Q4_K))
+    ids = torch.tensor([[11, 3], [3, 15]])  # two groups, a repeat, out of order
+    assert torch.equal(w.embedding(ids), gb.dequantize(raw[ids.reshape(-1)], Q.Q4_K).reshape(2, 2, 512))
     same = w.to("cpu")
     assert same.raw is w.raw and same.kernel_qtype == X8
     assert torch.equal(gb.PackedGGUFWeight.cat_rows([w, w]).raw, torch.cat([raw, raw]))

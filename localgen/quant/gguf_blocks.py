@@ -403,6 +403,19 @@ class PackedGGUFWeight:
 
     decode_nbytes = nbytes  # what a matmul reads (``CausalLM.weight_bytes``' name for it)
 
+    def _file_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of raw as the file's blocks; of a repacked raw only the 8-row groups
+        that hold them are unpacked (a tied embedding's lookup reads a few rows a step)."""
+        if self.kernel_qtype == int(self.qtype):
+            return self.raw.index_select(0, ids)
+        mod = _cpu_kernel_module_any()
+        groups = torch.unique(ids // mod.X8_ROWS)
+        rows = (groups[:, None] * mod.X8_ROWS + torch.arange(mod.X8_ROWS)).reshape(-1)
+        part = mod.repack(self.raw.index_select(0, rows), self.kernel_qtype, self.shape[1],
+                          unpack=True)
+        at = torch.searchsorted(groups, ids // mod.X8_ROWS) * mod.X8_ROWS + ids % mod.X8_ROWS
+        return part.index_select(0, at)
+
     def to(self, device: torch.device | str) -> "PackedGGUFWeight":
         if torch.device(device).type == "cpu" and self.raw.is_cpu:  # the same bytes, layout kept
             out = PackedGGUFWeight(self.raw, self.qtype, self.shape)
@@ -417,7 +430,7 @@ class PackedGGUFWeight:
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``ids`` (any shape, int) dequantized: ``[*ids.shape, in_features]`` — an
         embedding lookup that expands only the rows it reads."""
-        rows = self.file_raw().index_select(0, ids.reshape(-1))
+        rows = self._file_rows(ids.reshape(-1))
         return dequantize(rows, self.qtype, dtype).reshape(*ids.shape, self.shape[1])
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
