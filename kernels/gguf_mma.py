@@ -189,12 +189,17 @@ def _gguf_mma(x_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_xm, 
         tl.atomic_add(y, acc, mask=mask)
 
 
-def k_chunk(qtype: int, block_n: int, num_warps: int) -> int:
-    """Columns of a tile dequantized at once: 256, or fewer where a ``[block_n, 256]`` tile
-    would take more than 128 values a thread (Q4_K) or 64 (Q6_K, whose 16-bit words and
-    two-part codes take more registers), down to 64: beyond, sm_90 builds spill registers."""
-    per_thread = 128 if int(qtype) == gguf_gemv.Q4_K else 64
-    return max(64, min(256, per_thread * 32 * num_warps // block_n))
+def k_chunk(qtype: int, block_n: int, num_warps: int, m_pad: int) -> int:
+    """Columns of a tile dequantized at once (256, 128 or 64): the most whose weights take at
+    most ``base`` values a thread (Q4_K 128; Q6_K 64, whose 16-bit words and two-part codes
+    take more registers) and, with the ``[block_n, m_pad]`` accumulator, at most
+    ``1.25·base``: past these, sm_90 builds of the kernel spill registers."""
+    base, lanes = (128 if int(qtype) == gguf_gemv.Q4_K else 64), 32 * num_warps
+    for kc in (256, 128):
+        tile, acc = block_n * kc // lanes, block_n * m_pad // lanes
+        if tile <= base and tile + acc <= base + base // 4:
+            return kc
+    return 64
 
 
 def m_pad(m: int) -> int:
@@ -234,6 +239,6 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     _gguf_mma[(n_programs, splits)](
         x, raw, y, m, n, tiles, per_split, x.stride(0), raw.stride(0) // word, y.stride(0),
         QTYPE=qtype, BLOCK_N=cfg.block_n, M_PAD=m_pad(m),
-        KC=k_chunk(qtype, cfg.block_n, cfg.num_warps), ATOMIC=splits > 1,
+        KC=k_chunk(qtype, cfg.block_n, cfg.num_warps, m_pad(m)), ATOMIC=splits > 1,
         DOT_DTYPE=_DOT_DTYPES[x.dtype], IEEE=x.dtype == torch.float32, **launch)
     return y.to(x.dtype)
