@@ -146,22 +146,23 @@ def _q6k_part(rows16, kt, J: tl.constexpr, KC: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M", "N", "num_tiles", "tiles_per_split"])
-def _gguf_mma(x_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_xm, row_words,
+def _gguf_mma(x_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_xm, row_units,
               stride_ym, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, M_PAD: tl.constexpr,
               KC: tl.constexpr, ATOMIC: tl.constexpr, DOT_DTYPE: tl.constexpr,
               IEEE: tl.constexpr):
     """Program (n, s): ``y[:, n*BLOCK_N ..]`` over K tiles ``s*tiles_per_split ..``, as
     ``acc [BLOCK_N, M_PAD] += W_part · x_partᵀ`` for each ``KC`` columns of a tile (64, 128 or
-    256: how much of the tile is dequantized, in registers, at once). ``row_words``: the row
-    stride in the kernel's words (32-bit for Q4_K, 16-bit for Q6_K). IEEE (float32
-    activations): the dot in IEEE float32, no TF32 rounding."""
+    256: how much of the tile is dequantized, in registers, at once). ``row_units``: the row
+    stride in 16 bytes (Q4_K, whose rows are whole 144-byte blocks: so the compiler knows each
+    block's words 16-byte aligned and loads them four at a time) or 2 bytes (Q6_K). IEEE
+    (float32 activations): the dot in IEEE float32, no TF32 rounding."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, M_PAD)
-    row = tl.minimum(offs_n, N - 1).to(tl.int64) * row_words  # rows past N read row N - 1
+    row = tl.minimum(offs_n, N - 1).to(tl.int64) * row_units  # rows past N read row N - 1
     if QTYPE == 12:
-        rows = w_ptr.to(tl.pointer_type(tl.int32)) + row
+        rows = w_ptr.to(tl.pointer_type(tl.int32)) + row * 4
     else:
         rows = w_ptr.to(tl.pointer_type(tl.int16)) + row
     x_rows = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
@@ -209,10 +210,11 @@ def m_pad(m: int) -> int:
 
 def serves(raw: torch.Tensor, qtype: int, m: int) -> bool:
     """Whether this kernel takes the call: Q4_K or Q6_K, ``MIN_M <= m <= MAX_M``, raw data
-    and rows aligned to the kernel's words (4 bytes for Q4_K, 2 for Q6_K)."""
-    word = 4 if int(qtype) == gguf_gemv.Q4_K else 2
-    return (int(qtype) in TYPES and MIN_M <= m <= MAX_M and raw.data_ptr() % word == 0
-            and raw.stride(0) % word == 0)
+    aligned to the kernel's words (4 bytes for Q4_K, 2 for Q6_K) and rows a whole number of
+    its row units apart (16 bytes for Q4_K, 2 for Q6_K)."""
+    q4k = int(qtype) == gguf_gemv.Q4_K
+    return (int(qtype) in TYPES and MIN_M <= m <= MAX_M and raw.data_ptr() % (4 if q4k else 2) == 0
+            and raw.stride(0) % (16 if q4k else 2) == 0)
 
 
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
@@ -232,12 +234,12 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     x = x.contiguous()
     tiles, n_programs = k // TILE_K, triton.cdiv(n, cfg.block_n)
     splits, per_split, y = gguf_gemv.split_output(cfg, x, n, n_programs, tiles)
-    word = 4 if qtype == gguf_gemv.Q4_K else 2
+    unit = 16 if qtype == gguf_gemv.Q4_K else 2
     launch = dict(num_warps=cfg.num_warps)
     if cfg.num_stages:
         launch["num_stages"] = cfg.num_stages
     _gguf_mma[(n_programs, splits)](
-        x, raw, y, m, n, tiles, per_split, x.stride(0), raw.stride(0) // word, y.stride(0),
+        x, raw, y, m, n, tiles, per_split, x.stride(0), raw.stride(0) // unit, y.stride(0),
         QTYPE=qtype, BLOCK_N=cfg.block_n, M_PAD=m_pad(m),
         KC=k_chunk(qtype, cfg.block_n, cfg.num_warps, m_pad(m)), ATOMIC=splits > 1,
         DOT_DTYPE=_DOT_DTYPES[x.dtype], IEEE=x.dtype == torch.float32, **launch)

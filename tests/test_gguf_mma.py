@@ -175,7 +175,7 @@ from localgen.kernels import gguf_mma
 
 qtype, block_n, num_warps, m_pad = map(int, sys.argv[1:])
 names = ["x_ptr", "w_ptr", "y_ptr", "M", "N", "num_tiles", "tiles_per_split", "stride_xm",
-         "row_words", "stride_ym"]
+         "row_units", "stride_ym"]
 sig = dict(zip(names, ["*bf16", "*u8", "*fp32"] + ["i32"] * 7))
 consts = dict(QTYPE=qtype, BLOCK_N=block_n, M_PAD=m_pad,
               KC=gguf_mma.k_chunk(qtype, block_n, num_warps, m_pad), ATOMIC=True,
