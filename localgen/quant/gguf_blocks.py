@@ -307,13 +307,15 @@ CPU_REPACK_ENV = "LOCALGEN_GGUF_REPACK"
 
 
 def repack_for_cpu(w: "PackedGGUFWeight", mod) -> None:
-    """Rearrange w's rows in place into the C kernel's layout for one-activation-row products
-    (``gguf_cpu.repack``: Q4_K rows 8 at a time, the same bytes) where it applies and
+    """Rearrange w's rows in place into the C kernel's layout for quantized-activation products
+    (``gguf_cpu.repack``: Q4_K rows 8 at a time, the same bytes) where it applies, the
+    activations are ``q8`` (float32 activations would unpack each row a product) and
     ``LOCALGEN_GGUF_REPACK`` is not 0; w then multiplies, dequantizes and moves as before
     (``kernel_qtype``, ``file_raw``). Raises MemoryError as ``gguf_cpu.repack``."""
     repackable = getattr(mod, "repackable", None)  # a kernel module may offer no repack
     if (w.kernel_qtype != int(w.qtype) or os.environ.get(CPU_REPACK_ENV, "1") == "0"
-            or repackable is None or not repackable(w.raw, int(w.qtype), w.shape[1])):
+            or cpu_activations() != "q8" or repackable is None
+            or not repackable(w.raw, int(w.qtype), w.shape[1])):
         return
     mod.repack(w.raw, int(w.qtype), w.shape[1], out=w.raw)
     w._kernel_qtype = mod.Q4_K_X8
