@@ -118,6 +118,10 @@ def test_packed_weight_repacks_at_its_first_cpu_product(seed, monkeypatch):
     want = gguf_cpu.matmul(x, raw, Q.Q4_K, 512)
     assert torch.equal(w(x), want) and w.kernel_qtype == int(Q.Q4_K)
     monkeypatch.delenv(gb.CPU_REPACK_ENV)
+    monkeypatch.setenv(gb.CPU_ACTIVATIONS_ENV, "f32")  # float activations keep the file's layout
+    w(x)
+    assert w.kernel_qtype == int(Q.Q4_K)
+    monkeypatch.delenv(gb.CPU_ACTIVATIONS_ENV)
     y = w(x)
     assert w.kernel_qtype == X8 and torch.equal(w.raw, x8)  # in place: the same tensor
     assert torch.equal(y, gguf_cpu.matmul(x, x8, X8, 512))
