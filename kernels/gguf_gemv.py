@@ -114,14 +114,16 @@ def decode_class(m: int) -> int:
     return 1 if m == 1 else (MAX_M if m <= MAX_M else MMA_MAX_M)
 
 # (qtype, decode_class(M)) -> config: the one place to change after ``gguf_gemm_bench
-# --sweep``, whose ranking on the 7B shapes (docs/benchmarks.md) chose these. At M = 1, Q4_K takes 8-bit
-# activations and dp4a (one warp a 16-row tile, eight programs a multiprocessor) and Q6_K the
-# masked-code gemv; the dot kernel lost to the file kernel at M = 16, and Q5_K's gemv was not
-# ranked, so those stay on the file kernel. From 17 to 64 rows the prefill path (DEQUANT_CONFIG)
-# serves until a sweep ranks the mma kernel above it.
+# --sweep``, whose ranking on the 7B shapes (docs/benchmarks.md) chose these. At M = 1, Q4_K and
+# Q6_K take 8-bit activations and dp4a in two-row tiles of one warp, four blocks of a row in
+# flight, K unsplit (many small programs keep the most loads in flight); Q5_K's gemv was not
+# ranked, so it stays on the file kernel, as M = 16 does. From 17 to 64 rows the prefill path
+# (DEQUANT_CONFIG) serves until a sweep ranks the mma kernel above it.
 DECODE_CONFIGS: dict[tuple[int, int], DecodeConfig] = {
-    (Q4_K, True): DecodeConfig("gemv", block_n=16, num_warps=1, codes="q8", programs_per_sm=8),
-    (Q6_K, True): DecodeConfig("gemv", block_n=16, num_warps=4, codes="mask"),
+    (Q4_K, 1): DecodeConfig("gemv", block_n=2, split_k=1, num_warps=1, codes="q8",
+                            blocks_per_step=4),
+    (Q6_K, 1): DecodeConfig("gemv", block_n=2, split_k=1, num_warps=1, codes="q8",
+                            blocks_per_step=4),
     (Q5_K, 1): FILE_CONFIG,
     (Q4_K, 16): FILE_CONFIG, (Q5_K, 16): FILE_CONFIG, (Q6_K, 16): FILE_CONFIG,
     (Q4_K, 64): DEQUANT_CONFIG, (Q5_K, 64): DEQUANT_CONFIG, (Q6_K, 64): DEQUANT_CONFIG,

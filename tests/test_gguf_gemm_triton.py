@@ -145,7 +145,7 @@ def test_group_kernels_half_activations(dtype, qtype, m, kernel_device):
     n, k = 33, 256
     raw = random_blocks(qtype, n, k, seed=7)
     w = reference(raw, qtype, k)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m), device="cpu").to(dtype)
     cfg = gguf_gemv.DecodeConfig("gemv" if m == 1 else "dot", block_n=16 if m == 1 else 32)
     y = gguf_gemm.matmul(x.to(kernel_device), torch.from_numpy(raw).to(kernel_device), qtype,
                          k, cfg).cpu()
@@ -195,7 +195,7 @@ def test_unaligned_blocks_take_the_file_kernel(kernel_device):
     view = buf[base:base + raw.size].view(n, raw.shape[1])
     view.copy_(torch.from_numpy(raw))
     assert view.data_ptr() % 16 == 2
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(0), device="cpu")
     y = gguf_gemm.matmul(x.to(kernel_device), view, qtype, k).cpu()
     w = reference(raw, qtype, k)
     tol = 1e-5 * np.abs(x.double().numpy()) @ np.abs(w).T + 1e-6
@@ -216,7 +216,7 @@ def test_q8_activations_within_their_rounding(qtype, cfg, kernel_device):
 
 def q8_x() -> torch.Tensor:
     """The activations ``check_q8_matmul`` multiplies (CPU, ``[1, 768]``)."""
-    return torch.randn(1, 768, generator=torch.Generator().manual_seed(5))
+    return torch.randn(1, 768, generator=torch.Generator().manual_seed(5), device="cpu")
 
 
 def check_q8_matmul(cfg, kernel_device, qtype=Q.Q4_K, x8=None) -> None:
@@ -364,7 +364,8 @@ def test_matmuls_same_x_rounds_once_with_the_values_apart(q6k_q8, tmp_path, monk
         monkeypatch.setenv(gguf_gemv.ENV_CONFIGS,
                            _winners_file(tmp_path, [dict(qtype=14, m=1, cfg=cfg.__dict__)]))
     mats, k = _qkv_mats(kernel_device), 512
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(kernel_device)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(1), device="cpu")
+    x = x.to(kernel_device)
     apart = [gguf_gemm.matmul(x, raw, qt, k) for raw, qt in mats]
     calls = []
     quantize = gguf_q8.quantize
@@ -395,7 +396,7 @@ def test_project_qkv_reads_a_stacked_qk_as_the_three_apart(kernel_device):
     fuse.fuse_qkv(fused)
     assert fused.keys() == apart.keys()  # mixed types on the CPU: left as they are
     stacked = {"qk": PackedGGUFWeight.cat_rows([q, k]), "v": v}
-    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(2), device="cpu")
     for want, got in zip(fuse.project_qkv(cfg, apart, x), fuse.project_qkv(cfg, stacked, x)):
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
 
@@ -430,7 +431,8 @@ def test_split_gemv_combines_in_the_launch_and_leaves_its_tickets_zero(codes, ke
 
     qtype, n, k = Q.Q6_K, 37, 768
     raw = torch.from_numpy(random_blocks(qtype, n, k, seed=4)).to(kernel_device)
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(4)).to(kernel_device)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(4), device="cpu")
+    x = x.to(kernel_device)
     cfg = gguf_gemv.DecodeConfig("gemv", block_n=8, split_k=3, codes=codes)
     once = gguf_gemv.matmul(x, raw, qtype, k, cfg)
     again = gguf_gemv.matmul(x, raw, qtype, k, cfg)
