@@ -1365,19 +1365,23 @@ int lg_gguf_repack_q4k(const uint8_t *w, int64_t n, int64_t k, uint8_t *out, int
     const int64_t ws = k / 256 * 144, nb = k / 256;
     int failed = 0;
     if (threads < 1) threads = 1;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t g = 0; g < n; g += X8_ROWS) {
-        uint8_t *tmp = malloc((size_t)(X8_ROWS * ws));
-        if (!tmp) {
+#pragma omp parallel num_threads(threads)
+    {
+        uint8_t *tmp = malloc((size_t)(X8_ROWS * ws)); /* one group's rows, per thread */
+        /* dynamic: a core that another process slows takes fewer groups */
+#pragma omp for schedule(dynamic, 16)
+        for (int64_t g = 0; g < n; g += X8_ROWS) {
+            if (!tmp) {
 #pragma omp atomic write
-            failed = 1;
-            continue;
-        }
-        memcpy(tmp, w + g * ws, (size_t)(X8_ROWS * ws));
-        for (int64_t b = 0; b < nb; b++) {
-            if (unpack)
-                for (int r = 0; r < X8_ROWS; r++) x8_unpack_block(tmp + b * X8_GROUP_BYTES, r, out + (g + r) * ws + b * 144);
-            else x8_pack_group(tmp + b * 144, ws, out + g * ws + b * X8_GROUP_BYTES);
+                failed = 1;
+                continue;
+            }
+            memcpy(tmp, w + g * ws, (size_t)(X8_ROWS * ws));
+            for (int64_t b = 0; b < nb; b++) {
+                if (unpack)
+                    for (int r = 0; r < X8_ROWS; r++) x8_unpack_block(tmp + b * X8_GROUP_BYTES, r, out + (g + r) * ws + b * 144);
+                else x8_pack_group(tmp + b * 144, ws, out + g * ws + b * X8_GROUP_BYTES);
+            }
         }
         free(tmp);
     }
