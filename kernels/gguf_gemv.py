@@ -17,8 +17,10 @@ applied once per group and row. The activation sums ``Σ x`` of a group serve ev
   in place or shifted, are ORed into the mantissa of 1.0, and the constant and the power of two
   that this adds come off exactly, through the activation or the group's ``Σ x`` term.
   A loop step loads ``blocks_per_step`` blocks of each row, to keep more bytes in flight.
-* ``codes="q8"`` (Q4_K, Q6_K; M = 1; ``gguf_q8``): the activations are first rounded to int8
-  per 32-group, and a word's four codes meet four of them in one ``dp4a``. Not bit-compatible
+* ``codes="q8"`` (Q4_K, Q6_K; ``gguf_q8``): the activations are first rounded to int8
+  per 32-group, and a word's four codes meet four of them in one ``dp4a``; at 2 <= M <= 16 a
+  program loads each weight word once for every activation row and sums each group's
+  products in integers before its scales apply. Not bit-compatible
   with the float kernels: the error is that rounding's; one rounding can serve every matrix
   that reads the same x. ``codes="q8f"`` (Q4_K): the same rounding inside the matmul launch.
 * ``dot`` kernel (M <= 16): per group, the codes of ``BLOCK_N`` rows meet the ``[16, 32]``
@@ -59,7 +61,8 @@ MMA_TYPES, MMA_MAX_M = (Q4_K, Q6_K), 64  # the types and the largest M of gguf_m
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """One launch of the decode kernels. ``kernel``: ``gemv`` (M = 1 only), ``dot`` or ``file``
+    """One launch of the decode kernels. ``kernel``: ``gemv`` (M = 1; with "q8" codes up to
+    ``MAX_M`` rows), ``dot`` or ``file``
     (``gguf_gemm``'s kernel over the file's blocks, dequantizing each weight; M <= 16),
     ``mma`` (``gguf_mma``'s tensor-core kernel, Q4_K and Q6_K, 2 <= M <= 64) or ``dequant``
     (the whole matrix dequantized, then cuBLAS: the prefill path); ``block_n``:
@@ -90,17 +93,19 @@ Q8F_TYPES = gguf_q8.ROUND_TYPES
 
 
 def serves(cfg: DecodeConfig, qtype: int, m: int) -> bool:
-    """Whether ``cfg`` runs as itself for ``qtype`` at ``m`` rows (gemv only at M = 1, and its
-    "q8" codes only for ``Q8_TYPES``; dot and file up to ``MAX_M``; mma for ``MMA_TYPES`` from
-    2 to ``MMA_MAX_M`` rows; dequant, the prefill path, past one row): the sweep's filter."""
+    """Whether ``cfg`` runs as itself for ``qtype`` at ``m`` rows (gemv at M = 1, and with its
+    "q8" codes, only for ``Q8_TYPES``, up to ``MAX_M``; dot and file up to ``MAX_M``; mma for
+    ``MMA_TYPES`` from 2 to ``MMA_MAX_M`` rows; dequant, the prefill path, past one row): the
+    sweep's filter."""
     if cfg.kernel == "mma":
         return int(qtype) in MMA_TYPES and 2 <= m <= MMA_MAX_M
     if cfg.kernel == "dequant":
         return m > 1
     if cfg.kernel != "gemv":
         return m <= MAX_M
-    return m == 1 and (cfg.codes not in ("q8", "q8f")
-                       or int(qtype) in (Q8_TYPES if cfg.codes == "q8" else Q8F_TYPES))
+    if cfg.codes == "q8":
+        return int(qtype) in Q8_TYPES and m <= MAX_M
+    return m == 1 and (cfg.codes != "q8f" or int(qtype) in Q8F_TYPES)
 
 
 # every other type the decode path reads (gguf_gemm.KERNEL_TYPES): the file-layout kernel
@@ -437,7 +442,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     W the Q4_K, Q5_K or Q6_K blocks ``raw`` (uint8 ``[N, row_bytes]``, contiguous rows, 16-byte
     aligned data; the caller, ``gguf_gemm.matmul``, checks the shapes). ``cfg`` (default
     :func:`default_config`) must not be ``file``; a ``gemv`` config at M > 1 runs the ``dot``
-    kernel with its tile. ``x8``: ``gguf_q8.quantize(x)`` already made, for matrices that read
+    kernel with its tile, except with "q8" codes (``gguf_q8``'s multi-row kernels). ``x8``: ``gguf_q8.quantize(x)`` already made, for matrices that read
     the same ``x`` (used by a "q8" config, else ignored). Raises ValueError for another type,
     M, dtype or a ``file`` config."""
     qtype, (m, n) = int(qtype), (x.shape[0], raw.shape[0])
@@ -450,7 +455,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     cfg = cfg or default_config(qtype, m)
     if cfg.kernel == "file":
         raise ValueError("a file-layout config runs through gguf_gemm.matmul")
-    if cfg.kernel == "gemv" and m > 1:
+    if cfg.kernel == "gemv" and m > 1 and cfg.codes != "q8":
         cfg = replace(cfg, kernel="dot")
     tiles, n_programs = k // TILE_K, triton.cdiv(n, cfg.block_n)
     if cfg.kernel == "gemv":
@@ -466,12 +471,12 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
 
 def _gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int, cfg: DecodeConfig, x8,
           tiles: int, n_programs: int) -> torch.Tensor:
-    """``matmul`` at M = 1 by the gemv kernels (float codes, or "q8": ``gguf_q8``, rounding x
-    unless ``x8`` is given), straight into an output in x's dtype (K slices combined in the
-    launch, ``gguf_tiles.finish``)."""
+    """``matmul`` by the gemv kernels (float codes at M = 1, or "q8": ``gguf_q8``, at any M,
+    rounding x unless ``x8`` is given), straight into an output in x's dtype (K slices
+    combined in the launch, ``gguf_tiles.finish_at``)."""
     splits, per_split = _split(cfg, n_programs, tiles, x.device)
     grid = (n_programs, splits)
-    y = torch.empty(1, raw.shape[0], dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape[0], raw.shape[0], dtype=x.dtype, device=x.device)
     if cfg.codes in ("q8", "q8f"):
         if qtype not in (Q8_TYPES if cfg.codes == "q8" else Q8F_TYPES):
             raise ValueError(f"codes='{cfg.codes}' serves GGUF types {Q8_TYPES} ('q8') and "

@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gguf_tiles import GEMV_ARGS, f16_at, finish, k4_scale_min, slots, split_buffers
+from .gguf_tiles import (GEMV_ARGS, f16_at, finish, finish_at, k4_scale_min, slots,
+                         split_buffers)
 from .triton_common import interpreting
 
 Q4_K, Q6_K = 12, 14  # GGMLQuantizationType values
@@ -30,8 +31,9 @@ TILE_K = 256
 
 
 class Q8Activations(NamedTuple):
-    """One activation row rounded per 32-group: ``xq`` int8 ``[k]``, ``xd`` float32 ``[k/32]``
-    (the group's step ``max|x|/127``), ``xs`` float32 ``[k/32]`` (the group's exact ``Σ x``)."""
+    """``M`` activation rows rounded per 32-group: ``xq`` int8 ``[M, k]``, ``xd`` float32
+    ``[M, k/32]`` (the group's step ``max|x|/127``), ``xs`` float32 ``[M, k/32]`` (the group's
+    exact ``Σ x``)."""
 
     xq: torch.Tensor
     xd: torch.Tensor
@@ -39,32 +41,41 @@ class Q8Activations(NamedTuple):
 
 
 @triton.jit
-def _quantize_x8(x_ptr, xq_ptr, xd_ptr, xs_ptr):
-    """Program t: the 256 activations of tile t as int8 per 32-group, ``q = round(x / d)`` with
-    ``d = max|x| / 127`` (llama.cpp's ``block_q8_1`` rule, half away from zero), the group's
-    ``d`` and its exact float sum ``Σ x``."""
+def _quantize_x8(x_ptr, xq_ptr, xd_ptr, xs_ptr, stride_xm, k):
+    """Program (t, m): the 256 activations of tile t of row m as int8 per 32-group,
+    ``q = round(x / d)`` with ``d = max|x| / 127`` (llama.cpp's ``block_q8_1`` rule, half away
+    from zero), the group's ``d`` and its exact float sum ``Σ x``."""
     t = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
     offs = t * 256 + tl.arange(0, 8)[:, None] * 32 + tl.arange(0, 32)[None, :]
-    x = tl.load(x_ptr + offs).to(tl.float32)
+    x = tl.load(x_ptr + m * stride_xm + offs).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
     inv = tl.where(amax > 0, 127.0 / amax, 0.0)
     v = x * inv[:, None]
     q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
-    tl.store(xq_ptr + offs, q.to(tl.int8))
-    tl.store(xd_ptr + t * 8 + tl.arange(0, 8), amax / 127.0)
-    tl.store(xs_ptr + t * 8 + tl.arange(0, 8), tl.sum(x, axis=1))
+    tl.store(xq_ptr + m * k + offs, q.to(tl.int8))
+    groups = m * (k // 32) + t * 8 + tl.arange(0, 8)
+    tl.store(xd_ptr + groups, amax / 127.0)
+    tl.store(xs_ptr + groups, tl.sum(x, axis=1))
 
 
 @triton.jit
 def _dp4a(a, b, ASM: tl.constexpr):
-    """``Σ_k a_k·b_k`` over the four signed bytes of int32 ``a`` and ``b`` (same shape): PTX
-    ``dp4a`` (ASM), else the same sum by shifts (the interpreter)."""
+    """``Σ_k a_k·b_k`` over the four signed bytes of int32 ``a`` and ``b`` (same shape)."""
+    return _dp4a_add(a, b, tl.zeros_like(a), ASM)
+
+
+@triton.jit
+def _dp4a_add(a, b, c, ASM: tl.constexpr):
+    """``c + Σ_k a_k·b_k`` over the four signed bytes of int32 ``a`` and ``b``, broadcast to
+    ``c``'s shape: PTX ``dp4a`` (ASM), else the same sum by shifts (the interpreter)."""
+    a = tl.broadcast_to(a, c.shape)
+    b = tl.broadcast_to(b, c.shape)
     if ASM:
         out = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r",
-                                        [a, b, tl.zeros_like(a)], dtype=tl.int32, is_pure=True,
-                                        pack=1)
+                                        [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
     else:
-        out = ((a << 24) >> 24) * ((b << 24) >> 24) + ((a << 16) >> 24) * ((b << 16) >> 24)
+        out = c + ((a << 24) >> 24) * ((b << 24) >> 24) + ((a << 16) >> 24) * ((b << 16) >> 24)
         out += ((a << 8) >> 24) * ((b << 8) >> 24) + (a >> 24) * (b >> 24)
     return out
 
@@ -197,35 +208,162 @@ def _q6k_gemv_q8(xq_ptr, xd_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, N, num_tiles,
            SPLIT)
 
 
+# ---- 2 <= M <= 16: every weight word loaded once meets each activation row ----
+
+@triton.jit
+def _row_grid(w_ptr, unit: tl.constexpr, N, row_units, num_tiles, tiles_per_split,
+              BLOCK_N: tl.constexpr, KB: tl.constexpr, M_PAD: tl.constexpr):
+    """The ``[M_PAD, BLOCK_N, 4·KB, words]`` grid of the multi-row kernels
+    (:func:`gguf_tiles.slots`'s, the activation row leading): the output rows, the K loop's
+    bounds, each row's first block as ``unit``-typed pointers ``[1, BLOCK_N, 1, 1]``
+    (``row_units`` of them a row; rows past N read row N - 1), the activation row index
+    ``[M_PAD, 1, 1, 1]`` and the slot index ``[1, 1, 4·KB, 1]``."""
+    offs_n, kt0, end, j2 = slots(tl.program_id(0), tl.program_id(1), num_tiles,
+                                 tiles_per_split, BLOCK_N, KB)
+    rows = (w_ptr.to(tl.pointer_type(unit))
+            + tl.minimum(offs_n, N - 1).to(tl.int64) * row_units)[None, :, None, None]
+    m4 = tl.arange(0, M_PAD)[:, None, None, None]
+    return offs_n, kt0, end, rows, m4, j2[None, :, :, None]
+
+
+@triton.jit
+def _less_32(q):
+    """Each byte of int32 ``q`` (6-bit codes 0..63) less 32, as a signed byte, with no borrow
+    between bytes: ``q ^ 0x20`` is ``q - 32`` where q's bit 5 is set; where it is clear,
+    ``q ^ 0x20 = q + 32`` and bits 6 and 7 set make it ``q + 32 - 64``."""
+    v = q ^ 0x20202020
+    neg = v & 0x20202020
+    return v | (neg << 1) | (neg << 2)
+
+
+@triton.jit
+def _finish_rows(acc, y_ptr, part_ptr, cnt_ptr, M, offs_n, N, stride_ym, splits,
+                 SPLIT: tl.constexpr):
+    """``acc`` ``[M_PAD, BLOCK_N, S, 1]`` summed over its slots into ``y`` ``[M, N]`` (row
+    stride ``stride_ym``) by :func:`gguf_tiles.finish_at` (partials ``[splits, M·N]``)."""
+    out = tl.sum(tl.sum(acc, axis=3), axis=2)
+    m2 = tl.arange(0, acc.shape[0])[:, None].to(tl.int64)
+    n2 = offs_n[None, :]
+    finish_at(out, y_ptr, m2 * stride_ym + n2, part_ptr, m2 * N + n2, M * N,
+              (m2 < M) & (n2 < N), cnt_ptr, splits, SPLIT)
+
+
+@triton.jit(do_not_specialize=GEMV_ARGS + ["row_16b", "M"])
+def _q4k_rows_q8(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, num_tiles,
+                 tiles_per_split, splits, row_16b, stride_ym, BLOCK_N: tl.constexpr,
+                 KB: tl.constexpr, M_PAD: tl.constexpr, SPLIT: tl.constexpr,
+                 ASM: tl.constexpr):
+    """Q4_K at ``M <= M_PAD`` activation rows, program (n, s) as :func:`_q4k_gemv_q8`'s (its
+    word grid), with the activation row as a leading axis: a weight word is loaded and masked
+    once, meets the int8 activations of every row in ``dp4a``, and the group's eight words are
+    summed in integers, so ``d·sc·d_x`` and ``dmin·m·Σ x`` apply once per (activation row,
+    weight row, group). ``x`` rows: ``num_tiles·256`` int8 apart (``quantize``)."""
+    offs_n, kt0, end, rows, m4, j4 = _row_grid(w_ptr, tl.int32, N, row_16b * 4, num_tiles,
+                                               tiles_per_split, BLOCK_N, KB, M_PAD)
+    m_live = m4 < M
+    xq32 = xq_ptr.to(tl.pointer_type(tl.int32)) + m4.to(tl.int64) * (num_tiles * 64)
+    x_groups = m4.to(tl.int64) * (num_tiles * 8)
+    c4 = j4 % 4
+    h4 = tl.arange(0, 2)[None, None, None, :]  # the nibble: group 2c + h
+    g4 = 2 * c4 + h4
+    acc = tl.zeros([M_PAD, BLOCK_N, 4 * KB, 2], tl.float32)
+    for kt in range(kt0, end, KB):
+        kb4 = kt + j4 // 4
+        live = (kb4 < end) & m_live
+        blk = rows + tl.minimum(kb4, end - 1) * 36
+        blk8 = blk.to(tl.pointer_type(tl.uint8))
+        x_g = xq32 + kb4 * 64 + 8 * g4  # word 0 of each group's activations
+        p = tl.zeros(acc.shape, tl.int32)
+        for i in tl.static_range(8):
+            nib = (tl.load(blk + 4 + 8 * c4 + i) >> (4 * h4)) & 0x0F0F0F0F
+            p = _dp4a_add(nib, tl.load(x_g + i, mask=live, other=0), p, ASM)
+        xd = tl.load(xd_ptr + x_groups + kb4 * 8 + g4, mask=live, other=0.0)
+        xsum = tl.load(xs_ptr + x_groups + kb4 * 8 + g4, mask=live, other=0.0)
+        sc, mn = k4_scale_min(blk8, g4)
+        acc += _small_int_float(p) * ((f16_at(blk8) * sc) * xd) - (f16_at(blk8 + 2) * mn) * xsum
+    _finish_rows(acc, y_ptr, part_ptr, cnt_ptr, M, offs_n, N, stride_ym, splits, SPLIT)
+
+
+@triton.jit(do_not_specialize=GEMV_ARGS + ["stride_wn", "M"])
+def _q6k_rows_q8(xq_ptr, xd_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, num_tiles,
+                 tiles_per_split, splits, stride_wn, stride_ym, BLOCK_N: tl.constexpr,
+                 KB: tl.constexpr, M_PAD: tl.constexpr, SPLIT: tl.constexpr,
+                 ASM: tl.constexpr):
+    """Q6_K as :func:`_q4k_rows_q8`, over :func:`_q6k_gemv_q8`'s word grid (``stride_wn`` in
+    16-bit words): per 16-weight group, ``Σ q·q_x`` of the four words in integers, less
+    ``32·Σ q_x`` (one ``dp4a`` per activation word against 0x20 bytes, shared by the weight
+    rows), times ``d·sc·d_x``."""
+    offs_n, kt0, end, rows, m4, j4 = _row_grid(w_ptr, tl.int16, N, stride_wn, num_tiles,
+                                               tiles_per_split, BLOCK_N, KB, M_PAD)
+    m_live = m4 < M
+    xq32 = xq_ptr.to(tl.pointer_type(tl.int32)) + m4.to(tl.int64) * (num_tiles * 64)
+    x_groups = m4.to(tl.int64) * (num_tiles * 8)
+    p4 = j4 % 4
+    hf4 = p4 // 2
+    t4 = tl.arange(0, 4)[None, None, None, :]  # the quarter: group 8hf + 2t + p % 2
+    acc = tl.zeros([M_PAD, BLOCK_N, 4 * KB, 4], tl.float32)
+    for kt in range(kt0, end, KB):
+        kb4 = kt + j4 // 4
+        live = (kb4 < end) & m_live
+        blk = rows + tl.minimum(kb4, end - 1) * 105
+        blk8 = blk.to(tl.pointer_type(tl.uint8))
+        x_t = xq32 + kb4 * 64 + 32 * hf4 + 8 * t4 + 4 * (p4 % 2)  # word 0 of each group's
+        p = tl.zeros(acc.shape, tl.int32)
+        for i in tl.static_range(4):
+            ql = blk + 32 * hf4 + 8 * (p4 % 2) + 2 * i  # 16-bit word of ql byte 64hf + l
+            src = tl.where(t4 % 2 == 0, _word16x2(ql), _word16x2(ql + 16))
+            q = (((src >> (4 * (t4 // 2))) & 0x0F0F0F0F)
+                 | (((_word16x2(ql + 64 - 16 * hf4) >> (2 * t4)) & 0x03030303) << 4))
+            p = _dp4a_add(_less_32(q), tl.load(x_t + i, mask=live, other=0), p, ASM)
+        xd = tl.load(xd_ptr + x_groups + kb4 * 8 + 4 * hf4 + t4, mask=live, other=0.0)
+        scale = tl.load(blk8 + 192 + 8 * hf4 + 2 * t4 + p4 % 2).to(tl.int8, bitcast=True)
+        acc += _small_int_float(p) * ((f16_at(blk8 + 208) * scale.to(tl.float32)) * xd)
+    _finish_rows(acc, y_ptr, part_ptr, cnt_ptr, M, offs_n, N, stride_ym, splits, SPLIT)
+
+
 def quantize(x: torch.Tensor) -> Q8Activations:
-    """:func:`_quantize_x8` of ``x`` ``[1, k]`` (k a multiple of 256): one launch, whose result
-    can serve every matrix that reads ``x``."""
-    k = x.shape[1]
-    xq = torch.empty(k, dtype=torch.int8, device=x.device)
-    xd, xs = torch.empty(2, k // 32, dtype=torch.float32, device=x.device)
-    _quantize_x8[(k // TILE_K,)](x, xq, xd, xs)
+    """:func:`_quantize_x8` of ``x`` ``[M, k]`` (k a multiple of 256, unit stride along k): one
+    launch for every row, whose result can serve every matrix that reads ``x``."""
+    (m, k), dev = x.shape, x.device
+    xq = torch.empty(m, k, dtype=torch.int8, device=dev)
+    xd, xs = torch.empty(2, m, k // 32, dtype=torch.float32, device=dev)
+    _quantize_x8[(k // TILE_K, m)](x, xq, xd, xs, x.stride(0), k)
     return Q8Activations(xq, xd, xs)
+
+
+def m_pad(m: int) -> int:
+    """The multi-row kernels' activation rows for ``m``: the power of two at or above it."""
+    return triton.next_power_of_2(m)
 
 
 def gemv(x8: Q8Activations | None, raw: torch.Tensor, qtype: int, y: torch.Tensor, grid,
          per_split: int, block_n: int, blocks_per_step: int, num_warps: int,
          x: torch.Tensor | None = None) -> None:
-    """``y`` ``[1, N]`` of the Q4_K or Q6_K rows ``raw`` (uint8 ``[N, row_bytes]``, 16-byte
-    aligned for Q4_K) against ``x8``, or (``x8`` None; Q4_K, ``ROUND_TYPES``) against ``x``
-    ``[1, k]`` rounded inside the launch; ``grid`` (row programs, K slices) of ``per_split``
-    tiles each (slices combined in the launch: ``gguf_tiles.finish``). Raises ValueError for
-    another type."""
-    if qtype not in (ROUND_TYPES if x8 is None else TYPES):
+    """``y`` ``[M, N]`` (contiguous) of the Q4_K or Q6_K rows ``raw`` (uint8
+    ``[N, row_bytes]``, 16-byte aligned for Q4_K) against ``x8`` (:func:`quantize` of ``M``
+    rows), or (``x8`` None; Q4_K, ``ROUND_TYPES``; M = 1) against ``x`` ``[1, k]`` rounded
+    inside the launch; ``grid`` (row programs, K slices) of ``per_split`` tiles each (slices
+    combined in the launch: ``gguf_tiles.finish_at``). M = 1 runs the gemv kernels, M > 1
+    :func:`_q4k_rows_q8` / :func:`_q6k_rows_q8`. Raises ValueError for another type, or
+    rounding in the launch at M > 1."""
+    m = y.shape[0]
+    if qtype not in (ROUND_TYPES if x8 is None else TYPES) or (x8 is None and m > 1):
         raise ValueError(f"codes='q8' serves GGUF types {TYPES} (Q4_K, Q6_K), rounding in the "
-                         f"matmul {ROUND_TYPES}; not {qtype}")
+                         f"matmul {ROUND_TYPES} at M = 1; not type {qtype} at M = {m}")
     n, tiles, splits = raw.shape[0], raw.shape[1] // BLOCK_BYTES[qtype], grid[1]
     part, cnt = split_buffers(y, splits, grid[0])
     knobs = dict(BLOCK_N=block_n, KB=blocks_per_step, SPLIT=splits > 1, ASM=not interpreting(),
                  num_warps=num_warps)
-    if qtype == Q4_K:
+    row_units = raw.stride(0) // (16 if qtype == Q4_K else 2)
+    if m > 1:
+        xs = (x8.xs,) if qtype == Q4_K else ()
+        kernel = _q4k_rows_q8 if qtype == Q4_K else _q6k_rows_q8
+        kernel[grid](x8.xq, x8.xd, *xs, raw, y, part, cnt, m, n, tiles, per_split, splits,
+                     row_units, y.stride(0), M_PAD=m_pad(m), **knobs)
+    elif qtype == Q4_K:
         xq, xd, xs = (x, x, x) if x8 is None else x8
         _q4k_gemv_q8[grid](x if x8 is None else xq, xq, xd, xs, raw, y, part, cnt, n, tiles,
-                           per_split, splits, raw.stride(0) // 16, ROUND=x8 is None, **knobs)
+                           per_split, splits, row_units, ROUND=x8 is None, **knobs)
     else:
         _q6k_gemv_q8[grid](x8.xq, x8.xd, raw, y, part, cnt, n, tiles, per_split, splits,
-                           raw.stride(0) // 2, **knobs)
+                           row_units, **knobs)

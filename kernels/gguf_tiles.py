@@ -1,5 +1,5 @@
-"""Device helpers of the M = 1 GGUF decode kernels (``gguf_gemv``'s float-code gemv and
-``gguf_q8``'s 8-bit-activation gemv): block fields, the program's row and slot grid, and the
+"""Device helpers of the GGUF decode kernels (``gguf_gemv``'s float-code gemv and
+``gguf_q8``'s 8-bit-activation kernels): block fields, the program's row and slot grid, and the
 output store. Block layouts: ggml-common.h, as ``gguf.quants`` reads them."""
 
 from __future__ import annotations
@@ -38,25 +38,33 @@ def k4_scale_min(blk8, g):
 
 @triton.jit
 def finish(out, y_ptr, part_ptr, cnt_ptr, offs_n, N, splits, SPLIT: tl.constexpr):
-    """Store ``out`` ``[BLOCK_N]`` of one activation row in ``y``. With ``SPLIT`` (program
-    ``(n, s)`` of ``splits`` K slices): store this slice's partial in ``part`` ``[splits, N]``
-    (float32), take a ticket (``cnt``: a zero counter per row tile, ``triton_common.tickets``),
-    and the row tile's last slice sums the partials in slice order, read through L2 since
-    other programs wrote them in this launch, stores ``y`` and zeros its counter again: a split
-    costs no zero-fill or cast launch (``flat_gemm``'s pattern), and its sum is deterministic."""
-    mask = offs_n < N
+    """:func:`finish_at` of ``out`` ``[BLOCK_N]``, one activation row: ``y`` and each slice's
+    partials ``[N]`` at ``offs_n``."""
+    finish_at(out, y_ptr, offs_n, part_ptr, offs_n, N, offs_n < N, cnt_ptr, splits, SPLIT)
+
+
+@triton.jit
+def finish_at(out, y_ptr, y_offs, part_ptr, part_offs, part_size, mask, cnt_ptr, splits,
+              SPLIT: tl.constexpr):
+    """Store ``out`` (any shape) at ``y_ptr + y_offs`` where ``mask``. With ``SPLIT`` (program
+    ``(n, s)`` of ``splits`` K slices): store this slice's partial at ``part_offs`` of slice
+    ``s``'s ``part_size`` float32 values in ``part``, take a ticket (``cnt``: a zero counter
+    per row tile, ``triton_common.tickets``), and the row tile's last slice sums the partials
+    in slice order, read through L2 since other programs wrote them in this launch, stores
+    ``y`` and zeros its counter again: a split costs no zero-fill or cast launch
+    (``flat_gemm``'s pattern), and its sum is deterministic."""
     if not SPLIT:
-        tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(part_ptr + tl.program_id(1) * N + offs_n, out, mask=mask)
+        tl.store(part_ptr + tl.program_id(1) * part_size + part_offs, out, mask=mask)
         tl.debug_barrier()
         cnt = cnt_ptr + tl.program_id(0)
         if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == splits - 1:
             total = tl.zeros_like(out)
             for s in range(splits):
-                total += tl.load(part_ptr + s * N + offs_n, mask=mask, other=0.0,
+                total += tl.load(part_ptr + s * part_size + part_offs, mask=mask, other=0.0,
                                  cache_modifier=".cg")
-            tl.store(y_ptr + offs_n, total.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(y_ptr + y_offs, total.to(y_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # zero for the next launch
 
 
@@ -78,9 +86,10 @@ _MIN_TICKETS = 1 << 15
 
 
 def split_buffers(y: torch.Tensor, splits: int, n_programs: int):
-    """(``part``, ``cnt``) for :func:`finish`: float32 partials ``[splits, N]`` of ``y``
-    ``[1, N]`` and the per-device zero counters, or ``y`` twice (unused) for one slice."""
+    """(``part``, ``cnt``) for :func:`finish_at`: float32 partials ``[splits, M·N]`` of ``y``
+    ``[M, N]`` (contiguous) and the per-device zero counters, or ``y`` twice (unused) for one
+    slice."""
     if splits == 1:
         return y, y
-    part = torch.empty(splits, y.shape[1], dtype=torch.float32, device=y.device)
+    part = torch.empty(splits, y.numel(), dtype=torch.float32, device=y.device)
     return part, tickets(y.device, max(n_programs, _MIN_TICKETS))

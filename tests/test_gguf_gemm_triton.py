@@ -214,18 +214,19 @@ def test_q8_activations_within_their_rounding(qtype, cfg, kernel_device):
     check_q8_matmul(cfg, kernel_device, qtype)
 
 
-def q8_x() -> torch.Tensor:
-    """The activations ``check_q8_matmul`` multiplies (CPU, ``[1, 768]``)."""
-    return torch.randn(1, 768, generator=torch.Generator().manual_seed(5), device="cpu")
+def q8_x(m: int = 1) -> torch.Tensor:
+    """The activations ``check_q8_matmul`` multiplies (CPU, ``[m, 768]``)."""
+    return torch.randn(m, 768, generator=torch.Generator().manual_seed(5), device="cpu")
 
 
-def check_q8_matmul(cfg, kernel_device, qtype=Q.Q4_K, x8=None) -> None:
+def check_q8_matmul(cfg, kernel_device, qtype=Q.Q4_K, x8=None, m: int = 1) -> None:
     """Q4_K or Q6_K against 8-bit activations (``gguf_q8.quantize``: int8 per 32-group,
     ``d = max|x|/127``, round half away from zero). Each activation moves by at most ``d/2``.
     Q4_K: only the scale term ``a·q`` meets it (the min term uses the exact ``Σ x``), so
     ``|y - y64| <= Σ_j |a q_j|·d_g(j)/2`` (``a·q``: the weight dequantized with ``dmin`` set
     to 0); Q6_K: the whole weight ``a·(q - 32)`` meets it, so ``Σ_j |w_j|·d_g(j)/2``; plus
-    float32 summation (hand-derived bounds). ``x8``: ``gguf_q8.quantize`` of :func:`q8_x`."""
+    float32 summation (hand-derived bounds), for each of the ``m`` rows with its own steps.
+    ``x8``: ``gguf_q8.quantize`` of :func:`q8_x`."""
     n, k = 37, 768
     raw = random_blocks(qtype, n, k, seed=11)
     w = reference(raw, qtype, k)
@@ -235,18 +236,47 @@ def check_q8_matmul(cfg, kernel_device, qtype=Q.Q4_K, x8=None) -> None:
         meets = np.abs(reference(no_min.reshape(n, -1), qtype, k))
     else:
         meets = np.abs(w)
-    x, raw_d = q8_x(), torch.from_numpy(raw).to(kernel_device)
+    x, raw_d = q8_x(m), torch.from_numpy(raw).to(kernel_device)
     if x8 is None:
         y = gguf_gemm.matmul(x.to(kernel_device), raw_d, qtype, k, cfg)
     else:
         y = gguf_gemv.matmul(x.to(kernel_device), raw_d, qtype, k, cfg, x8=x8)
     y = y.cpu().double().numpy()
     xn = x.double().numpy()
-    half_step = np.repeat(np.abs(xn).reshape(-1, 32).max(axis=1) / 127 / 2, 32)[None, :]
+    half_step = np.repeat(np.abs(xn).reshape(m, -1, 32).max(axis=2) / 127 / 2, 32, axis=1)
     bound = half_step @ meets.T + 1e-5 * np.abs(xn) @ np.abs(w).T + 1e-6
     err = np.abs(y - xn @ w.T)
-    assert (err <= bound).all()
+    assert y.shape == (m, n) and (err <= bound).all()
     assert err.max() > 0  # the activations were rounded: this is not the float kernel
+
+
+@pytest.mark.parametrize("qtype", gguf_gemv.Q8_TYPES)
+@pytest.mark.parametrize("m,cfg", [
+    (2, gguf_gemv.DecodeConfig("gemv", block_n=2, split_k=1, num_warps=1, codes="q8")),
+    (5, gguf_gemv.DecodeConfig("gemv", block_n=4, split_k=2, blocks_per_step=2, codes="q8")),
+    (16, gguf_gemv.DecodeConfig("gemv", block_n=8, split_k=1, num_warps=2, blocks_per_step=4,
+                                codes="q8")),
+])
+def test_q8_rows_within_their_rounding(qtype, m, cfg, kernel_device):
+    """Several activation rows (M padded to a power of two, the padding masked), each rounded
+    with its own steps: split K, several blocks a step past the slice's end."""
+    assert gguf_gemv.serves(cfg, qtype, m)
+    check_q8_matmul(cfg, kernel_device, qtype, m=m)
+
+
+def test_q8_rows_take_one_rounding_of_every_row(kernel_device):
+    """``gguf_q8.quantize`` of ``[M, k]`` in one launch serves both types, and its rows equal
+    the one-row rounding of each row of x."""
+    from localgen.kernels import gguf_q8
+
+    x = q8_x(3).to(kernel_device)
+    x8 = gguf_q8.quantize(x)
+    for i in range(3):
+        one = gguf_q8.quantize(x[i:i + 1])
+        assert all(torch.equal(a[i:i + 1], b) for a, b in zip(x8, one))
+    cfg = gguf_gemv.DecodeConfig("gemv", block_n=4, split_k=1, codes="q8")
+    for qtype in gguf_gemv.Q8_TYPES:
+        check_q8_matmul(cfg, kernel_device, qtype, x8=x8, m=3)
 
 
 @pytest.mark.parametrize("cfg", [
