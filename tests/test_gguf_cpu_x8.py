@@ -131,3 +131,16 @@ def test_packed_weight_repacks_at_its_first_cpu_product(seed, monkeypatch):
     same = w.to("cpu")
     assert same.raw is w.raw and same.kernel_qtype == X8
     assert torch.equal(gb.PackedGGUFWeight.cat_rows([w, w]).raw, torch.cat([raw, raw]))
+
+
+def test_a_view_into_a_larger_buffer_keeps_the_file_layout(seed):
+    """A weight over part of a buffer (the offload runtime's layer buffers, wrapped anew each
+    step) is not rearranged: another wrapper of the same bytes must still read Q4_K blocks."""
+    from localgen.quant import gguf_blocks as gb
+
+    raw, _ = pair(seed, n=16)
+    buffer = torch.cat([raw, raw[:8]])
+    w = gb.PackedGGUFWeight(buffer[:16], Q.Q4_K, (16, 512))
+    x = torch.randn(1, 512)
+    assert torch.equal(w(x), gguf_cpu.matmul(x, raw, Q.Q4_K, 512))
+    assert w.kernel_qtype == int(Q.Q4_K) and torch.equal(buffer[:16], raw)

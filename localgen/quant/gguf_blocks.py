@@ -311,11 +311,16 @@ def repack_for_cpu(w: "PackedGGUFWeight", mod) -> None:
     (``gguf_cpu.repack``: Q4_K rows 8 at a time, the same bytes) where it applies, the
     activations are ``q8`` (float32 activations would unpack each row a product) and
     ``LOCALGEN_GGUF_REPACK`` is not 0; w then multiplies, dequantizes and moves as before
-    (``kernel_qtype``, ``file_raw``). Raises MemoryError as ``gguf_cpu.repack``."""
+    (``kernel_qtype``, ``file_raw``). Only a raw that is its whole storage is rearranged: a
+    view into a larger buffer (the offload runtime wraps its layer buffers anew each step) may
+    be read as the file's blocks through another wrapper. Raises MemoryError as
+    ``gguf_cpu.repack``."""
     repackable = getattr(mod, "repackable", None)  # a kernel module may offer no repack
+    raw = w.raw
     if (w.kernel_qtype != int(w.qtype) or os.environ.get(CPU_REPACK_ENV, "1") == "0"
             or cpu_activations() != "q8" or repackable is None
-            or not repackable(w.raw, int(w.qtype), w.shape[1])):
+            or raw.storage_offset() or raw.untyped_storage().nbytes() != raw.numel()
+            or not repackable(raw, int(w.qtype), w.shape[1])):
         return
     mod.repack(w.raw, int(w.qtype), w.shape[1], out=w.raw)
     w._kernel_qtype = mod.Q4_K_X8
