@@ -9,9 +9,9 @@ weight codes (AVX2 maddubs, VNNI dpbusd where present) scaled in float once per 
 rows are split over torch's OpenMP threads; each weight row is read once per call whatever m.
 
 Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS (``SUPPORTED``),
-and ``Q4_K_X8``: Q4_K rows that ``repack`` rearranged 8 at a time (the same bytes per weight,
-the idea of llama.cpp's repacked CPU layouts), so that one activation row meets 8 weight rows
-per instruction, one row a 32-bit lane, with no horizontal sums.
+and ``Q4_K_X8`` / ``Q6_K_X8``: Q4_K / Q6_K rows that ``repack`` rearranged 8 at a time (the same
+bytes per weight, the idea of llama.cpp's repacked CPU layouts), so that one activation row meets
+8 weight rows per instruction, one row a 32-bit lane, with no horizontal sums.
 
 Reference twin: ``reference`` (``gguf.quants.dequantize`` + float64 matmul, the activations
 optionally quantized as the kernel does).
@@ -34,23 +34,28 @@ SUPPORTED = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q
                        Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS})
 # Activation block (values per scale) by weight type: ggml's Q8_K for the 256-value types.
 _ACT_BLOCK = {t: 256 if GGML_QUANT_SIZES[t][0] == 256 else 32 for t in SUPPORTED}
-# Q4_K rows repacked 8 at a time (``repack``; the C's gguf_q4k_x8.h): not a GGUF type, an id
+# Q4_K and Q6_K rows repacked 8 at a time (``repack``; the C's gguf_x8.h): not GGUF types, ids
 # of this module's own that the entry points, ``RowSegments`` and ``dequantize`` take like one.
 Q4_K_X8 = 1012
+Q6_K_X8 = 1014
 X8_ROWS = 8
+# file type -> its repacked type, and back
+REPACKED = {Q.Q4_K: Q4_K_X8, Q.Q6_K: Q6_K_X8}
+_FILE_OF = {x8: t for t, x8 in REPACKED.items()}
 
 
 def _file_type(qtype: int) -> Q:
     """The GGUF type whose blocks (sizes, values) qtype holds: Q4_K for ``Q4_K_X8``."""
-    return Q.Q4_K if int(qtype) == Q4_K_X8 else Q(qtype)
+    return _FILE_OF.get(int(qtype)) or Q(qtype)
 
 
 def _name(qtype: int) -> str:
-    return "Q4_K_X8" if int(qtype) == Q4_K_X8 else Q(qtype).name
+    t = int(qtype)
+    return f"{_FILE_OF[t].name}_X8" if t in _FILE_OF else Q(t).name
 
 
 def _served(qtype: int) -> bool:
-    return int(qtype) == Q4_K_X8 or int(qtype) in SUPPORTED
+    return int(qtype) in _FILE_OF or int(qtype) in SUPPORTED
 
 # What the kernel does with the activations: round them to 8 bits per block ("q8", llama.cpp's
 # way: integer dot products) or keep them float32 ("f32": the float product of the file's values).
@@ -71,7 +76,7 @@ _SIGNATURES = {
     "lg_gguf_dequant": [_p, _i64, _i64, _int, _i64, _p, _int],
     "lg_gguf_supported": [_int],
     "lg_gguf_simd": [],
-    "lg_gguf_repack_q4k": [_p, _i64, _i64, _p, _int, _int],
+    "lg_gguf_repack": [_int, _p, _i64, _i64, _p, _int, _int],
 }
 
 
@@ -368,35 +373,37 @@ def reference(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     from gguf.quants import dequantize as gguf_dequantize
 
     _check(x, raw, qtype, k)
-    if int(qtype) == Q4_K_X8:
-        raw = repack(raw, Q4_K_X8, k, unpack=True)
+    if int(qtype) in _FILE_OF:
+        raw = repack(raw, qtype, k, unpack=True)
     w = gguf_dequantize(np.ascontiguousarray(raw.numpy()), _file_type(qtype))
     xs = quantize_activations(x, _ACT_BLOCK[_file_type(qtype)]) if quantize_x else x
     return xs.to(torch.float64) @ torch.from_numpy(w).to(torch.float64).T
 
 
 def repackable(raw: torch.Tensor, qtype: int, k: int) -> bool:
-    """Whether ``repack`` applies: Q4_K rows ``[n, row_bytes]``, n a multiple of 8, rows back to
-    back, on the CPU, and the library built with its SIMD kernels (the repacked layout's fast
-    path)."""
-    return (int(qtype) == Q.Q4_K and raw.dim() == 2 and raw.shape[0] % X8_ROWS == 0
+    """Whether ``repack`` applies: rows ``[n, row_bytes]`` of a type in ``REPACKED`` (Q4_K,
+    Q6_K), n a multiple of 8, rows back to back, on the CPU, and the library built with its SIMD
+    kernels (the repacked layout's fast path)."""
+    return (int(qtype) in REPACKED and raw.dim() == 2 and raw.shape[0] % X8_ROWS == 0
             and raw.is_cpu and raw.is_contiguous() and raw.dtype == torch.uint8 and k % 256 == 0
-            and raw.shape[1] == row_bytes(Q.Q4_K, k) and simd())
+            and raw.shape[1] == row_bytes(qtype, k) and simd())
 
 
 def repack(raw: torch.Tensor, qtype: int, k: int, unpack: bool = False,
            out: torch.Tensor | None = None) -> torch.Tensor:
-    """Q4_K rows ``raw`` ``[n, row_bytes]`` (n a multiple of 8, contiguous, CPU) rearranged 8
-    rows at a time into the ``Q4_K_X8`` layout (the C's gguf_q4k_x8.h: per 8 rows and 256
-    values, the 8 rows' d, dmin, scales and codes side by side), or, with ``unpack``, a
-    ``Q4_K_X8`` matrix back to the file's blocks. The same bytes per weight, so the result has
-    raw's shape; ``out`` (may be raw itself, for no second copy) receives it. qtype: the type
-    raw holds (Q4_K, or ``Q4_K_X8`` with ``unpack``). Raises ValueError for another type or a
-    bad shape, RuntimeError where the library cannot be built, MemoryError when a group's copy
-    cannot be allocated (an in-place call then leaves raw part done)."""
-    want = Q4_K_X8 if unpack else Q.Q4_K
-    if int(qtype) != int(want):
-        raise ValueError(f"gguf_cpu.repack: raw holds {_name(qtype)}, expected {_name(want)}")
+    """Rows ``raw`` ``[n, row_bytes]`` (n a multiple of 8, contiguous, CPU) of a type in
+    ``REPACKED`` rearranged 8 rows at a time into its repacked layout (``Q4_K_X8``, ``Q6_K_X8``;
+    the C's gguf_q4k_x8.h and gguf_q6k_x8.h: per 8 rows and 256 values, the 8 rows' scales and
+    codes side by side), or, with ``unpack``, a repacked matrix back to the file's blocks. The
+    same bytes per weight, so the result has raw's shape; ``out`` (may be raw itself, for no
+    second copy) receives it. qtype: the type raw holds (Q4_K or Q6_K; with ``unpack`` their
+    repacked ids). Raises ValueError for another type or a bad shape, RuntimeError where the
+    library cannot be built, MemoryError when a group's copy cannot be allocated (an in-place
+    call then leaves raw part done)."""
+    want = _FILE_OF if unpack else REPACKED
+    if int(qtype) not in want:
+        raise ValueError(f"gguf_cpu.repack: raw holds {_name(qtype)}, expected one of "
+                         f"{[_name(t) for t in want]}")
     _check(torch.empty((0, k)), raw, qtype, k)
     if raw.shape[0] % X8_ROWS or not raw.is_contiguous():
         raise ValueError(f"gguf_cpu.repack: raw {tuple(raw.shape)} needs a multiple of "
@@ -408,8 +415,8 @@ def repack(raw: torch.Tensor, qtype: int, k: int, unpack: bool = False,
     if out.shape != raw.shape or out.dtype != torch.uint8 or not out.is_contiguous():
         raise ValueError(f"gguf_cpu.repack: out {tuple(out.shape)} {out.dtype} must be a "
                          f"contiguous uint8 {tuple(raw.shape)}")
-    rc = lib.lg_gguf_repack_q4k(raw.data_ptr(), raw.shape[0], k, out.data_ptr(), int(unpack),
-                                torch.get_num_threads())
+    rc = lib.lg_gguf_repack(int(_file_type(qtype)), raw.data_ptr(), raw.shape[0], k,
+                            out.data_ptr(), int(unpack), torch.get_num_threads())
     if rc == -3:
         raise MemoryError(f"gguf_cpu.repack: no memory for a group of {X8_ROWS} rows")
     if rc:

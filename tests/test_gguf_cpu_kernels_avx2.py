@@ -75,9 +75,11 @@ def test_avx2_build_one_row_bits_whatever_the_chunks(on_avx2, qtype, seed, monke
 
 
 @pytest.mark.parametrize("m", [1, 3])
-def test_avx2_build_repacked_q4_k(on_avx2, m, seed):
-    """The 8-row repacked Q4_K kernel without VNNI (maddubs + madd in place of dpbusd)."""
+@pytest.mark.parametrize("qtype", tuple(gguf_cpu.REPACKED), ids=lambda t: t.name)
+def test_avx2_build_repacked(on_avx2, qtype, m, seed):
+    """The 8-row repacked Q4_K and Q6_K kernels without VNNI (maddubs + madd in place of
+    dpbusd)."""
     from test_gguf_cpu_x8 import check_x8
 
-    check_x8(m, 512, seed)
-    check_x8(m, 512, seed, activations="f32")
+    check_x8(qtype, m, 512, seed)
+    check_x8(qtype, m, 512, seed, activations="f32")

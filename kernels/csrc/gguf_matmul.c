@@ -1,8 +1,8 @@
 /* y[m, n] = x[m, k] . W[n, k]^T with W kept in GGUF's own block layout: row r of W is
  * k / block_size blocks at raw + r * w_stride. Block layouts follow ggml's ggml-common.h (the
- * `gguf` Python package's gguf/quants.py decodes the same bytes). One exception, T_Q4_K_X8: Q4_K
- * rows repacked 8 at a time at the same size (gguf_q4k_x8.h), whose quantized-activation
- * products meet 8 rows at once.
+ * `gguf` Python package's gguf/quants.py decodes the same bytes). Two exceptions, T_Q4_K_X8 and
+ * T_Q6_K_X8: Q4_K and Q6_K rows repacked 8 at a time at the same size (gguf_x8.h), whose
+ * quantized-activation products meet 8 rows at once.
  *
  * The activation rows are quantized once per call to 8 bits, as llama.cpp does: per 32 values
  * (float scale, int8 values, float scale * sum) for the 32-value block types, per 256 values
@@ -46,7 +46,8 @@
 enum {
     T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11,
     T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23,
-    T_Q4_K_X8 = 1012 /* Q4_K repacked 8 rows at a time: gguf_q4k_x8.h */
+    /* rows repacked 8 at a time: gguf_x8.h */
+    T_Q4_K_X8 = 1012, T_Q6_K_X8 = 1014
 };
 
 /* Values per block and bytes per block, by type (0 where not implemented). */
@@ -54,7 +55,7 @@ static int block_values(int t) {
     switch (t) {
     case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: case T_IQ4_NL: return 32;
     case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS:
-    case T_Q4_K_X8: return 256;
+    case T_Q4_K_X8: case T_Q6_K_X8: return 256;
     default: return 0;
     }
 }
@@ -64,7 +65,7 @@ static int block_bytes(int t) {
     case T_Q4_0: return 18;  case T_Q4_1: return 20;  case T_Q5_0: return 22;
     case T_Q5_1: return 24;  case T_Q8_0: return 34;  case T_IQ4_NL: return 18;
     case T_Q2_K: return 84;  case T_Q3_K: return 110; case T_Q4_K: case T_Q4_K_X8: return 144;
-    case T_Q5_K: return 176; case T_Q6_K: return 210; case T_IQ4_XS: return 136;
+    case T_Q5_K: return 176; case T_Q6_K: case T_Q6_K_X8: return 210; case T_IQ4_XS: return 136;
     default: return 0;
     }
 }
@@ -369,17 +370,20 @@ static inline float hsum_ps(__m256 v) {
     return _mm_cvtss_f32(a);
 }
 
-/* Sums of 4 adjacent u8 * s8 products, as int32 (u <= 255 where VNNI, else u * s pairs must fit
- * int16: every caller's codes do). */
-AI __m256i dot_u8s8(__m256i u, __m256i s) {
+/* acc + the sums of 4 adjacent u8 * s8 products, as int32 (VNNI's dpbusd; else maddubs, then
+ * madd with ones: there the sum of a pair u * s must fit int16, which every caller's codes do). */
+AI __m256i dot_u8s8_acc(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_epi32(acc, u, s);
 #elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
+
+/* Sums of 4 adjacent u8 * s8 products, as int32 (dot_u8s8_acc from zero). */
+AI __m256i dot_u8s8(__m256i u, __m256i s) { return dot_u8s8_acc(_mm256_setzero_si256(), u, s); }
 
 /* acc + the sums of adjacent int16 products of a and b, as int32 (VNNI's vpdpwssd: one
  * instruction, no saturation, the same integers as madd + add). */
@@ -1068,7 +1072,7 @@ static void rowsf(int t, const uint8_t *w, const float *x, int64_t k, float *y, 
     for (int j = 0; j < nx; j++) y[j * ys] = (float)acc[j];
 }
 
-#include "gguf_q4k_x8.h"
+#include "gguf_x8.h"
 
 /* ---- Entry points -------------------------------------------------------------------------- */
 
@@ -1104,25 +1108,27 @@ static int check_rows(int qtype, int64_t k, int64_t w_stride) {
     return 0;
 }
 
-/* check_rows for n rows; a repacked Q4_K matrix also needs whole 8-row groups, rows back to back
+/* check_rows for n rows; a repacked matrix also needs whole 8-row groups, rows back to back
  * and rows no longer than X8_MAX_ROW_BYTES (else -2). */
 static int check_matrix(int qtype, int64_t k, int64_t w_stride, int64_t n) {
     const int rc = check_rows(qtype, k, w_stride);
-    if (rc || qtype != T_Q4_K_X8) return rc;
-    const int64_t bytes = k / 256 * 144;
+    if (rc || !x8_file_type(qtype)) return rc;
+    const int64_t bytes = k / 256 * block_bytes(qtype);
     return n % X8_ROWS || w_stride != bytes || bytes > X8_MAX_ROW_BYTES ? -2 : 0;
 }
 
-/* sweep() for a repacked Q4_K matrix (n a multiple of 8): chunks of whole 8-row groups; each
- * quantized activation row of a tile meets a group's 8 rows in one visit (x8_rows: the group's
- * bytes stay in cache across the tile); float activations and the scalar path unpack each row
- * to the file's blocks in a stack buffer and take the Q4_K kernels. */
-static void sweep_x8(const uint8_t *w, int64_t ws, int64_t n, const uint8_t *xa, size_t xs,
+/* sweep() for a matrix of repacked type t (n a multiple of 8): chunks of whole 8-row groups;
+ * each quantized activation row of a tile meets a group's 8 rows in one visit (x8_kernel: the
+ * group's bytes stay in cache across the tile); float activations and the scalar path unpack
+ * each row to the file's blocks in a stack buffer and take the file type's kernels. */
+static void sweep_x8(int t, const uint8_t *w, int64_t ws, int64_t n, const uint8_t *xa, size_t xs,
                      int64_t m, int64_t k, float *y, int64_t ldy, int64_t m_tile, int64_t n_chunk,
                      int f32, int scalar) {
     const int64_t chunk = (n_chunk + X8_ROWS - 1) / X8_ROWS * X8_ROWS, chunks = (n + chunk - 1) / chunk;
+    const int ft = x8_file_type(t);
 #ifdef LG_AVX2
     const int direct = !f32 && !scalar;
+    const x8_rows_fn rows8 = x8_kernel(t);
 #else
     const int direct = 0;
 #endif
@@ -1136,7 +1142,7 @@ static void sweep_x8(const uint8_t *w, int64_t ws, int64_t n, const uint8_t *xa,
                 for (int64_t g = r0; g < r1; g += X8_ROWS)
                     for (int64_t i = i0; i < i1; i++) {
                         float out[X8_ROWS];
-                        x8_rows(w + g * ws, xa + i * xs, k, out);
+                        rows8(w + g * ws, xa + i * xs, k, out);
                         memcpy(y + i * ldy + g, out, sizeof out);
                     }
             }
@@ -1145,11 +1151,11 @@ static void sweep_x8(const uint8_t *w, int64_t ws, int64_t n, const uint8_t *xa,
         }
         uint8_t row[X8_MAX_ROW_BYTES] __attribute__((aligned(64)));
         for (int64_t r = r0; r < r1; r++) {
-            x8_unpack_row(w, ws, r, k, row);
+            x8_unpack_row(t, w, ws, r, k, row);
             for (int64_t i = 0; i < m; i += 4) {
                 const int nx = (int)(m - i < 4 ? m - i : 4);
-                if (f32) rowsf(T_Q4_K, row, (const float *)(xa + i * xs), k, y + i * ldy + r, ldy, nx, scalar);
-                else rows(T_Q4_K, row, xa + i * xs, xs, k, y + i * ldy + r, ldy, nx, scalar);
+                if (f32) rowsf(ft, row, (const float *)(xa + i * xs), k, y + i * ldy + r, ldy, nx, scalar);
+                else rows(ft, row, xa + i * xs, xs, k, y + i * ldy + r, ldy, nx, scalar);
             }
         }
     }
@@ -1163,8 +1169,8 @@ static void sweep_x8(const uint8_t *w, int64_t ws, int64_t n, const uint8_t *xa,
 static void sweep(int qtype, const uint8_t *w, int64_t w_stride, int64_t n, const uint8_t *xa,
                   size_t xs, int64_t m, int64_t k, float *y, int64_t ldy, int64_t m_tile,
                   int64_t n_chunk, int f32, int scalar) {
-    if (qtype == T_Q4_K_X8) {
-        sweep_x8(w, w_stride, n, xa, xs, m, k, y, ldy, m_tile, n_chunk, f32, scalar);
+    if (x8_file_type(qtype)) {
+        sweep_x8(qtype, w, w_stride, n, xa, xs, m, k, y, ldy, m_tile, n_chunk, f32, scalar);
         return;
     }
     const int64_t chunks = (n + n_chunk - 1) / n_chunk;
@@ -1332,12 +1338,12 @@ int lg_gguf_dequant(const uint8_t *w, int64_t n, int64_t w_stride, int qtype, in
     if (rc) return rc;
     const int B = block_values(qtype), bb = block_bytes(qtype);
     if (threads < 1) threads = 1;
-    if (qtype == T_Q4_K_X8) {
+    if (x8_file_type(qtype)) {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t r = 0; r < n; r++) {
             uint8_t row[X8_MAX_ROW_BYTES];
-            x8_unpack_row(w, w_stride, r, k, row);
-            for (int64_t b = 0; b < k / B; b++) deq_block(T_Q4_K, row + b * bb, out + r * k + b * B);
+            x8_unpack_row(qtype, w, w_stride, r, k, row);
+            for (int64_t b = 0; b < k / B; b++) deq_block(x8_file_type(qtype), row + b * bb, out + r * k + b * B);
         }
         return 0;
     }
@@ -1355,14 +1361,18 @@ int64_t lg_gguf_xrow_bytes(int qtype, int64_t k) {
     return (int64_t)xrow_bytes(k, B);
 }
 
-/* Q4_K rows w [n, k / 256 * 144 bytes, rows back to back] repacked 8 at a time into out (the
- * layout of gguf_q4k_x8.h, the same size), or back when unpack != 0; out may be w (a group's 8
- * rows are copied aside before they are written). Returns 0, -2 for n not a multiple of 8 or a
- * bad k, -3 when a group's copy cannot be allocated. */
-int lg_gguf_repack_q4k(const uint8_t *w, int64_t n, int64_t k, uint8_t *out, int unpack,
-                       int threads) {
+/* Rows w [n, k / 256 * block bytes, rows back to back] of file type qtype (Q4_K or Q6_K)
+ * repacked 8 at a time into out (gguf_x8.h's layout of that type, the same size), or, when
+ * unpack != 0, rows of its repacked type back to the file's blocks; out may be w (a group's 8
+ * rows are copied aside before they are written). Returns 0, -1 for a type without a repacked
+ * layout, -2 for n not a multiple of 8 or a bad k, -3 when a group's copy cannot be allocated. */
+int lg_gguf_repack(int qtype, const uint8_t *w, int64_t n, int64_t k, uint8_t *out, int unpack,
+                   int threads) {
+    const int xt = x8_type(qtype);
+    if (!xt) return -1;
     if (k <= 0 || k % 256 || n % X8_ROWS) return -2;
-    const int64_t ws = k / 256 * 144, nb = k / 256;
+    const int bb = block_bytes(qtype);
+    const int64_t ws = k / 256 * bb, nb = k / 256;
     int failed = 0;
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads)
@@ -1378,9 +1388,10 @@ int lg_gguf_repack_q4k(const uint8_t *w, int64_t n, int64_t k, uint8_t *out, int
             }
             memcpy(tmp, w + g * ws, (size_t)(X8_ROWS * ws));
             for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *grp = tmp + b * X8_ROWS * bb;
                 if (unpack)
-                    for (int r = 0; r < X8_ROWS; r++) x8_unpack_block(tmp + b * X8_GROUP_BYTES, r, out + (g + r) * ws + b * 144);
-                else x8_pack_group(tmp + b * 144, ws, out + g * ws + b * X8_GROUP_BYTES);
+                    for (int r = 0; r < X8_ROWS; r++) x8_unpack_block(xt, grp, r, out + (g + r) * ws + b * bb);
+                else x8_pack_group(qtype, tmp + b * bb, ws, out + g * ws + b * X8_ROWS * bb);
             }
         }
         free(tmp);

@@ -1,5 +1,6 @@
-/* Q4_K rows repacked 8 at a time for one-activation-row products (included by gguf_matmul.c,
- * which defines AI, h2f, k4_scales, LG_AVX2 and the activation row layout used here).
+/* Q4_K rows repacked 8 at a time for one-activation-row products (included by gguf_x8.h, which
+ * gives X8_ROWS; gguf_matmul.c defines AI, dot_u8s8_acc, k4_scales, rd32, LG_AVX2 and the
+ * activation row layout used here).
  *
  * The file's Q4_K block (ggml-common.h block_q4_K: fp16 d, fp16 dmin, 12 bytes of 6-bit scales
  * and mins, 128 bytes of nibbles) keeps one row's 256 values together, so a product with one
@@ -24,11 +25,10 @@
  * The idea is llama.cpp's repacked CPU layouts (ggml-cpu/repack); this layout is this file's.
  */
 
-#define X8_ROWS 8
-#define X8_GROUP_BYTES (X8_ROWS * 144)
+#define Q4X8_GROUP_BYTES (X8_ROWS * 144)
 
 /* The 8 Q4_K blocks at src (rows src_stride bytes apart) as one repacked group at dst. */
-static void x8_pack_group(const uint8_t *src, int64_t src_stride, uint8_t *dst) {
+static void q4x8_pack_group(const uint8_t *src, int64_t src_stride, uint8_t *dst) {
     uint8_t sc[64], mn[64];
     memset(dst + 32, 0, 96);
     for (int r = 0; r < X8_ROWS; r++) {
@@ -52,7 +52,7 @@ static void x8_pack_group(const uint8_t *src, int64_t src_stride, uint8_t *dst) 
 }
 
 /* Row r's block of the repacked group at src, back as the file's 144 bytes at blk. */
-static void x8_unpack_block(const uint8_t *src, int r, uint8_t *blk) {
+static void q4x8_unpack_block(const uint8_t *src, int r, uint8_t *blk) {
     uint8_t s[8], m[8];
     memcpy(blk, src + 2 * r, 2);
     memcpy(blk + 2, src + 16 + 2 * r, 2);
@@ -71,30 +71,9 @@ static void x8_unpack_block(const uint8_t *src, int r, uint8_t *blk) {
         for (int q = 0; q < 8; q++) memcpy(blk + 16 + 32 * p + 4 * q, src + 128 + 256 * p + 32 * q + 4 * r, 4);
 }
 
-/* Row r of a repacked matrix w (row stride ws = k / 256 * 144) as the file's blocks at out. */
-static void x8_unpack_row(const uint8_t *w, int64_t ws, int64_t r, int64_t k, uint8_t *out) {
-    const uint8_t *g = w + (r & ~(int64_t)(X8_ROWS - 1)) * ws;
-    for (int64_t b = 0; b < k / 256; b++) x8_unpack_block(g + b * X8_GROUP_BYTES, (int)(r & (X8_ROWS - 1)), out + b * 144);
-}
-
-/* Longest row a repacked matrix may have (the slow paths unpack a row into a stack buffer). */
-#define X8_MAX_ROW_BYTES (64 * 1024)
-
 #ifdef LG_AVX2
-/* acc + the sums of 4 adjacent u8 * s8 products, as int32 (VNNI's dpbusd; else maddubs, whose
- * int16 pairs cannot saturate for codes <= 15, then madd with ones). */
-AI __m256i x8_dot_acc(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, u, s);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
-}
-
 /* A group's 64 scales and 64 mins as bytes, index 8 sub-block + row. */
-AI void x8_scales(const uint8_t *g, uint8_t sc[64], uint8_t mn[64]) {
+AI void q4x8_scales(const uint8_t *g, uint8_t sc[64], uint8_t mn[64]) {
     const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
     const __m256i ls = _mm256_loadu_si256((const __m256i *)(g + 32));
     const __m256i lm = _mm256_loadu_si256((const __m256i *)(g + 64));
@@ -110,25 +89,25 @@ AI void x8_scales(const uint8_t *g, uint8_t sc[64], uint8_t mn[64]) {
 /* 8 repacked rows (group row w, its groups 1152 bytes apart) against one activation row x of
  * 256-value blocks: y[0..7]. Per block, each row's sum of scale x (codes . q) and of
  * min x (sum of q per 32) are exact int32 in its lane, then scaled by d dx and dmin dx. */
-static void x8_rows(const uint8_t *w, const uint8_t *x, int64_t k, float *y) {
+static void q4x8_rows(const uint8_t *w, const uint8_t *x, int64_t k, float *y) {
     const int64_t nb = k / 256;
     const float *dxs = (const float *)(x + k);
     const int16_t *bsum = (const int16_t *)(x + k + 4 * nb);
     const __m256i m4 = _mm256_set1_epi8(15);
     __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *g = w + b * X8_GROUP_BYTES;
+        const uint8_t *g = w + b * Q4X8_GROUP_BYTES;
         const int8_t *xq = (const int8_t *)x + 256 * b;
         const int16_t *bs = bsum + 16 * b;
         uint8_t sc[64], mn[64];
-        x8_scales(g, sc, mn);
+        q4x8_scales(g, sc, mn);
         __m256i isum = _mm256_setzero_si256(), msum = _mm256_setzero_si256();
         for (int p = 0; p < 4; p++) {
             __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
             for (int q = 0; q < 8; q++) {
                 const __m256i c = _mm256_loadu_si256((const __m256i *)(g + 128 + 256 * p + 32 * q));
-                d0 = x8_dot_acc(d0, _mm256_and_si256(c, m4), _mm256_set1_epi32((int)rd32((const uint8_t *)xq + 64 * p + 4 * q)));
-                d1 = x8_dot_acc(d1, _mm256_and_si256(_mm256_srli_epi16(c, 4), m4),
+                d0 = dot_u8s8_acc(d0, _mm256_and_si256(c, m4), _mm256_set1_epi32((int)rd32((const uint8_t *)xq + 64 * p + 4 * q)));
+                d1 = dot_u8s8_acc(d1, _mm256_and_si256(_mm256_srli_epi16(c, 4), m4),
                                 _mm256_set1_epi32((int)rd32((const uint8_t *)xq + 64 * p + 32 + 4 * q)));
             }
             isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(d0, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 16 * p)))));

@@ -308,7 +308,7 @@ CPU_REPACK_ENV = "LOCALGEN_GGUF_REPACK"
 
 def repack_for_cpu(w: "PackedGGUFWeight", mod) -> None:
     """Rearrange w's rows in place into the C kernel's layout for quantized-activation products
-    (``gguf_cpu.repack``: Q4_K rows 8 at a time, the same bytes) where it applies, the
+    (``gguf_cpu.repack``: Q4_K or Q6_K rows 8 at a time, the same bytes) where it applies, the
     activations are ``q8`` (float32 activations would unpack each row a product) and
     ``LOCALGEN_GGUF_REPACK`` is not 0; w then multiplies, dequantizes and moves as before
     (``kernel_qtype``, ``file_raw``). Only a raw that is its whole storage is rearranged: a
@@ -323,7 +323,7 @@ def repack_for_cpu(w: "PackedGGUFWeight", mod) -> None:
             or not repackable(raw, int(w.qtype), w.shape[1])):
         return
     mod.repack(w.raw, int(w.qtype), w.shape[1], out=w.raw)
-    w._kernel_qtype = mod.Q4_K_X8
+    w._kernel_qtype = mod.REPACKED[int(w.qtype)]
 
 
 def _cuda_kernel_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor | None:
@@ -362,8 +362,9 @@ class PackedGGUFWeight:
     """A 2-D GGUF matrix ``[out_features, in_features]`` held as the file's blocks.
 
     ``raw``: uint8 ``[out_features, row_bytes(qtype, in_features)]``, the file's bytes of each
-    row (bits per weight are the file's; on the CPU a Q4_K matrix is rearranged in place at its
-    first product, ``repack_for_cpu``, and ``file_raw`` gives the file's bytes back);
+    row (bits per weight are the file's; on the CPU a Q4_K or Q6_K matrix is rearranged in
+    place at its first product, ``repack_for_cpu``, and ``file_raw`` gives the file's bytes
+    back);
     ``qtype``: a ``PACKED_TYPES`` member.
     Callable as ``w(x, bias)`` -> ``x @ W.T (+ bias)`` in x's dtype (``quant.linear``'s
     contract): on the CPU through ``localgen.kernels.gguf_cpu`` and on CUDA through
@@ -381,12 +382,12 @@ class PackedGGUFWeight:
                              f"{want}, got {raw.dtype} {tuple(raw.shape)}")
         self.raw, self.shape = raw, (out_features, in_features)
         self._cpu_products: dict = {}  # activations -> gguf_cpu.product bound to raw
-        self._kernel_qtype = int(self.qtype)  # gguf_cpu's Q4_K_X8 once repack_for_cpu ran
+        self._kernel_qtype = int(self.qtype)  # a gguf_cpu.REPACKED type once repack_for_cpu ran
 
     @property
     def kernel_qtype(self) -> int:
         """The layout raw holds, as the CPU kernel's type id: ``int(qtype)`` (the file's
-        blocks), or ``gguf_cpu.Q4_K_X8`` after ``repack_for_cpu``."""
+        blocks), or ``gguf_cpu.REPACKED[qtype]`` after ``repack_for_cpu``."""
         return self.__dict__.get("_kernel_qtype", int(self.qtype))
 
     def file_raw(self) -> torch.Tensor:

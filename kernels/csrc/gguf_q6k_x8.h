@@ -1,0 +1,107 @@
+/* Q6_K rows repacked 8 at a time for one-activation-row products (included by gguf_x8.h, which
+ * gives X8_ROWS; gguf_matmul.c defines AI, dot_u8s8_acc, rd32, LG_AVX2 and the activation row
+ * layout used here).
+ *
+ * The file's Q6_K block (ggml-common.h block_q6_K: 128 bytes ql of low 4 bits, 64 bytes qh of
+ * high 2 bits, 16 int8 scales, fp16 d; value 128 h + 32 s + l has code
+ * (ql[64 h + 32 (s % 2) + l] >> 4 (s / 2)) & 15 | ((qh[32 h + l] >> 2 s) & 3) << 4, minus 32, and
+ * scale index value / 16) keeps one row's 256 values together. Repacked, the 8 blocks of rows
+ * 8g .. 8g+7 at block column b become one 1680-byte group (8 x 210: the file's bytes per weight):
+ *
+ *   bytes     0..15     d of rows 0..7 (fp16)
+ *   bytes    16..143    scales: byte 16 + 8 j + r holds scale j (values 16 j ..) of row r
+ *   bytes   144..1167   ql: the 4 file bytes ql[32 u + 4 q .. + 3] of row r at
+ *                       144 + 256 u + 32 q + 4 r (u = 0..3, q = 0..7)
+ *   bytes  1168..1679   qh: the 4 file bytes qh[32 h + 4 q .. + 3] of row r at
+ *                       1168 + 256 h + 32 q + 4 r
+ *
+ * so the repack moves 4-byte words only, and 32 bytes hold 4 values of one 32-value group for
+ * each of the 8 rows, one 32-bit lane a row: with 4 broadcast activation bytes a dot product
+ * instruction gives each row's partial sum in its own lane, a 16-value scale's 8 rows are one
+ * vector and the 8 outputs need no horizontal sum. The idea is llama.cpp's repacked CPU layouts
+ * (ggml-cpu/repack); this layout is this file's.
+ */
+
+#define Q6X8_GROUP_BYTES (X8_ROWS * 210)
+#define Q6X8_QL 144
+#define Q6X8_QH 1168
+
+/* The 8 Q6_K blocks at src (rows src_stride bytes apart) as one repacked group at dst. */
+static void q6x8_pack_group(const uint8_t *src, int64_t src_stride, uint8_t *dst) {
+    for (int r = 0; r < X8_ROWS; r++) {
+        const uint8_t *blk = src + r * src_stride;
+        memcpy(dst + 2 * r, blk + 208, 2);
+        for (int j = 0; j < 16; j++) dst[16 + 8 * j + r] = blk[192 + j];
+        for (int q = 0; q < 8; q++) {
+            for (int u = 0; u < 4; u++) memcpy(dst + Q6X8_QL + 256 * u + 32 * q + 4 * r, blk + 32 * u + 4 * q, 4);
+            for (int h = 0; h < 2; h++) memcpy(dst + Q6X8_QH + 256 * h + 32 * q + 4 * r, blk + 128 + 32 * h + 4 * q, 4);
+        }
+    }
+}
+
+/* Row r's block of the repacked group at src, back as the file's 210 bytes at blk. */
+static void q6x8_unpack_block(const uint8_t *src, int r, uint8_t *blk) {
+    memcpy(blk + 208, src + 2 * r, 2);
+    for (int j = 0; j < 16; j++) blk[192 + j] = src[16 + 8 * j + r];
+    for (int q = 0; q < 8; q++) {
+        for (int u = 0; u < 4; u++) memcpy(blk + 32 * u + 4 * q, src + Q6X8_QL + 256 * u + 32 * q + 4 * r, 4);
+        for (int h = 0; h < 2; h++) memcpy(blk + 128 + 32 * h + 4 * q, src + Q6X8_QH + 256 * h + 32 * q + 4 * r, 4);
+    }
+}
+
+#ifdef LG_AVX2
+/* The high 2 bits of group s (0..3) of a qh vector, in bits 4..5 of each byte. */
+AI __m256i q6x8_high(__m256i qh, const int s) {
+    const __m256i m30 = _mm256_set1_epi8(0x30);
+    switch (s) {
+    case 0: return _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30);
+    case 1: return _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30);
+    case 2: return _mm256_and_si256(qh, m30);
+    default: return _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30);
+    }
+}
+
+/* acc + scale j's 8 lanes times (d - 32 * the activation sum of its 16 values): the codes'
+ * offset of 32 comes off through the activations' sums per 16. */
+AI __m256i q6x8_scaled(__m256i acc, __m256i d, const uint8_t *g, const int16_t *bs, const int j) {
+    const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(g + 16 + 8 * j)));
+    return _mm256_add_epi32(acc, _mm256_mullo_epi32(_mm256_sub_epi32(d, _mm256_set1_epi32(32 * bs[j])), sc));
+}
+
+/* 8 repacked rows (group row w, its groups 1680 bytes apart) against one activation row x of
+ * 256-value blocks: y[0..7]. Per block, each row's sum over its 16 scales of
+ * scale x (codes . q - 32 sum q) is exact int32 in its lane (below 16 x 128 x 16 x 32 x 127 in
+ * magnitude), then scaled by d dx. Codes 0..63 keep maddubs' int16 pairs below 2 x 63 x 127. */
+static void q6x8_rows(const uint8_t *w, const uint8_t *x, int64_t k, float *y) {
+    const int64_t nb = k / 256;
+    const float *dxs = (const float *)(x + k);
+    const int16_t *bsum = (const int16_t *)(x + k + 4 * nb);
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *g = w + b * Q6X8_GROUP_BYTES;
+        const uint8_t *xq = x + 256 * b;
+        const int16_t *bs = bsum + 16 * b;
+        __m256i isum = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++)
+            for (int u = 0; u < 2; u++) /* ql bytes 64 h + 32 u ..: groups s = u (low) and u + 2 */
+                for (int half = 0; half < 2; half++) { /* values 16 half .. of each group */
+                    __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
+                    const int c0 = 4 * h + u, c1 = c0 + 2; /* 32-value groups of the block */
+                    for (int q = 4 * half; q < 4 * half + 4; q++) {
+                        const __m256i c = _mm256_loadu_si256((const __m256i *)(g + Q6X8_QL + 256 * (2 * h + u) + 32 * q));
+                        const __m256i qh = _mm256_loadu_si256((const __m256i *)(g + Q6X8_QH + 256 * h + 32 * q));
+                        const __m256i lo = _mm256_or_si256(_mm256_and_si256(c, m4), q6x8_high(qh, u));
+                        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4), q6x8_high(qh, u + 2));
+                        d0 = dot_u8s8_acc(d0, lo, _mm256_set1_epi32((int)rd32(xq + 32 * c0 + 4 * q)));
+                        d1 = dot_u8s8_acc(d1, hi, _mm256_set1_epi32((int)rd32(xq + 32 * c1 + 4 * q)));
+                    }
+                    isum = q6x8_scaled(isum, d0, g, bs, 2 * c0 + half);
+                    isum = q6x8_scaled(isum, d1, g, bs, 2 * c1 + half);
+                }
+        const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g)), _mm256_set1_ps(dxs[b]));
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), acc);
+    }
+    _mm256_storeu_ps(y, acc);
+}
+#endif

@@ -1,0 +1,46 @@
+/* Rows repacked 8 at a time (Q4_K: gguf_q4k_x8.h, Q6_K: gguf_q6k_x8.h), included by
+ * gguf_matmul.c after its row kernels: the 8 rows' blocks at one block column become one group
+ * of the same bytes, so one quantized activation row meets 8 rows per dot product instruction
+ * (gguf_matmul.c's dot_u8s8_acc), one row a 32-bit lane. Here is what the types share: the
+ * group size and the dispatch from a repacked type (T_Q4_K_X8, T_Q6_K_X8) to its file type and
+ * its functions.
+ */
+
+#define X8_ROWS 8
+/* Longest row a repacked matrix may have (the slow paths unpack a row into a stack buffer). */
+#define X8_MAX_ROW_BYTES (64 * 1024)
+
+#include "gguf_q4k_x8.h"
+#include "gguf_q6k_x8.h"
+
+/* The file type whose blocks repacked type t holds, or 0 where t is no repacked type. */
+static int x8_file_type(int t) { return t == T_Q4_K_X8 ? T_Q4_K : t == T_Q6_K_X8 ? T_Q6_K : 0; }
+
+/* The repacked type of file type t, or 0 where t has no repacked layout. */
+static int x8_type(int t) { return t == T_Q4_K ? T_Q4_K_X8 : t == T_Q6_K ? T_Q6_K_X8 : 0; }
+
+/* The 8 blocks of file type t at src (rows src_stride bytes apart) as one group at dst. */
+static void x8_pack_group(int t, const uint8_t *src, int64_t src_stride, uint8_t *dst) {
+    if (t == T_Q4_K) q4x8_pack_group(src, src_stride, dst);
+    else q6x8_pack_group(src, src_stride, dst);
+}
+
+/* Row r's block of the group at src of repacked type t, back as the file's bytes at blk. */
+static void x8_unpack_block(int t, const uint8_t *src, int r, uint8_t *blk) {
+    if (t == T_Q4_K_X8) q4x8_unpack_block(src, r, blk);
+    else q6x8_unpack_block(src, r, blk);
+}
+
+/* Row r of a matrix w of repacked type t (row stride ws, the file's) as the file's blocks. */
+static void x8_unpack_row(int t, const uint8_t *w, int64_t ws, int64_t r, int64_t k, uint8_t *out) {
+    const int bb = block_bytes(t);
+    const uint8_t *g = w + (r & ~(int64_t)(X8_ROWS - 1)) * ws;
+    for (int64_t b = 0; b < k / 256; b++) x8_unpack_block(t, g + b * X8_ROWS * bb, (int)(r & (X8_ROWS - 1)), out + b * bb);
+}
+
+#ifdef LG_AVX2
+/* 8 repacked rows (group row w) against one quantized activation row x: y[0..7]. */
+typedef void (*x8_rows_fn)(const uint8_t *w, const uint8_t *x, int64_t k, float *y);
+
+static x8_rows_fn x8_kernel(int t) { return t == T_Q4_K_X8 ? q4x8_rows : q6x8_rows; }
+#endif
