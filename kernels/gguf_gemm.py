@@ -304,9 +304,9 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
 def matmuls_same_x(x: torch.Tensor, mats, k: int) -> list[torch.Tensor]:
     """:func:`matmul` (default configs) of one ``x`` ``[M, k]`` by each ``(raw, qtype)`` of
     ``mats`` (q, k and v), the same values as apart; where two or more of them round x to 8 bits
-    at M = 1 (``gguf_gemv.rounds_x``), x is rounded once for them: a launch fewer each."""
-    x = x.contiguous()
-    share = [x.shape[0] == 1 and (qt, 1) not in FAILED_DEFAULTS and gguf_gemv.rounds_x(qt)
-             and _new_kernel_serves(raw, qt, gguf_gemv.default_config(qt, 1)) for raw, qt in mats]
+    (``gguf_gemv.rounds_x``), x is rounded once for them: a launch fewer each."""
+    x, m = x.contiguous(), x.shape[0]
+    share = [(qt, gguf_gemv.decode_class(m)) not in FAILED_DEFAULTS and gguf_gemv.rounds_x(qt, m)
+             and _new_kernel_serves(raw, qt, gguf_gemv.default_config(qt, m)) for raw, qt in mats]
     x8 = gguf_q8.quantize(x) if sum(share) > 1 else None
     return [matmul(x, raw, qt, k, x8=x8 if s else None) for (raw, qt), s in zip(mats, share)]

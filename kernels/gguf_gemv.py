@@ -68,7 +68,7 @@ class DecodeConfig:
     (the whole matrix dequantized, then cuBLAS: the prefill path); ``block_n``:
     output rows a program; ``split_k``: K slices (0: enough for ``programs_per_sm`` programs on
     every multiprocessor); ``num_warps``; ``codes``: how the gemv kernels turn codes into floats
-    (``CODE_MODES``); ``blocks_per_step``: blocks of each row a gemv loop step loads (1, 2, 4);
+    (``CODE_MODES``); ``blocks_per_step``: blocks of each row a gemv loop step loads (1, 2, 4, 8);
     ``num_stages``: the mma kernel's software-pipeline depth over K (0: Triton's default)."""
 
     kernel: str = "gemv"
@@ -423,11 +423,12 @@ def split_output(cfg: DecodeConfig, x: torch.Tensor, n: int, n_programs: int,
     return splits, per_split, y
 
 
-def rounds_x(qtype: int) -> bool:
-    """Whether the default M = 1 config of ``qtype`` rounds x to 8 bits (``gguf_q8``), so
-    that one ``x8`` made for several matrices saves each of them a launch."""
-    cfg = default_config(qtype, 1)
-    return cfg.kernel == "gemv" and cfg.codes == "q8" and int(qtype) in Q8_TYPES
+def rounds_x(qtype: int, m: int = 1) -> bool:
+    """Whether the default config of ``qtype`` at ``m`` rows rounds x to 8 bits
+    (``gguf_q8``), so that one ``x8`` made for several matrices saves each of them a launch."""
+    cfg = default_config(qtype, m)
+    return (cfg.kernel == "gemv" and cfg.codes == "q8" and int(qtype) in Q8_TYPES
+            and m <= MAX_M)
 
 
 # activation dtype -> (dot operand dtype, CODE_BITS, CODE_OFF) of ``_gemm_dot``
@@ -442,9 +443,9 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     W the Q4_K, Q5_K or Q6_K blocks ``raw`` (uint8 ``[N, row_bytes]``, contiguous rows, 16-byte
     aligned data; the caller, ``gguf_gemm.matmul``, checks the shapes). ``cfg`` (default
     :func:`default_config`) must not be ``file``; a ``gemv`` config at M > 1 runs the ``dot``
-    kernel with its tile, except with "q8" codes (``gguf_q8``'s multi-row kernels). ``x8``: ``gguf_q8.quantize(x)`` already made, for matrices that read
-    the same ``x`` (used by a "q8" config, else ignored). Raises ValueError for another type,
-    M, dtype or a ``file`` config."""
+    kernel with its tile, except with "q8" codes (``gguf_q8``'s multi-row kernels). ``x8``:
+    ``gguf_q8.quantize(x)`` already made, for matrices that read the same ``x`` (used by a "q8"
+    config, else ignored). Raises ValueError for another type, M, dtype or a ``file`` config."""
     qtype, (m, n) = int(qtype), (x.shape[0], raw.shape[0])
     if qtype not in TYPES or not 1 <= m <= MAX_M:
         raise ValueError(f"gguf_gemv serves Q4_K/Q5_K/Q6_K (12, 13, 14) at 1 <= M <= {MAX_M}, "

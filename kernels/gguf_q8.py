@@ -1,7 +1,10 @@
-"""M = 1 decode over GGUF Q4_K and Q6_K blocks against 8-bit activations (``gguf_gemv``'s
+"""Decode (M <= 16) over GGUF Q4_K and Q6_K blocks against 8-bit activations (``gguf_gemv``'s
 ``codes="q8"``; llama.cpp's MMVQ idea): the activations are first rounded to int8 per 32-group
-(:func:`quantize`, one small kernel), and four codes of a 32-bit word meet four of them in one
-``dp4a``. Not bit-compatible with the float-code kernels: the error is that rounding's, at most
+(:func:`quantize`, one small kernel for all rows), and four codes of a 32-bit word meet four of
+them in one ``dp4a``. M = 1: ``_q4k_gemv_q8``, ``_q6k_gemv_q8``; 2..16 rows: ``_q4k_rows_q8``,
+``_q6k_rows_q8``, which load each weight word once for all the rows and sum a group's products
+in integers, so its scales apply once per (activation row, weight row, group). Not
+bit-compatible with the float-code kernels: the error is that rounding's, at most
 ``Σ_j |w_j|·d_g(j)/2`` for a row (``d_g``: the step of the 32-group holding weight ``j``).
 
 Block layouts: ggml-common.h (``block_q4_K``, ``block_q6_K``), value order as ``gguf.quants``
@@ -241,7 +244,7 @@ def _finish_rows(acc, y_ptr, part_ptr, cnt_ptr, M, offs_n, N, stride_ym, splits,
                  SPLIT: tl.constexpr):
     """``acc`` ``[M_PAD, BLOCK_N, S, 1]`` summed over its slots into ``y`` ``[M, N]`` (row
     stride ``stride_ym``) by :func:`gguf_tiles.finish_at` (partials ``[splits, M·N]``)."""
-    out = tl.sum(tl.sum(acc, axis=3), axis=2)
+    out = acc
     m2 = tl.arange(0, acc.shape[0])[:, None].to(tl.int64)
     n2 = offs_n[None, :]
     finish_at(out, y_ptr, m2 * stride_ym + n2, part_ptr, m2 * N + n2, M * N,
@@ -266,21 +269,22 @@ def _q4k_rows_q8(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, 
     c4 = j4 % 4
     h4 = tl.arange(0, 2)[None, None, None, :]  # the nibble: group 2c + h
     g4 = 2 * c4 + h4
-    acc = tl.zeros([M_PAD, BLOCK_N, 4 * KB, 2], tl.float32)
+    acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
     for kt in range(kt0, end, KB):
         kb4 = kt + j4 // 4
         live = (kb4 < end) & m_live
         blk = rows + tl.minimum(kb4, end - 1) * 36
         blk8 = blk.to(tl.pointer_type(tl.uint8))
         x_g = xq32 + kb4 * 64 + 8 * g4  # word 0 of each group's activations
-        p = tl.zeros(acc.shape, tl.int32)
+        p = tl.zeros([M_PAD, BLOCK_N, 4 * KB, 2], tl.int32)
         for i in tl.static_range(8):
             nib = (tl.load(blk + 4 + 8 * c4 + i) >> (4 * h4)) & 0x0F0F0F0F
             p = _dp4a_add(nib, tl.load(x_g + i, mask=live, other=0), p, ASM)
         xd = tl.load(xd_ptr + x_groups + kb4 * 8 + g4, mask=live, other=0.0)
         xsum = tl.load(xs_ptr + x_groups + kb4 * 8 + g4, mask=live, other=0.0)
         sc, mn = k4_scale_min(blk8, g4)
-        acc += _small_int_float(p) * ((f16_at(blk8) * sc) * xd) - (f16_at(blk8 + 2) * mn) * xsum
+        part = _small_int_float(p) * ((f16_at(blk8) * sc) * xd) - (f16_at(blk8 + 2) * mn) * xsum
+        acc += tl.sum(tl.sum(part, axis=3), axis=2)
     _finish_rows(acc, y_ptr, part_ptr, cnt_ptr, M, offs_n, N, stride_ym, splits, SPLIT)
 
 
@@ -301,14 +305,14 @@ def _q6k_rows_q8(xq_ptr, xd_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, num_tile
     p4 = j4 % 4
     hf4 = p4 // 2
     t4 = tl.arange(0, 4)[None, None, None, :]  # the quarter: group 8hf + 2t + p % 2
-    acc = tl.zeros([M_PAD, BLOCK_N, 4 * KB, 4], tl.float32)
+    acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
     for kt in range(kt0, end, KB):
         kb4 = kt + j4 // 4
         live = (kb4 < end) & m_live
         blk = rows + tl.minimum(kb4, end - 1) * 105
         blk8 = blk.to(tl.pointer_type(tl.uint8))
         x_t = xq32 + kb4 * 64 + 32 * hf4 + 8 * t4 + 4 * (p4 % 2)  # word 0 of each group's
-        p = tl.zeros(acc.shape, tl.int32)
+        p = tl.zeros([M_PAD, BLOCK_N, 4 * KB, 4], tl.int32)
         for i in tl.static_range(4):
             ql = blk + 32 * hf4 + 8 * (p4 % 2) + 2 * i  # 16-bit word of ql byte 64hf + l
             src = tl.where(t4 % 2 == 0, _word16x2(ql), _word16x2(ql + 16))
@@ -317,7 +321,8 @@ def _q6k_rows_q8(xq_ptr, xd_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, num_tile
             p = _dp4a_add(_less_32(q), tl.load(x_t + i, mask=live, other=0), p, ASM)
         xd = tl.load(xd_ptr + x_groups + kb4 * 8 + 4 * hf4 + t4, mask=live, other=0.0)
         scale = tl.load(blk8 + 192 + 8 * hf4 + 2 * t4 + p4 % 2).to(tl.int8, bitcast=True)
-        acc += _small_int_float(p) * ((f16_at(blk8 + 208) * scale.to(tl.float32)) * xd)
+        part = _small_int_float(p) * ((f16_at(blk8 + 208) * scale.to(tl.float32)) * xd)
+        acc += tl.sum(tl.sum(part, axis=3), axis=2)
     _finish_rows(acc, y_ptr, part_ptr, cnt_ptr, M, offs_n, N, stride_ym, splits, SPLIT)
 
 

@@ -179,7 +179,7 @@ def test_sweep_runs_every_config(kernel_device):
                                    kernel_device, torch.float16)
     cells = result["cells"]
     assert [c for c in cells if "error" in c] == []
-    want = sum(gguf_gemv.serves(c, qt, m) for c in gguf_gemm_bench.sweep_configs()
+    want = sum(gguf_gemm_bench.sweep_serves(c, qt, m) for c in gguf_gemm_bench.sweep_configs()
                for qt in gguf_gemm_bench.SWEEP_QTYPES for m in (1, 2))
     assert len(cells) == want
     assert set(result["ranking"]) == {"type 12 M=1", "type 12 M=2", "type 14 M=1", "type 14 M=2"}
@@ -262,6 +262,27 @@ def test_q8_rows_within_their_rounding(qtype, m, cfg, kernel_device):
     with its own steps: split K, several blocks a step past the slice's end."""
     assert gguf_gemv.serves(cfg, qtype, m)
     check_q8_matmul(cfg, kernel_device, qtype, m=m)
+
+
+@pytest.mark.parametrize("qtype", gguf_gemv.Q8_TYPES)
+@pytest.mark.parametrize("block_n,num_warps,blocks_per_step", [(2, 1, 1), (4, 4, 2), (8, 4, 1)])
+def test_q8_rows_sm90_build_keeps_its_registers(qtype, block_n, num_warps, blocks_per_step,
+                                                 tmp_path):
+    """Sweep tiles of the multi-row q8 kernels at 16 rows build for sm_90 with no register
+    spilled to the stack."""
+    from tests.sm90_build import stack_bytes
+
+    ptrs = ["xq_ptr", "xd_ptr"] + (["xs_ptr"] if qtype == Q.Q4_K else [])
+    ptrs += ["w_ptr", "y_ptr", "part_ptr", "cnt_ptr"]
+    ints = ["M", "N", "num_tiles", "tiles_per_split", "splits",
+            "row_16b" if qtype == Q.Q4_K else "stride_wn", "stride_ym"]
+    types = ["*i8"] + ["*fp32"] * (len(ptrs) - 5) + ["*u8", "*bf16", "*fp32", "*i32"]
+    sig = dict(zip(ptrs + ints, types + ["i32"] * len(ints)))
+    consts = dict(BLOCK_N=block_n, KB=blocks_per_step, M_PAD=16, SPLIT=False, ASM=True)
+    kernel = "_q4k_rows_q8" if qtype == Q.Q4_K else "_q6k_rows_q8"
+    aligned = list(range(len(ptrs))) + [len(sig) - 1]
+    assert stack_bytes("localgen.kernels.gguf_q8", kernel, sig, consts, aligned, num_warps,
+                       tmp_path) == 0
 
 
 def test_q8_rows_take_one_rounding_of_every_row(kernel_device):
@@ -387,22 +408,40 @@ def test_matmuls_same_x_rounds_once_with_the_values_apart(q6k_q8, tmp_path, monk
     """q, k and v of one x: the matrices whose default configs round x to 8 bits unsplit (Q4_K
     here; Q6_K too where a sweep's winners say "q8") share one rounding launch, and each output
     equals its own ``gguf_gemm.matmul`` bit for bit."""
-    from localgen.kernels import gguf_q8
-
     if q6k_q8:
         cfg = gguf_gemv.DecodeConfig("gemv", block_n=8, split_k=1, codes="q8")
         monkeypatch.setenv(gguf_gemv.ENV_CONFIGS,
                            _winners_file(tmp_path, [dict(qtype=14, m=1, cfg=cfg.__dict__)]))
+    assert _roundings_of_qkv(1, monkeypatch, kernel_device) == 1  # one for those that take it
+
+
+def _roundings_of_qkv(m: int, monkeypatch, kernel_device) -> int:
+    """``gguf_q8.quantize`` launches of ``matmuls_same_x`` over :func:`_qkv_mats` at ``m``
+    rows, having checked that each output equals its own ``gguf_gemm.matmul`` bit for bit."""
+    from localgen.kernels import gguf_q8
+
     mats, k = _qkv_mats(kernel_device), 512
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(1), device="cpu")
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1), device="cpu")
     x = x.to(kernel_device)
     apart = [gguf_gemm.matmul(x, raw, qt, k) for raw, qt in mats]
     calls = []
     quantize = gguf_q8.quantize
     monkeypatch.setattr(gguf_q8, "quantize", lambda *a: calls.append(a) or quantize(*a))
     together = gguf_gemm.matmuls_same_x(x, mats, k)
-    assert len(calls) == 1  # one rounding launch for the matrices that take it
     assert all(torch.equal(a, b) for a, b in zip(apart, together))
+    return len(calls)
+
+
+@pytest.mark.parametrize("q8_at_16", [False, True])
+def test_matmuls_same_x_at_several_rows(q8_at_16, tmp_path, monkeypatch, kernel_device):
+    """At M = 4: where a sweep's M = 16 winners are "q8" configs, q, k and v share one rounding
+    of the four rows; where the table's file kernel serves them, nothing is rounded. Each
+    output equals its own ``gguf_gemm.matmul`` bit for bit."""
+    if q8_at_16:
+        cfg = gguf_gemv.DecodeConfig("gemv", block_n=4, split_k=1, num_warps=2, codes="q8")
+        monkeypatch.setenv(gguf_gemv.ENV_CONFIGS, _winners_file(
+            tmp_path, [dict(qtype=qt, m=16, cfg=cfg.__dict__) for qt in gguf_gemv.Q8_TYPES]))
+    assert _roundings_of_qkv(4, monkeypatch, kernel_device) == (1 if q8_at_16 else 0)
 
 
 def _llama_cfg():

@@ -163,53 +163,18 @@ def test_sweep_winners_select_the_mma_kernel(tmp_path, monkeypatch):
         gguf_gemv.measured_winners.cache_clear()
 
 
-# Builds the kernel for sm_90 (no GPU needed: Triton's own ptxas) and prints the registers
-# spilled to the stack; run in a child process, since the interpreter that the CPU tests use
-# replaces Triton's compiler in this one.
-_SM90_BUILD = """
-import os, re, subprocess, sys
-import triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from localgen.kernels import gguf_mma
-
-qtype, block_n, num_warps, m_pad = map(int, sys.argv[1:])
-names = ["x_ptr", "w_ptr", "y_ptr", "M", "N", "num_tiles", "tiles_per_split", "stride_xm",
-         "row_units", "stride_ym"]
-sig = dict(zip(names, ["*bf16", "*u8", "*fp32"] + ["i32"] * 7))
-consts = dict(QTYPE=qtype, BLOCK_N=block_n, M_PAD=m_pad,
-              KC=gguf_mma.k_chunk(qtype, block_n, num_warps, m_pad), ATOMIC=True,
-              DOT_DTYPE=tl.bfloat16, IEEE=False)
-sig.update({k: "constexpr" for k in consts})
-attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 7, 8, 9)}
-kernel = triton.compile(ASTSource(gguf_mma._gguf_mma, sig, consts, attrs),
-                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
-path = os.path.join(os.environ["OUT_DIR"], "k.cubin")
-open(path, "wb").write(kernel.asm["cubin"])
-tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-usage = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
-print("STACK", re.search(r"STACK:(\\d+)", usage).group(1))
-"""
-
-
 @pytest.mark.parametrize("qtype,block_n,num_warps,m_pad", [
     (Q.Q4_K, 64, 4, 16), (Q.Q6_K, 64, 4, 16), (Q.Q4_K, 128, 8, 64), (Q.Q6_K, 128, 8, 64)])
 def test_sm90_build_keeps_its_registers(qtype, block_n, num_warps, m_pad, tmp_path):
     """The sweep's tiles build for sm_90 with the parts that ``k_chunk`` picks, and spill no
     register to the stack (a spill turns each part's weights into local-memory traffic)."""
-    import os
-    import subprocess
-    import sys
+    from tests.sm90_build import stack_bytes
 
-    import triton
-
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__),
-                                       "backends/nvidia/bin/cuobjdump")):
-        pytest.skip("this Triton has no CUDA tools")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(OUT_DIR=str(tmp_path), TRITON_CACHE_DIR=str(tmp_path / "cache"))
-    out = subprocess.run([sys.executable, "-c", _SM90_BUILD, str(int(qtype)), str(block_n),
-                          str(num_warps), str(m_pad)], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "STACK 0" in out.stdout, out.stdout
+    names = ["x_ptr", "w_ptr", "y_ptr", "M", "N", "num_tiles", "tiles_per_split", "stride_xm",
+             "row_units", "stride_ym"]
+    sig = dict(zip(names, ["*bf16", "*u8", "*fp32"] + ["i32"] * 7))
+    consts = dict(QTYPE=int(qtype), BLOCK_N=block_n, M_PAD=m_pad,
+                  KC=gguf_mma.k_chunk(qtype, block_n, num_warps, m_pad), ATOMIC=True,
+                  DOT_DTYPE="tl.bfloat16", IEEE=False)
+    assert stack_bytes("localgen.kernels.gguf_mma", "_gguf_mma", sig, consts, [0, 1, 2, 7, 8, 9],
+                       num_warps, tmp_path) == 0

@@ -127,41 +127,43 @@ SWEEP_MS = (1, 16, 64)
 BAD_REL_ERR = 2e-2  # a config whose output is this far from the bf16 reference is broken
 
 
+def _q8(block_n: int, num_warps: int, blocks_per_step: int):
+    """An unsplit gemv config with 8-bit activations (``gguf_q8``)."""
+    from localgen.kernels.gguf_gemv import DecodeConfig
+
+    return DecodeConfig("gemv", block_n, split_k=1, num_warps=num_warps,
+                        blocks_per_step=blocks_per_step, codes="q8")
+
+
+def _m1_configs() -> list:
+    """Timed at M = 1 only: the last sweep's M = 1 winner for both types and its runner-up,
+    one row a program, and eight blocks of a row in flight."""
+    return [_q8(2, 1, 4), _q8(4, 1, 4), _q8(1, 1, 4), _q8(2, 1, 8)]
+
+
 def sweep_configs() -> list:
-    """The configs ``--sweep`` times, each where ``gguf_gemv.serves`` it (gemv at M = 1, its q8
-    codes for Q4_K)."""
+    """The configs ``--sweep`` times, each where :func:`sweep_serves` it."""
     from localgen.kernels.gguf_gemv import DecodeConfig as C
 
-    return [C("file", 32),
-            # M = 1, float codes: the last sweep's best for Q6_K, and one unsplit tile
-            C("gemv", 16, num_warps=4),
-            C("gemv", 8, split_k=1, num_warps=1, blocks_per_step=2),
-            # M = 1, 8-bit activations (Q4_K, Q6_K): the last sweep's best two for Q4_K ...
-            C("gemv", 16, num_warps=1, programs_per_sm=8, codes="q8"),
-            C("gemv", 16, num_warps=2, blocks_per_step=2, codes="q8"),
-            # ... more programs a multiprocessor, more blocks in flight a row ...
-            C("gemv", 8, num_warps=1, programs_per_sm=8, blocks_per_step=2, codes="q8"),
-            C("gemv", 16, num_warps=1, programs_per_sm=16, codes="q8"),
-            C("gemv", 16, num_warps=2, programs_per_sm=8, blocks_per_step=4, codes="q8"),
-            # ... and unsplit grids of few-row tiles: no atomics, no float32 output to cast
-            C("gemv", 8, split_k=1, num_warps=1, blocks_per_step=2, codes="q8"),
-            C("gemv", 4, split_k=1, num_warps=1, blocks_per_step=2, codes="q8"),
-            C("gemv", 4, split_k=1, num_warps=1, blocks_per_step=4, codes="q8"),
-            C("gemv", 2, split_k=1, num_warps=1, blocks_per_step=4, codes="q8"),
-            C("gemv", 8, split_k=1, num_warps=2, blocks_per_step=4, codes="q8"),
-            # M = 1, Q4_K: x rounded inside the matmul launch (no rounding launch)
-            C("gemv", 16, num_warps=1, programs_per_sm=8, codes="q8f"),
-            C("gemv", 8, num_warps=1, programs_per_sm=8, blocks_per_step=2, codes="q8f"),
-            # M > 1: the prefill path (dequantize, then cuBLAS) beside the file kernel above, and
-            # the tensor-core kernel (gguf_mma): rows a program and warps (which set how much
-            # of a tile is dequantized at once, gguf_mma.k_chunk), 256 rows a program for fewer
-            # re-reads of the activations at M = 64, and the pipeline's depth over K (Triton's
-            # default 3; 1: none, fewer registers; 4: more loads in flight)
-            C("dequant"),
-            C("mma", 64, num_warps=4), C("mma", 128, num_warps=4), C("mma", 128, num_warps=8),
-            C("mma", 256, num_warps=8),
-            C("mma", 64, num_warps=4, num_stages=1), C("mma", 64, num_warps=4, num_stages=4),
-            C("mma", 128, num_warps=8, num_stages=4)]
+    return [C("file", 32), *_m1_configs(),
+            # M <= 16 (and M = 1), 8-bit activations: a program's weight words meet every
+            # activation row, so the dp4a count grows with M; rows a program, warps and blocks
+            # a step such that a step's per-group scale tile (rows x 4 slots a block x groups
+            # a slot) stays below the program's threads, where sm_90 builds keep one register
+            # layout through the loop, and two of Q4_K's past it
+            _q8(1, 1, 1), _q8(2, 1, 1), _q8(2, 2, 1), _q8(4, 2, 1), _q8(4, 4, 1),
+            _q8(8, 4, 1), _q8(2, 4, 2), _q8(4, 4, 2), _q8(8, 8, 1),
+            # M > 1 references: the prefill path (dequantize, then cuBLAS) beside the file
+            # kernel above, and the tensor-core kernel (gguf_mma) in its best tile for Q4_K
+            C("dequant"), C("mma", 64, num_warps=4)]
+
+
+def sweep_serves(cfg, qtype: int, m: int) -> bool:
+    """Whether the sweep times ``cfg`` at (qtype, m): where ``gguf_gemv.serves`` it, the M = 1
+    configs (:func:`_m1_configs`) only at M = 1."""
+    from localgen.kernels import gguf_gemv
+
+    return gguf_gemv.serves(cfg, qtype, m) and (m == 1 or cfg not in _m1_configs())
 
 
 def label(cfg) -> str:
@@ -188,11 +190,11 @@ def _sweep_cell(cells: list, floor: float, name: str, qt: int, m: int, raws, x, 
     or run, or gives wrong values, is reported and skipped."""
     import time
 
-    from localgen.kernels import gguf_gemm, gguf_gemv
+    from localgen.kernels import gguf_gemm
 
     n, k = raws[0].shape[0], x.shape[1]
     for cfg in sweep_configs():
-        if not gguf_gemv.serves(cfg, qt, m) or time.monotonic() > deadline:
+        if not sweep_serves(cfg, qt, m) or time.monotonic() > deadline:
             continue
         cell = dict(shape=name, n=n, k=k, qtype=qt, m=m, config=label(cfg),
                     cfg=cfg.__dict__, weight_bytes=raws[0].numel(), cublas_bf16_us=cublas)
@@ -299,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--budget-s", type=float, default=270.0, help="the sweep's time limit")
     p.add_argument("--sweep-qtypes", default=",".join(map(str, SWEEP_QTYPES)),
                    help="the sweep's types (13: Q5_K too)")
+    p.add_argument("--sweep-ms", default=",".join(map(str, SWEEP_MS)),
+                   help="the sweep's activation rows (4: the q8 kernels' M_PAD 4 too)")
     a = p.parse_args(argv)
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     if a.dry_run:
@@ -307,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
         result = sweep({"tiny": (40, 512)}, ints(a.sweep_qtypes), (1, 3, 33), torch.device("cpu"),
                        torch.float16, budget_s=a.budget_s)
     elif a.sweep:
-        result = sweep(SWEEP_SHAPES, ints(a.sweep_qtypes), SWEEP_MS, torch.device("cuda"),
+        result = sweep(SWEEP_SHAPES, ints(a.sweep_qtypes), ints(a.sweep_ms), torch.device("cuda"),
                        budget_s=a.budget_s)
     elif a.out:
         result = run(SHAPES, ints(a.qtypes), ints(a.ms), ints(a.block_n))
