@@ -10,21 +10,25 @@
  *
  *   bytes     0..15     d of rows 0..7 (fp16)
  *   bytes    16..143    scales: byte 16 + 8 j + r holds scale j (values 16 j ..) of row r
- *   bytes   144..1167   ql: the 4 file bytes ql[32 u + 4 q .. + 3] of row r at
- *                       144 + 256 u + 32 q + 4 r (u = 0..3, q = 0..7)
- *   bytes  1168..1679   qh: the 4 file bytes qh[32 h + 4 q .. + 3] of row r at
- *                       1168 + 256 h + 32 q + 4 r
+ *   bytes   144..1679   codes, 96 bytes for each half h = 0, 1 and word column q = 0..7 in
+ *                       that order, at 144 + 96 (8 h + q): the 4 file bytes ql[64 h + 4 q ..],
+ *                       ql[64 h + 32 + 4 q ..] and qh[32 h + 4 q ..] of row r at + 4 r,
+ *                       + 32 + 4 r and + 64 + 4 r
  *
- * so the repack moves 4-byte words only, and 32 bytes hold 4 values of one 32-value group for
- * each of the 8 rows, one 32-bit lane a row: with 4 broadcast activation bytes a dot product
- * instruction gives each row's partial sum in its own lane, a 16-value scale's 8 rows are one
- * vector and the 8 outputs need no horizontal sum. The idea is llama.cpp's repacked CPU layouts
+ * in the order the kernel reads them (a group is read front to back, which the hardware
+ * prefetchers follow; ql and qh kept apart would be streams that they follow worse). The repack
+ * moves 4-byte words only, and 32 bytes hold 4 values of one 32-value group for each of the 8
+ * rows, one 32-bit lane a row: with 4 broadcast activation bytes a dot product instruction
+ * gives each row's partial sum in its own lane, a 16-value scale's 8 rows are one vector and
+ * the 8 outputs need no horizontal sum. The idea is llama.cpp's repacked CPU layouts
  * (ggml-cpu/repack); this layout is this file's.
  */
 
 #define Q6X8_GROUP_BYTES (X8_ROWS * 210)
-#define Q6X8_QL 144
-#define Q6X8_QH 1168
+/* Offsets in a group of the 32 bytes of word column q of ql quarter u (ql bytes 32 u ..) and of
+ * qh half h (qh bytes 32 h ..). */
+#define Q6X8_QL(u, q) (144 + 96 * (8 * ((u) / 2) + (q)) + 32 * ((u) % 2))
+#define Q6X8_QH(h, q) (144 + 96 * (8 * (h) + (q)) + 64)
 
 /* The 8 Q6_K blocks at src (rows src_stride bytes apart) as one repacked group at dst. */
 static void q6x8_pack_group(const uint8_t *src, int64_t src_stride, uint8_t *dst) {
@@ -33,8 +37,8 @@ static void q6x8_pack_group(const uint8_t *src, int64_t src_stride, uint8_t *dst
         memcpy(dst + 2 * r, blk + 208, 2);
         for (int j = 0; j < 16; j++) dst[16 + 8 * j + r] = blk[192 + j];
         for (int q = 0; q < 8; q++) {
-            for (int u = 0; u < 4; u++) memcpy(dst + Q6X8_QL + 256 * u + 32 * q + 4 * r, blk + 32 * u + 4 * q, 4);
-            for (int h = 0; h < 2; h++) memcpy(dst + Q6X8_QH + 256 * h + 32 * q + 4 * r, blk + 128 + 32 * h + 4 * q, 4);
+            for (int u = 0; u < 4; u++) memcpy(dst + Q6X8_QL(u, q) + 4 * r, blk + 32 * u + 4 * q, 4);
+            for (int h = 0; h < 2; h++) memcpy(dst + Q6X8_QH(h, q) + 4 * r, blk + 128 + 32 * h + 4 * q, 4);
         }
     }
 }
@@ -44,8 +48,8 @@ static void q6x8_unpack_block(const uint8_t *src, int r, uint8_t *blk) {
     memcpy(blk + 208, src + 2 * r, 2);
     for (int j = 0; j < 16; j++) blk[192 + j] = src[16 + 8 * j + r];
     for (int q = 0; q < 8; q++) {
-        for (int u = 0; u < 4; u++) memcpy(blk + 32 * u + 4 * q, src + Q6X8_QL + 256 * u + 32 * q + 4 * r, 4);
-        for (int h = 0; h < 2; h++) memcpy(blk + 128 + 32 * h + 4 * q, src + Q6X8_QH + 256 * h + 32 * q + 4 * r, 4);
+        for (int u = 0; u < 4; u++) memcpy(blk + 32 * u + 4 * q, src + Q6X8_QL(u, q) + 4 * r, 4);
+        for (int h = 0; h < 2; h++) memcpy(blk + 128 + 32 * h + 4 * q, src + Q6X8_QH(h, q) + 4 * r, 4);
     }
 }
 
@@ -68,6 +72,30 @@ AI __m256i q6x8_scaled(__m256i acc, __m256i d, const uint8_t *g, const int16_t *
     return _mm256_add_epi32(acc, _mm256_mullo_epi32(_mm256_sub_epi32(d, _mm256_set1_epi32(32 * bs[j])), sc));
 }
 
+/* isum + the quarter (h, half) of a block: values 16 half .. 16 half + 15 of the 32-value groups
+ * 4h .. 4h+3, each group's codes from ql bytes 64 h + 32 (s % 2) (nibble s / 2) and qh bytes
+ * 32 h (bits 2 s); one qh load and two ql loads serve 4 groups, 4 independent sums. */
+AI __m256i q6x8_quarter(__m256i isum, const uint8_t *g, const uint8_t *xq, const int16_t *bs,
+                        const int h, const int half) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256i d[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+#pragma GCC unroll 4
+    for (int q = 4 * half; q < 4 * half + 4; q++) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(g + Q6X8_QH(h, q)));
+        const __m256i c0 = _mm256_loadu_si256((const __m256i *)(g + Q6X8_QL(2 * h, q)));
+        const __m256i c1 = _mm256_loadu_si256((const __m256i *)(g + Q6X8_QL(2 * h + 1, q)));
+        const __m256i code[4] = {
+            _mm256_or_si256(_mm256_and_si256(c0, m4), q6x8_high(qh, 0)),
+            _mm256_or_si256(_mm256_and_si256(c1, m4), q6x8_high(qh, 1)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c0, 4), m4), q6x8_high(qh, 2)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c1, 4), m4), q6x8_high(qh, 3))};
+        for (int s = 0; s < 4; s++)
+            d[s] = dot_u8s8_acc(d[s], code[s], _mm256_set1_epi32((int)rd32(xq + 32 * (4 * h + s) + 4 * q)));
+    }
+    for (int s = 0; s < 4; s++) isum = q6x8_scaled(isum, d[s], g, bs, 2 * (4 * h + s) + half);
+    return isum;
+}
+
 /* 8 repacked rows (group row w, its groups 1680 bytes apart) against one activation row x of
  * 256-value blocks: y[0..7]. Per block, each row's sum over its 16 scales of
  * scale x (codes . q - 32 sum q) is exact int32 in its lane (below 16 x 128 x 16 x 32 x 127 in
@@ -76,29 +104,14 @@ static void q6x8_rows(const uint8_t *w, const uint8_t *x, int64_t k, float *y) {
     const int64_t nb = k / 256;
     const float *dxs = (const float *)(x + k);
     const int16_t *bsum = (const int16_t *)(x + k + 4 * nb);
-    const __m256i m4 = _mm256_set1_epi8(15);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *g = w + b * Q6X8_GROUP_BYTES;
-        const uint8_t *xq = x + 256 * b;
+        const uint8_t *g = w + b * Q6X8_GROUP_BYTES, *xq = x + 256 * b;
         const int16_t *bs = bsum + 16 * b;
-        __m256i isum = _mm256_setzero_si256();
-        for (int h = 0; h < 2; h++)
-            for (int u = 0; u < 2; u++) /* ql bytes 64 h + 32 u ..: groups s = u (low) and u + 2 */
-                for (int half = 0; half < 2; half++) { /* values 16 half .. of each group */
-                    __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
-                    const int c0 = 4 * h + u, c1 = c0 + 2; /* 32-value groups of the block */
-                    for (int q = 4 * half; q < 4 * half + 4; q++) {
-                        const __m256i c = _mm256_loadu_si256((const __m256i *)(g + Q6X8_QL + 256 * (2 * h + u) + 32 * q));
-                        const __m256i qh = _mm256_loadu_si256((const __m256i *)(g + Q6X8_QH + 256 * h + 32 * q));
-                        const __m256i lo = _mm256_or_si256(_mm256_and_si256(c, m4), q6x8_high(qh, u));
-                        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4), q6x8_high(qh, u + 2));
-                        d0 = dot_u8s8_acc(d0, lo, _mm256_set1_epi32((int)rd32(xq + 32 * c0 + 4 * q)));
-                        d1 = dot_u8s8_acc(d1, hi, _mm256_set1_epi32((int)rd32(xq + 32 * c1 + 4 * q)));
-                    }
-                    isum = q6x8_scaled(isum, d0, g, bs, 2 * c0 + half);
-                    isum = q6x8_scaled(isum, d1, g, bs, 2 * c1 + half);
-                }
+        __m256i isum = q6x8_quarter(_mm256_setzero_si256(), g, xq, bs, 0, 0);
+        isum = q6x8_quarter(isum, g, xq, bs, 0, 1);
+        isum = q6x8_quarter(isum, g, xq, bs, 1, 0);
+        isum = q6x8_quarter(isum, g, xq, bs, 1, 1);
         const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g)), _mm256_set1_ps(dxs[b]));
         acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), acc);
     }
