@@ -9,9 +9,10 @@ bit-compatible with the float-code kernels: the error is that rounding's, at mos
 
 Block layouts: ggml-common.h (``block_q4_K``, ``block_q6_K``), value order as ``gguf.quants``
 reads them. Q4_K's weight is ``d·sc·q - dmin·m``: the code term goes through ``dp4a`` and the min
-term uses the exact float ``Σ x`` of the group. Q6_K's is ``d·sc·(q - 32)``: the codes' ``q``
-meet the int8 activations as they are and ``32·Σ q_x`` (also one ``dp4a``, against 0x20 bytes)
-comes off in integers, so the product is ``d·sc·d_x·Σ (q - 32)·q_x`` as llama.cpp computes it.
+term uses the exact float ``Σ x`` of the group. Q6_K's is ``d·sc·(q - 32)``: at M = 1 the
+codes' ``q`` meet the int8 activations as they are and ``32·Σ q_x`` (also one ``dp4a``, against
+0x20 bytes) comes off in integers; the multi-row kernels make ``q - 32`` signed bytes once for
+all the rows. Either way the product is ``d·sc·d_x·Σ (q - 32)·q_x`` as llama.cpp computes it.
 """
 
 from __future__ import annotations
@@ -216,11 +217,11 @@ def _q6k_gemv_q8(xq_ptr, xd_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, N, num_tiles,
 @triton.jit
 def _row_grid(w_ptr, unit: tl.constexpr, N, row_units, num_tiles, tiles_per_split,
               BLOCK_N: tl.constexpr, KB: tl.constexpr, M_PAD: tl.constexpr):
-    """The ``[M_PAD, BLOCK_N, 4·KB, words]`` grid of the multi-row kernels
-    (:func:`gguf_tiles.slots`'s, the activation row leading): the output rows, the K loop's
-    bounds, each row's first block as ``unit``-typed pointers ``[1, BLOCK_N, 1, 1]``
-    (``row_units`` of them a row; rows past N read row N - 1), the activation row index
-    ``[M_PAD, 1, 1, 1]`` and the slot index ``[1, 1, 4·KB, 1]``."""
+    """The ``[M_PAD, BLOCK_N, 4·KB, groups]`` grid of the multi-row kernels (activation row,
+    weight row, :func:`gguf_tiles.slots`'s slot, the group within a slot): the output rows,
+    the K loop's bounds, each row's first block as ``unit``-typed pointers
+    ``[1, BLOCK_N, 1, 1]`` (``row_units`` of them a row; rows past N read row N - 1), the
+    activation row index ``[M_PAD, 1, 1, 1]`` and the slot index ``[1, 1, 4·KB, 1]``."""
     offs_n, kt0, end, j2 = slots(tl.program_id(0), tl.program_id(1), num_tiles,
                                  tiles_per_split, BLOCK_N, KB)
     rows = (w_ptr.to(tl.pointer_type(unit))
@@ -242,12 +243,11 @@ def _less_32(q):
 @triton.jit
 def _finish_rows(acc, y_ptr, part_ptr, cnt_ptr, M, offs_n, N, stride_ym, splits,
                  SPLIT: tl.constexpr):
-    """``acc`` ``[M_PAD, BLOCK_N, S, 1]`` summed over its slots into ``y`` ``[M, N]`` (row
-    stride ``stride_ym``) by :func:`gguf_tiles.finish_at` (partials ``[splits, M·N]``)."""
-    out = acc
+    """``acc`` ``[M_PAD, BLOCK_N]`` into ``y`` ``[M, N]`` (row stride ``stride_ym``) by
+    :func:`gguf_tiles.finish_at` (partials ``[splits, M·N]``)."""
     m2 = tl.arange(0, acc.shape[0])[:, None].to(tl.int64)
     n2 = offs_n[None, :]
-    finish_at(out, y_ptr, m2 * stride_ym + n2, part_ptr, m2 * N + n2, M * N,
+    finish_at(acc, y_ptr, m2 * stride_ym + n2, part_ptr, m2 * N + n2, M * N,
               (m2 < M) & (n2 < N), cnt_ptr, splits, SPLIT)
 
 
@@ -259,8 +259,11 @@ def _q4k_rows_q8(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, 
     """Q4_K at ``M <= M_PAD`` activation rows, program (n, s) as :func:`_q4k_gemv_q8`'s (its
     word grid), with the activation row as a leading axis: a weight word is loaded and masked
     once, meets the int8 activations of every row in ``dp4a``, and the group's eight words are
-    summed in integers, so ``d·sc·d_x`` and ``dmin·m·Σ x`` apply once per (activation row,
-    weight row, group). ``x`` rows: ``num_tiles·256`` int8 apart (``quantize``)."""
+    summed in integers (the ``dp4a`` accumulator), so ``d·sc·d_x`` and ``dmin·m·Σ x`` apply
+    once per (activation row, weight row, group); a step's groups are then summed into the
+    ``[M_PAD, BLOCK_N]`` accumulator, which keeps the loop in one register layout where the
+    ``[BLOCK_N, 4·KB, 2]`` scale tile is smaller than the program's threads. ``x`` rows:
+    ``num_tiles·256`` int8 apart (``quantize``)."""
     offs_n, kt0, end, rows, m4, j4 = _row_grid(w_ptr, tl.int32, N, row_16b * 4, num_tiles,
                                                tiles_per_split, BLOCK_N, KB, M_PAD)
     m_live = m4 < M
@@ -294,9 +297,9 @@ def _q6k_rows_q8(xq_ptr, xd_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, num_tile
                  KB: tl.constexpr, M_PAD: tl.constexpr, SPLIT: tl.constexpr,
                  ASM: tl.constexpr):
     """Q6_K as :func:`_q4k_rows_q8`, over :func:`_q6k_gemv_q8`'s word grid (``stride_wn`` in
-    16-bit words): per 16-weight group, ``Σ q·q_x`` of the four words in integers, less
-    ``32·Σ q_x`` (one ``dp4a`` per activation word against 0x20 bytes, shared by the weight
-    rows), times ``d·sc·d_x``."""
+    16-bit words), a slot's four quarters as the group axis: per 16-weight group,
+    ``Σ (q - 32)·q_x`` of its four words in integers (the codes made signed bytes once,
+    :func:`_less_32`, for every activation row), times ``d·sc·d_x``."""
     offs_n, kt0, end, rows, m4, j4 = _row_grid(w_ptr, tl.int16, N, stride_wn, num_tiles,
                                                tiles_per_split, BLOCK_N, KB, M_PAD)
     m_live = m4 < M
