@@ -35,9 +35,11 @@ TILE_K = 256
 
 
 class Q8Activations(NamedTuple):
-    """``M`` activation rows rounded per 32-group: ``xq`` int8 ``[M, k]``, ``xd`` float32
-    ``[M, k/32]`` (the group's step ``max|x|/127``), ``xs`` float32 ``[M, k/32]`` (the group's
-    exact ``Σ x``)."""
+    """``M`` activation rows rounded per 32-group, stored word-major for ``P = m_pad(M)``
+    rows (rows M.. zero), so that a kernel's load of one word of every row is contiguous:
+    ``xq`` int8 ``[k/4, P, 4]`` (four activations of a row a 32-bit word), ``xd`` float32
+    ``[k/32, P]`` (the group's step ``max|x|/127``), ``xs`` float32 ``[k/32, P]`` (the group's
+    exact ``Σ x``). For M = 1 these are the row itself: ``[k]``, ``[k/32]``, ``[k/32]``."""
 
     xq: torch.Tensor
     xd: torch.Tensor
@@ -45,20 +47,22 @@ class Q8Activations(NamedTuple):
 
 
 @triton.jit
-def _quantize_x8(x_ptr, xq_ptr, xd_ptr, xs_ptr, stride_xm, k):
-    """Program (t, m): the 256 activations of tile t of row m as int8 per 32-group,
-    ``q = round(x / d)`` with ``d = max|x| / 127`` (llama.cpp's ``block_q8_1`` rule, half away
-    from zero), the group's ``d`` and its exact float sum ``Σ x``."""
+def _quantize_x8(x_ptr, xq_ptr, xd_ptr, xs_ptr, M, stride_xm, M_PAD: tl.constexpr):
+    """Program (t, m) of ``M_PAD`` rows: the 256 activations of tile t of row m as int8 per
+    32-group, ``q = round(x / d)`` with ``d = max|x| / 127`` (llama.cpp's ``block_q8_1``
+    rule, half away from zero), the group's ``d`` and its exact float sum ``Σ x``, stored
+    word-major (:class:`Q8Activations`); rows from ``M`` on are zeros."""
     t = tl.program_id(0)
-    m = tl.program_id(1).to(tl.int64)
+    m = tl.program_id(1)
     offs = t * 256 + tl.arange(0, 8)[:, None] * 32 + tl.arange(0, 32)[None, :]
-    x = tl.load(x_ptr + m * stride_xm + offs).to(tl.float32)
+    x = tl.load(x_ptr + tl.minimum(m, M - 1).to(tl.int64) * stride_xm + offs).to(tl.float32)
+    x = tl.where(m < M, x, 0.0)
     amax = tl.max(tl.abs(x), axis=1)
-    inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)  # zero groups: 0
     v = x * inv[:, None]
     q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
-    tl.store(xq_ptr + m * k + offs, q.to(tl.int8))
-    groups = m * (k // 32) + t * 8 + tl.arange(0, 8)
+    tl.store(xq_ptr + ((offs // 4) * M_PAD + m) * 4 + offs % 4, q.to(tl.int8))
+    groups = (t * 8 + tl.arange(0, 8)) * M_PAD + m
     tl.store(xd_ptr + groups, amax / 127.0)
     tl.store(xs_ptr + groups, tl.sum(x, axis=1))
 
@@ -262,29 +266,28 @@ def _q4k_rows_q8(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, 
     summed in integers (the ``dp4a`` accumulator), so ``d·sc·d_x`` and ``dmin·m·Σ x`` apply
     once per (activation row, weight row, group); a step's groups are then summed into the
     ``[M_PAD, BLOCK_N]`` accumulator, which keeps the loop in one register layout where the
-    ``[BLOCK_N, 4·KB, 2]`` scale tile is smaller than the program's threads. ``x`` rows:
-    ``num_tiles·256`` int8 apart (``quantize``)."""
+    ``[BLOCK_N, 4·KB, 2]`` scale tile is smaller than the program's threads. ``x``: word-major
+    for ``M_PAD`` rows (:class:`Q8Activations`), so one word of every row is one contiguous
+    load."""
     offs_n, kt0, end, rows, m4, j4 = _row_grid(w_ptr, tl.int32, N, row_16b * 4, num_tiles,
                                                tiles_per_split, BLOCK_N, KB, M_PAD)
-    m_live = m4 < M
-    xq32 = xq_ptr.to(tl.pointer_type(tl.int32)) + m4.to(tl.int64) * (num_tiles * 64)
-    x_groups = m4.to(tl.int64) * (num_tiles * 8)
+    xq32 = xq_ptr.to(tl.pointer_type(tl.int32)) + m4
     c4 = j4 % 4
     h4 = tl.arange(0, 2)[None, None, None, :]  # the nibble: group 2c + h
     g4 = 2 * c4 + h4
     acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
     for kt in range(kt0, end, KB):
         kb4 = kt + j4 // 4
-        live = (kb4 < end) & m_live
+        live = kb4 < end
         blk = rows + tl.minimum(kb4, end - 1) * 36
         blk8 = blk.to(tl.pointer_type(tl.uint8))
-        x_g = xq32 + kb4 * 64 + 8 * g4  # word 0 of each group's activations
+        x_g = xq32 + (kb4 * 64 + 8 * g4) * M_PAD  # word 0 of each group's activations
         p = tl.zeros([M_PAD, BLOCK_N, 4 * KB, 2], tl.int32)
         for i in tl.static_range(8):
             nib = (tl.load(blk + 4 + 8 * c4 + i) >> (4 * h4)) & 0x0F0F0F0F
-            p = _dp4a_add(nib, tl.load(x_g + i, mask=live, other=0), p, ASM)
-        xd = tl.load(xd_ptr + x_groups + kb4 * 8 + g4, mask=live, other=0.0)
-        xsum = tl.load(xs_ptr + x_groups + kb4 * 8 + g4, mask=live, other=0.0)
+            p = _dp4a_add(nib, tl.load(x_g + i * M_PAD, mask=live, other=0), p, ASM)
+        xd = tl.load(xd_ptr + m4 + (kb4 * 8 + g4) * M_PAD, mask=live, other=0.0)
+        xsum = tl.load(xs_ptr + m4 + (kb4 * 8 + g4) * M_PAD, mask=live, other=0.0)
         sc, mn = k4_scale_min(blk8, g4)
         part = _small_int_float(p) * ((f16_at(blk8) * sc) * xd) - (f16_at(blk8 + 2) * mn) * xsum
         acc += tl.sum(tl.sum(part, axis=3), axis=2)
@@ -302,27 +305,25 @@ def _q6k_rows_q8(xq_ptr, xd_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, num_tile
     :func:`_less_32`, for every activation row), times ``d·sc·d_x``."""
     offs_n, kt0, end, rows, m4, j4 = _row_grid(w_ptr, tl.int16, N, stride_wn, num_tiles,
                                                tiles_per_split, BLOCK_N, KB, M_PAD)
-    m_live = m4 < M
-    xq32 = xq_ptr.to(tl.pointer_type(tl.int32)) + m4.to(tl.int64) * (num_tiles * 64)
-    x_groups = m4.to(tl.int64) * (num_tiles * 8)
+    xq32 = xq_ptr.to(tl.pointer_type(tl.int32)) + m4
     p4 = j4 % 4
     hf4 = p4 // 2
     t4 = tl.arange(0, 4)[None, None, None, :]  # the quarter: group 8hf + 2t + p % 2
     acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
     for kt in range(kt0, end, KB):
         kb4 = kt + j4 // 4
-        live = (kb4 < end) & m_live
+        live = kb4 < end
         blk = rows + tl.minimum(kb4, end - 1) * 105
         blk8 = blk.to(tl.pointer_type(tl.uint8))
-        x_t = xq32 + kb4 * 64 + 32 * hf4 + 8 * t4 + 4 * (p4 % 2)  # word 0 of each group's
+        x_t = xq32 + (kb4 * 64 + 32 * hf4 + 8 * t4 + 4 * (p4 % 2)) * M_PAD  # a group's word 0
         p = tl.zeros([M_PAD, BLOCK_N, 4 * KB, 4], tl.int32)
         for i in tl.static_range(4):
             ql = blk + 32 * hf4 + 8 * (p4 % 2) + 2 * i  # 16-bit word of ql byte 64hf + l
             src = tl.where(t4 % 2 == 0, _word16x2(ql), _word16x2(ql + 16))
             q = (((src >> (4 * (t4 // 2))) & 0x0F0F0F0F)
                  | (((_word16x2(ql + 64 - 16 * hf4) >> (2 * t4)) & 0x03030303) << 4))
-            p = _dp4a_add(_less_32(q), tl.load(x_t + i, mask=live, other=0), p, ASM)
-        xd = tl.load(xd_ptr + x_groups + kb4 * 8 + 4 * hf4 + t4, mask=live, other=0.0)
+            p = _dp4a_add(_less_32(q), tl.load(x_t + i * M_PAD, mask=live, other=0), p, ASM)
+        xd = tl.load(xd_ptr + m4 + (kb4 * 8 + 4 * hf4 + t4) * M_PAD, mask=live, other=0.0)
         scale = tl.load(blk8 + 192 + 8 * hf4 + 2 * t4 + p4 % 2).to(tl.int8, bitcast=True)
         part = _small_int_float(p) * ((f16_at(blk8 + 208) * scale.to(tl.float32)) * xd)
         acc += tl.sum(tl.sum(part, axis=3), axis=2)
@@ -333,9 +334,12 @@ def quantize(x: torch.Tensor) -> Q8Activations:
     """:func:`_quantize_x8` of ``x`` ``[M, k]`` (k a multiple of 256, unit stride along k): one
     launch for every row, whose result can serve every matrix that reads ``x``."""
     (m, k), dev = x.shape, x.device
-    xq = torch.empty(m, k, dtype=torch.int8, device=dev)
-    xd, xs = torch.empty(2, m, k // 32, dtype=torch.float32, device=dev)
-    _quantize_x8[(k // TILE_K, m)](x, xq, xd, xs, x.stride(0), k)
+    rows = m_pad(m)
+    xq = torch.empty(k // 4, rows, 4, dtype=torch.int8, device=dev)
+    xd, xs = torch.empty(2, k // 32, rows, dtype=torch.float32, device=dev)
+    _quantize_x8[(k // TILE_K, rows)](x, xq, xd, xs, m, x.stride(0), M_PAD=rows)
+    if m == 1:
+        return Q8Activations(xq.view(k), xd.view(k // 32), xs.view(k // 32))
     return Q8Activations(xq, xd, xs)
 
 
@@ -364,6 +368,9 @@ def gemv(x8: Q8Activations | None, raw: torch.Tensor, qtype: int, y: torch.Tenso
                  num_warps=num_warps)
     row_units = raw.stride(0) // (16 if qtype == Q4_K else 2)
     if m > 1:
+        if tuple(x8.xd.shape) != (tiles * 8, m_pad(m)):
+            raise ValueError(f"x8 must be gguf_q8.quantize of {m} rows of k={tiles * 256}, got "
+                             f"steps {tuple(x8.xd.shape)}")
         xs = (x8.xs,) if qtype == Q4_K else ()
         kernel = _q4k_rows_q8 if qtype == Q4_K else _q6k_rows_q8
         kernel[grid](x8.xq, x8.xd, *xs, raw, y, part, cnt, m, n, tiles, per_split, splits,

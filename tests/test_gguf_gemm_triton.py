@@ -285,16 +285,30 @@ def test_q8_rows_sm90_build_keeps_its_registers(qtype, block_n, num_warps, block
                        tmp_path) == 0
 
 
+def test_q8_rows_refuse_a_rounding_of_other_rows():
+    from localgen.kernels import gguf_q8
+
+    x = q8_x(3)
+    cfg = gguf_gemv.DecodeConfig("gemv", block_n=4, split_k=1, codes="q8")
+    with pytest.raises(ValueError, match="quantize of 3 rows"):
+        gguf_gemv.matmul(x, torch.zeros(2, 3 * 210, dtype=torch.uint8), Q.Q6_K, 768, cfg,
+                         x8=gguf_q8.quantize(x[:2]))
+
+
 def test_q8_rows_take_one_rounding_of_every_row(kernel_device):
-    """``gguf_q8.quantize`` of ``[M, k]`` in one launch serves both types, and its rows equal
-    the one-row rounding of each row of x."""
+    """``gguf_q8.quantize`` of ``[M, k]`` in one launch serves both types: stored word-major for
+    M padded to a power of two, its rows equal the one-row rounding of each row of x, and the
+    padding rows are zeros."""
     from localgen.kernels import gguf_q8
 
     x = q8_x(3).to(kernel_device)
     x8 = gguf_q8.quantize(x)
+    assert x8.xq.shape == (768 // 4, 4, 4) and x8.xd.shape == x8.xs.shape == (768 // 32, 4)
     for i in range(3):
         one = gguf_q8.quantize(x[i:i + 1])
-        assert all(torch.equal(a[i:i + 1], b) for a, b in zip(x8, one))
+        assert torch.equal(x8.xq[:, i].reshape(-1), one.xq)
+        assert torch.equal(x8.xd[:, i], one.xd) and torch.equal(x8.xs[:, i], one.xs)
+    assert not x8.xq[:, 3].any() and not x8.xd[:, 3].any() and not x8.xs[:, 3].any()
     cfg = gguf_gemv.DecodeConfig("gemv", block_n=4, split_k=1, codes="q8")
     for qtype in gguf_gemv.Q8_TYPES:
         check_q8_matmul(cfg, kernel_device, qtype, x8=x8, m=3)
