@@ -23,6 +23,14 @@ export PYTHONUNBUFFERED=1
 [ -e localgen/profiles ] || ln -s ../profiles localgen/profiles
 [ -f "$work/sweep.json" ] && export LOCALGEN_GGUF_DECODE_CONFIGS="$work/sweep.json"
 gpu() { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader; }
+# until llama.cpp's tools and the 7B file are there (the build call may end before they are)
+wait_build() {
+  for _ in $(seq 110); do
+    [ -x "$work/llama.cpp/build/bin/llama-batched-bench" ] && [ -x "$work/llama.cpp/build/bin/llama-server" ] \
+      && ! pgrep -f build-llama-cpp.sh >/dev/null && ! pgrep -f random_gguf.py >/dev/null && return 0
+    sleep 5
+  done
+}
 case "$cmd" in
   build)
     gpu
@@ -32,25 +40,21 @@ case "$cmd" in
     if [ ! -f "$work/m7b.gguf" ]; then
       setsid nohup nice -n 10 python3 scripts/random_gguf.py 7b "$work/m7b.gguf" >"$work/m7b.log" 2>&1 </dev/null &
     fi
-    python3 -m localgen.bench.gguf_gemm_bench --sweep --out "$work/sweep.json" >"$out/sweep.log" 2>&1 || true
+    python3 -m localgen.bench.gguf_gemm_bench --sweep --budget-s 300 --out "$work/sweep.json" >"$out/sweep.log" 2>&1 || true
     cp "$work/sweep.json" "$out/" || true
     grep -E "^type " "$out/sweep.log" || tail -n 5 "$out/sweep.log"
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gguf_gemm_triton.py tests/test_gguf_mma.py \
       tests/test_gguf_packed.py >"$out/tests.log" 2>&1 || true
     tail -n 4 "$out/tests.log"
-    for _ in $(seq 100); do
-      [ -x "$work/llama.cpp/build/bin/llama-batched-bench" ] && [ -x "$work/llama.cpp/build/bin/llama-server" ] \
-        && ! pgrep -f build-llama-cpp.sh >/dev/null && ! pgrep -f random_gguf.py >/dev/null && break
-      sleep 5
-    done
+    wait_build
     tail -n 3 "$work/build.log"; ls -la "$work/m7b.gguf" ;;
   bench)
-    gpu
+    gpu; wait_build
     python3 -m localgen.bench.decode_bench --model "$work/m7b.gguf" --batches 1,16,64 --prompt-len 128 \
       --gen-len 128 --dtype bf16 --no-hf --repeat 2 --llama-cpp-bin "$work/llama.cpp/build/bin" \
       --out "$out/decode_7b_q4km.json" ;;
   serve)
-    gpu
+    gpu; wait_build
     python3 -c "from localgen.cli.main import app; app(prog_name='localgen')" bench serve --model "$work/m7b.gguf" --concurrency 1,16 \
       --prompt-words 128 --max-tokens 64 --peer-ctx 1536 \
       --llama-server "$work/llama.cpp/build/bin/llama-server" --out "$out/serve_7b_q4km.json" ;;
