@@ -1130,7 +1130,8 @@ static void sweep_x8(int t, const uint8_t *w, int64_t ws, int64_t n, const uint8
     const int direct = !f32 && !scalar;
     const x8_rows_fn rows8 = x8_kernel(t);
 #else
-    const int direct = 0;
+    const int direct = 0; /* activation tiles serve the 8-row kernel only */
+    (void)m_tile;
 #endif
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t c = 0; c < chunks; c++) {
