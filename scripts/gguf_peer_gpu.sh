@@ -1,22 +1,29 @@
 #!/usr/bin/env bash
 # localgen against llama.cpp's CUDA tools on one Llama-2-7B-shaped Q4_K_M GGUF, on a CUDA machine,
-# in three calls that follow each other while the machine is warm:
+# in three calls that follow each other while the machine is warm (RUN below):
 #   scripts/gguf_peer_gpu.sh build WORK OUT  start llama.cpp's CUDA build in the background (setsid;
-#                                            WORK/build.log) and the writing of WORK/m7b.gguf, run
-#                                            the decode kernels' sweep (WORK/sweep.json, a copy in
+#                                            RUN/build.log) and the writing of RUN/m7b.gguf, run
+#                                            the decode kernels' sweep (RUN/sweep.json, a copy in
 #                                            OUT) and the GGUF GPU tests meanwhile, then wait for both
-#   scripts/gguf_peer_gpu.sh bench WORK OUT  `localgen bench decode` on WORK/m7b.gguf, batches 1, 16, 64,
+#   scripts/gguf_peer_gpu.sh bench WORK OUT  `localgen bench decode` on RUN/m7b.gguf, batches 1, 16, 64,
 #                                            with the sweep's winners (LOCALGEN_GGUF_DECODE_CONFIGS),
 #                                            llama-bench / llama-batched-bench as the peer (-ngl 99)
-#   scripts/gguf_peer_gpu.sh serve WORK OUT  `localgen bench serve` on WORK/m7b.gguf at concurrency 1 and
+#   scripts/gguf_peer_gpu.sh serve WORK OUT  `localgen bench serve` on RUN/m7b.gguf at concurrency 1 and
 #                                            16 beside llama-server (-ngl 99), the sweep's winners;
 #                                            the file's test tokenizer splits words finely, hence
 #                                            --peer-ctx
-# WORK holds llama.cpp-src.tar.gz and build-llama-cpp.sh (from the shared tools' folder).
+# WORK holds llama.cpp-src.tar.gz and build-llama-cpp.sh (from the shared tools' folder). The build,
+# the 7B file and the sweep go to RUN (/tmp/gguf_peer), outside the repository: a folder that a
+# device call carries is replaced at every call, which would take the build with it. `serve` needs the
+# server's packages (fastapi, starlette, sse-starlette, uvicorn, pydantic, xgrammar) where the
+# machine lacks them: carried as wheels like the others.
 set -euo pipefail
 cmd=$1
-work=$(cd "$2" && pwd)
+src=$(cd "$2" && pwd)
 out=$3
+work=/tmp/gguf_peer
+mkdir -p "$work"
+cp -n "$src/llama.cpp-src.tar.gz" "$src/build-llama-cpp.sh" "$work/"
 export PYTHONUNBUFFERED=1
 # kernels/ and profiles/ install under the localgen namespace; a bare checkout links them there
 [ -e localgen/kernels ] || ln -s ../kernels localgen/kernels
