@@ -1,6 +1,6 @@
-"""Device helpers of the GGUF decode kernels (``gguf_gemv``'s float-code gemv and
-``gguf_q8``'s 8-bit-activation kernels): block fields, the program's row and slot grid, and the
-output store. Block layouts: ggml-common.h, as ``gguf.quants`` reads them."""
+"""Device helpers of the GGUF decode kernels (``gguf_gemv``'s float-code gemv, ``gguf_q8``'s
+8-bit-activation kernels and, for block fields, ``gguf_mma``'s tensor-core kernel): block fields,
+the program's row and slot grid, and the output store. Block layouts: ggml-common.h, as ``gguf.quants`` reads them."""
 
 from __future__ import annotations
 
