@@ -315,12 +315,14 @@ def repack_for_cpu(w: "PackedGGUFWeight", mod) -> None:
     view into a larger buffer (the offload runtime wraps its layer buffers anew each step) may
     be read as the file's blocks through another wrapper. Raises MemoryError as
     ``gguf_cpu.repack``."""
-    repackable = getattr(mod, "repackable", None)  # a kernel module may offer no repack
+    # every product of a CPU matrix passes here: the type test (done, or never repacked) first,
+    # before the environment and storage look-ups
+    if w.kernel_qtype != int(w.qtype) or int(w.qtype) not in getattr(mod, "REPACKED", ()):
+        return
     raw = w.raw
-    if (w.kernel_qtype != int(w.qtype) or os.environ.get(CPU_REPACK_ENV, "1") == "0"
-            or cpu_activations() != "q8" or repackable is None
+    if (os.environ.get(CPU_REPACK_ENV, "1") == "0" or cpu_activations() != "q8"
             or raw.storage_offset() or raw.untyped_storage().nbytes() != raw.numel()
-            or not repackable(raw, int(w.qtype), w.shape[1])):
+            or not mod.repackable(raw, int(w.qtype), w.shape[1])):
         return
     mod.repack(w.raw, int(w.qtype), w.shape[1], out=w.raw)
     w._kernel_qtype = mod.REPACKED[int(w.qtype)]
