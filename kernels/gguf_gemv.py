@@ -22,7 +22,7 @@ applied once per group and row. The activation sums ``Σ x`` of a group serve ev
   program loads each weight word once for every activation row and sums each group's
   products in integers before its scales apply. Not bit-compatible
   with the float kernels: the error is that rounding's; one rounding can serve every matrix
-  that reads the same x. ``codes="q8f"`` (Q4_K): the same rounding inside the matmul launch.
+  that reads the same x.
 * ``dot`` kernel (M <= 16): per group, the codes of ``BLOCK_N`` rows meet the ``[16, 32]``
   (Q6_K: ``[16, 16]``) activations in one ``tl.dot``; the group's scales then multiply the
   ``[16, BLOCK_N]`` result.
@@ -85,11 +85,9 @@ class DecodeConfig:
 # code into the mantissa of 1.0 (``1 + q/2**B``, undone per group); "mask" keeps the code where
 # it sits in its word and ORs in 1.0's exponent, so one mask and one subtraction give
 # ``q·2**-s`` exactly and the activation carries the ``2**s``. "q8" (Q4_K, Q6_K) rounds the
-# activations to int8 per 32-group first and multiplies codes in integers (``gguf_q8``); "q8f"
-# (Q4_K) rounds them inside the matmul launch, each program its own K slice.
+# activations to int8 per 32-group first and multiplies codes in integers (``gguf_q8``).
 CODE_MODES = {"i2f": 0, "shift": 1, "mask": 2}
 Q8_TYPES = gguf_q8.TYPES
-Q8F_TYPES = gguf_q8.ROUND_TYPES
 
 
 def serves(cfg: DecodeConfig, qtype: int, m: int) -> bool:
@@ -105,7 +103,7 @@ def serves(cfg: DecodeConfig, qtype: int, m: int) -> bool:
         return m <= MAX_M
     if cfg.codes == "q8":
         return int(qtype) in Q8_TYPES and m <= MAX_M
-    return m == 1 and (cfg.codes != "q8f" or int(qtype) in Q8F_TYPES)
+    return m == 1
 
 
 # every other type the decode path reads (gguf_gemm.KERNEL_TYPES): the file-layout kernel
@@ -478,14 +476,13 @@ def _gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int, cfg: DecodeConfig, x8,
     splits, per_split = _split(cfg, n_programs, tiles, x.device)
     grid = (n_programs, splits)
     y = torch.empty(x.shape[0], raw.shape[0], dtype=x.dtype, device=x.device)
-    if cfg.codes in ("q8", "q8f"):
-        if qtype not in (Q8_TYPES if cfg.codes == "q8" else Q8F_TYPES):
-            raise ValueError(f"codes='{cfg.codes}' serves GGUF types {Q8_TYPES} ('q8') and "
-                             f"{Q8F_TYPES} ('q8f'), not {qtype}")
-        if cfg.codes == "q8" and x8 is None:
+    if cfg.codes == "q8":
+        if qtype not in Q8_TYPES:
+            raise ValueError(f"codes='q8' serves GGUF types {Q8_TYPES}, not {qtype}")
+        if x8 is None:
             x8 = gguf_q8.quantize(x)
-        gguf_q8.gemv(x8 if cfg.codes == "q8" else None, raw, qtype, y, grid, per_split,
-                     cfg.block_n, cfg.blocks_per_step, cfg.num_warps, x=x)
+        gguf_q8.gemv(x8, raw, qtype, y, grid, per_split, cfg.block_n, cfg.blocks_per_step,
+                     cfg.num_warps)
         return y
     part, cnt = split_buffers(y, splits, n_programs)
     knobs = dict(BLOCK_N=cfg.block_n, KB=cfg.blocks_per_step, SPLIT=splits > 1,

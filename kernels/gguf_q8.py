@@ -29,7 +29,6 @@ from .triton_common import interpreting
 
 Q4_K, Q6_K = 12, 14  # GGMLQuantizationType values
 TYPES = (Q4_K, Q6_K)
-ROUND_TYPES = (Q4_K,)  # rounding inside the matmul launch (codes "q8f")
 BLOCK_BYTES = {Q4_K: 144, Q6_K: 210}  # ggml-common.h's block_q4_K, block_q6_K
 TILE_K = 256
 
@@ -95,41 +94,17 @@ def _small_int_float(p):
     return (p + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
 
 
-@triton.jit
-def _round_group(x4, live):
-    """:func:`_quantize_x8`'s rule in a matmul program: ``x4`` ``[1, S, 8]`` points at the 8
-    four-activation words of a 32-group per slot (``live``: False where the slot's block is
-    past the slice, read as 0). Returns the int8 codes packed four a word (first activation in
-    the low byte), the group's step ``[1, S, 1]`` and its float ``Σ x``."""
-    amax = tl.zeros(x4.shape, tl.float32)
-    xs = tl.zeros(x4.shape, tl.float32)
-    for b in tl.static_range(4):
-        xv = tl.load(x4 + b, mask=live, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(xv))
-        xs += xv
-    gmax = tl.max(amax, axis=2, keep_dims=True)
-    inv = tl.where(gmax > 0, 127.0 / tl.where(gmax > 0, gmax, 1.0), 0.0)  # masked blocks: 0
-    words = tl.zeros(x4.shape, tl.int32)
-    for b in tl.static_range(4):
-        v = tl.load(x4 + b, mask=live, other=0.0).to(tl.float32) * inv
-        q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v)).to(tl.int32)
-        words = words | ((q & 255) << (8 * b))
-    return words, gmax / 127.0, tl.sum(xs, axis=2, keep_dims=True)
-
-
 @triton.jit(do_not_specialize=GEMV_ARGS + ["row_16b"])
-def _q4k_gemv_q8(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, N, num_tiles,
+def _q4k_gemv_q8(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, N, num_tiles,
                  tiles_per_split, splits, row_16b, BLOCK_N: tl.constexpr, KB: tl.constexpr,
-                 SPLIT: tl.constexpr, ASM: tl.constexpr, ROUND: tl.constexpr):
+                 SPLIT: tl.constexpr, ASM: tl.constexpr):
     """Q4_K, program (n, s) over rows ``n*BLOCK_N ..`` and K tiles ``s*tiles_per_split ..``
     (``gguf_gemv._q45k_gemv``'s word grid: byte ``b`` of word (c, i) holds weight
     ``64c + 4i + b`` in its low nibble, ``64c + 32 + 4i + b`` in its high one). A word's four
     low (high) nibbles meet the four int8 activations of the same weights, which are
     contiguous, in one ``dp4a``; per group ``acc += d·sc·d_x·Σ q·q_x`` and ``dmin·m·Σ x``
     comes off. ``row_16b``: the row stride in 16-byte units (rows are whole 144-byte blocks).
-    ROUND: the program rounds its own slice of ``x`` (:func:`_round_group`) instead of reading
-    :func:`_quantize_x8`'s ``xq``, ``xd``, ``xs``: no rounding launch, the rounding repeated by
-    every row tile."""
+    ``xq``, ``xd``, ``xs``: :func:`quantize`'s rounding of ``x``."""
     offs_n, kt0, end, j2 = slots(tl.program_id(0), tl.program_id(1), num_tiles,
                                  tiles_per_split, BLOCK_N, KB)
     rows = (w_ptr.to(tl.pointer_type(tl.int32))
@@ -150,12 +125,9 @@ def _q4k_gemv_q8(x_ptr, xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr,
         dmin = f16_at(blk8 + 2)
         for h in tl.static_range(2):
             g3 = 2 * c3 + h
-            if ROUND:
-                xw, xd, xsum = _round_group(x_ptr + kb3 * 256 + 32 * g3 + 4 * i3, live)
-            else:
-                xw = tl.load(xq32 + kb3 * 64 + 8 * g3 + i3, mask=live, other=0)
-                xd = tl.load(xd_ptr + kb3 * 8 + g3, mask=live, other=0.0)
-                xsum = tl.load(xs_ptr + kb3 * 8 + g3, mask=live, other=0.0)
+            xw = tl.load(xq32 + kb3 * 64 + 8 * g3 + i3, mask=live, other=0)
+            xd = tl.load(xd_ptr + kb3 * 8 + g3, mask=live, other=0.0)
+            xsum = tl.load(xs_ptr + kb3 * 8 + g3, mask=live, other=0.0)
             p = _dp4a((words >> (4 * h)) & 0x0F0F0F0F, tl.broadcast_to(xw, words.shape), ASM)
             sc, mn = k4_scale_min(blk8, g3)
             acc += _small_int_float(p) * (d * sc * xd)
@@ -348,20 +320,16 @@ def m_pad(m: int) -> int:
     return triton.next_power_of_2(m)
 
 
-def gemv(x8: Q8Activations | None, raw: torch.Tensor, qtype: int, y: torch.Tensor, grid,
-         per_split: int, block_n: int, blocks_per_step: int, num_warps: int,
-         x: torch.Tensor | None = None) -> None:
+def gemv(x8: Q8Activations, raw: torch.Tensor, qtype: int, y: torch.Tensor, grid,
+         per_split: int, block_n: int, blocks_per_step: int, num_warps: int) -> None:
     """``y`` ``[M, N]`` (contiguous) of the Q4_K or Q6_K rows ``raw`` (uint8
     ``[N, row_bytes]``, 16-byte aligned for Q4_K) against ``x8`` (:func:`quantize` of ``M``
-    rows), or (``x8`` None; Q4_K, ``ROUND_TYPES``; M = 1) against ``x`` ``[1, k]`` rounded
-    inside the launch; ``grid`` (row programs, K slices) of ``per_split`` tiles each (slices
+    rows); ``grid`` (row programs, K slices) of ``per_split`` tiles each (slices
     combined in the launch: ``gguf_tiles.finish_at``). M = 1 runs the gemv kernels, M > 1
-    :func:`_q4k_rows_q8` / :func:`_q6k_rows_q8`. Raises ValueError for another type, or
-    rounding in the launch at M > 1."""
+    :func:`_q4k_rows_q8` / :func:`_q6k_rows_q8`. Raises ValueError for another type."""
     m = y.shape[0]
-    if qtype not in (ROUND_TYPES if x8 is None else TYPES) or (x8 is None and m > 1):
-        raise ValueError(f"codes='q8' serves GGUF types {TYPES} (Q4_K, Q6_K), rounding in the "
-                         f"matmul {ROUND_TYPES} at M = 1; not type {qtype} at M = {m}")
+    if qtype not in TYPES:
+        raise ValueError(f"codes='q8' serves GGUF types {TYPES} (Q4_K, Q6_K), not {qtype}")
     n, tiles, splits = raw.shape[0], raw.shape[1] // BLOCK_BYTES[qtype], grid[1]
     part, cnt = split_buffers(y, splits, grid[0])
     knobs = dict(BLOCK_N=block_n, KB=blocks_per_step, SPLIT=splits > 1, ASM=not interpreting(),
@@ -376,9 +344,8 @@ def gemv(x8: Q8Activations | None, raw: torch.Tensor, qtype: int, y: torch.Tenso
         kernel[grid](x8.xq, x8.xd, *xs, raw, y, part, cnt, m, n, tiles, per_split, splits,
                      row_units, y.stride(0), M_PAD=m_pad(m), **knobs)
     elif qtype == Q4_K:
-        xq, xd, xs = (x, x, x) if x8 is None else x8
-        _q4k_gemv_q8[grid](x if x8 is None else xq, xq, xd, xs, raw, y, part, cnt, n, tiles,
-                           per_split, splits, row_units, ROUND=x8 is None, **knobs)
+        _q4k_gemv_q8[grid](x8.xq, x8.xd, x8.xs, raw, y, part, cnt, n, tiles, per_split, splits,
+                           row_units, **knobs)
     else:
         _q6k_gemv_q8[grid](x8.xq, x8.xd, raw, y, part, cnt, n, tiles, per_split, splits,
                            row_units, **knobs)

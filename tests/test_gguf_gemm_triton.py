@@ -314,23 +314,6 @@ def test_q8_rows_take_one_rounding_of_every_row(kernel_device):
         check_q8_matmul(cfg, kernel_device, qtype, x8=x8, m=3)
 
 
-@pytest.mark.parametrize("cfg", [
-    gguf_gemv.DecodeConfig("gemv", block_n=16, split_k=1, codes="q8f"),
-    gguf_gemv.DecodeConfig("gemv", block_n=8, split_k=2, blocks_per_step=2, codes="q8f"),
-])
-def test_q8_rounded_inside_the_matmul_within_its_rounding(cfg, kernel_device):
-    """"q8f": each program rounds its slice of x by the same rule as the rounding kernel, so the
-    same bound holds (and a slice's masked blocks round to 0)."""
-    check_q8_matmul(cfg, kernel_device, Q.Q4_K)
-
-
-def test_q8f_codes_refuse_q6k():
-    with pytest.raises(ValueError, match="q8f"):
-        gguf_gemv.matmul(torch.zeros(1, 256), torch.zeros(1, 210, dtype=torch.uint8), Q.Q6_K,
-                         256, gguf_gemv.DecodeConfig("gemv", codes="q8f"))
-    assert not gguf_gemv.serves(gguf_gemv.DecodeConfig("gemv", codes="q8f"), Q.Q6_K, 1)
-
-
 def test_q8_activations_shared_between_matrices(kernel_device):
     """One ``gguf_q8.quantize`` of x serves a Q4_K and a Q6_K matrix (as q/k/v read one x),
     split K included (the output then zeroed apart from the rounding launch)."""
