@@ -4,12 +4,13 @@
 #   scripts/gguf_peer_gpu.sh build WORK OUT  start llama.cpp's CUDA build in the background (setsid;
 #                                            RUN/build.log) and the writing of RUN/m7b.gguf, run
 #                                            the decode kernels' sweep (RUN/sweep.json, a copy in
-#                                            OUT) and the GGUF GPU tests meanwhile, then wait for both
+#                                            OUT; SWEEP_S seconds, 300 by default, 0: none)
+#                                            and the GGUF GPU tests meanwhile, then wait for both
 #   scripts/gguf_peer_gpu.sh bench WORK OUT  `localgen bench decode` on RUN/m7b.gguf, batches 1, 16, 64,
 #                                            with the sweep's winners (LOCALGEN_GGUF_DECODE_CONFIGS),
 #                                            llama-bench / llama-batched-bench as the peer (-ngl 99)
 #   scripts/gguf_peer_gpu.sh serve WORK OUT  `localgen bench serve` on RUN/m7b.gguf at concurrency 1 and
-#                                            16 beside llama-server (-ngl 99), the sweep's winners;
+#                                            16 (CONCURRENCY) beside llama-server (-ngl 99), the sweep's winners;
 #                                            the file's test tokenizer splits words finely, hence
 #                                            --peer-ctx
 # WORK holds llama.cpp-src.tar.gz and build-llama-cpp.sh (from the shared tools' folder). The build,
@@ -47,9 +48,12 @@ case "$cmd" in
     if [ ! -f "$work/m7b.gguf" ]; then
       setsid nohup nice -n 10 python3 scripts/random_gguf.py 7b "$work/m7b.gguf" >"$work/m7b.log" 2>&1 </dev/null &
     fi
-    python3 -m localgen.bench.gguf_gemm_bench --sweep --budget-s 300 --out "$work/sweep.json" >"$out/sweep.log" 2>&1 || true
-    cp "$work/sweep.json" "$out/" || true
-    grep -E "^type " "$out/sweep.log" || tail -n 5 "$out/sweep.log"
+    if [ "${SWEEP_S:-300}" -gt 0 ]; then
+      python3 -m localgen.bench.gguf_gemm_bench --sweep --budget-s "${SWEEP_S:-300}" --out "$work/sweep.json" \
+        >"$out/sweep.log" 2>&1 || true
+      cp "$work/sweep.json" "$out/" || true
+      grep -E "^type " "$out/sweep.log" || tail -n 5 "$out/sweep.log"
+    fi
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gguf_gemm_triton.py tests/test_gguf_mma.py \
       tests/test_gguf_packed.py >"$out/tests.log" 2>&1 || true
     tail -n 4 "$out/tests.log"
@@ -62,7 +66,7 @@ case "$cmd" in
       --out "$out/decode_7b_q4km.json" ;;
   serve)
     gpu; wait_build
-    python3 -c "from localgen.cli.main import app; app(prog_name='localgen')" bench serve --model "$work/m7b.gguf" --concurrency 1,16 \
+    python3 -c "from localgen.cli.main import app; app(prog_name='localgen')" bench serve --model "$work/m7b.gguf" --concurrency "${CONCURRENCY:-1,16}" \
       --prompt-words 128 --max-tokens 64 --peer-ctx 1536 \
       --llama-server "$work/llama.cpp/build/bin/llama-server" --out "$out/serve_7b_q4km.json" ;;
   *) sed -n 2,15p "$0"; exit 2 ;;
