@@ -28,6 +28,8 @@ _SIGNATURES = {
     "lg_decode_qkv": [_p, _p, _f, _int, _int, _p, _p, _p, _p, _p, _p, _p, _p, _int, _int, _int],
     "lg_decode_o_gate_up": [_p, _int, _p, _p, _p, _p, _p, _f, _p, _p],
     "lg_decode_down": [_p, _int, _p, _p, _p, _p],
+    "lg_decode_layer_attention": [_p, _p],
+    "lg_decode_layer_mlp": [_p, _p],
 }
 
 
@@ -39,6 +41,33 @@ class MatArgs(ctypes.Structure):
 
     _fields_ = [("w", _p), ("n", _i64), ("k", _i64), ("w_stride", _i64), ("m_tile", _i64),
                 ("n_chunk", _i64), ("qtype", _int), ("threads", _int)]
+
+
+class LayerArgs(ctypes.Structure):
+    """One decode layer for ``layer_calls`` (``lg_layer`` in the C): the addresses of its four
+    ``MatArgs`` (qkv, o, gate_up, down) and of its float32 norm weights, the cache halves the
+    rotary step writes k and v into (``[slots, num_kv_heads, head_dim]`` each), and the K/V
+    views attention reads with their element strides per block, token and head."""
+
+    _fields_ = [("qkv", _p), ("o", _p), ("gate_up", _p), ("down", _p), ("input_norm", _p),
+                ("post_norm", _p), ("store_k", _p), ("store_v", _p), ("k", _p), ("v", _p),
+                ("blk_stride", _i64), ("tok_stride", _i64), ("head_stride", _i64)]
+
+
+class StepArgs(ctypes.Structure):
+    """One decode step of ``m`` float32 rows for ``layer_calls`` (``lg_step`` in the C): the
+    matmul's and the attention kernel's addresses (``gguf_cpu.entry_address``,
+    ``paged_decode_cpu.entry_address``), the rotary tables ``[m, d]``, int64 slots, block
+    tables (row stride ``bt_stride``) and context lengths, the residual rows ``h``
+    ``[m, hidden]`` (updated in place layer by layer), the scratch rows (``h_mid``, ``y``,
+    ``attn``, ``gu``, ``act``), the attention's split and thread counts, the norms' eps and the
+    attention scale."""
+
+    _fields_ = [("matmul", _p), ("attention", _p), ("cos", _p), ("sin", _p), ("slots", _p),
+                ("block_tables", _p), ("context_lens", _p), ("h", _p), ("h_mid", _p), ("y", _p),
+                ("attn", _p), ("gu", _p), ("act", _p), ("bt_stride", _i64), ("m", _int),
+                ("hidden", _int), ("hq", _int), ("hk", _int), ("d", _int), ("block_size", _int),
+                ("splits", _int), ("threads", _int), ("eps", _f), ("scale", _f)]
 
 
 def _lib():
@@ -151,6 +180,27 @@ def decode_down(act: torch.Tensor, matmul: int, down: MatArgs, h: torch.Tensor) 
     _check(_lib().lg_decode_down(act.data_ptr(), act.shape[0], matmul, ctypes.byref(down),
                                  h.data_ptr(), out.data_ptr()), "down")
     return out
+
+
+def layer_calls():
+    """``(attention_half, mlp_half)``: the C entries that run one float32 decode layer, each
+    called with the addresses of a ``StepArgs`` and a ``LayerArgs`` and returning a code for
+    ``check``. ``attention_half`` turns ``h`` into ``h_mid`` (= h + attention) and ``gu`` (the
+    gate/up product of its norm); the caller then applies SiLU to gu's gate half in place;
+    ``mlp_half`` writes ``h_mid + (SiLU(gate) * up) @ W_down.T`` over ``h``. The operations and
+    work splits of ``decode_qkv``, the attention kernel, ``decode_o_gate_up`` and ``decode_down``
+    in that order, so the same bits. None where the library is not built."""
+    lib = _lib()
+    return None if lib is None else (lib.lg_decode_layer_attention, lib.lg_decode_layer_mlp)
+
+
+def check(rc: int, what: str) -> None:
+    """Raise for a nonzero code of a driver or ``layer_calls`` entry: MemoryError (-3, no
+    memory for the activation rows), ValueError naming ``what`` otherwise (-4: the attention
+    kernel rejected the shapes; else the GGUF kernel's code)."""
+    if rc == -4:
+        raise ValueError(f"layer_ops_cpu: the attention kernel rejected the {what} step's shapes")
+    _check(rc, what)
 
 
 def _check(rc: int, what: str) -> None:

@@ -39,6 +39,13 @@ def available() -> bool:
     return _lib() is not None
 
 
+def entry_address() -> int | None:
+    """The address of ``lg_paged_decode`` (``run``'s C entry), for C code that attends without
+    returning to Python (``layer_ops_cpu.layer_calls``); None where the kernel is not built."""
+    lib = _lib()
+    return None if lib is None else ctypes.cast(lib.lg_paged_decode, ctypes.c_void_p).value
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether the kernel takes these tensors: CPU, fp32 or bf16 alike, head_dim <= 256, at
     most 16 query heads per KV head, q's heads and head_dim contiguous, K and V with equal

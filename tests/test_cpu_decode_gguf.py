@@ -22,6 +22,7 @@ from test_gguf_packed import FILES, PROMPT, random_blocks, unit_scale, write_ran
 from localgen.kernels import layer_ops_cpu as ops  # noqa: E402
 from localgen.kv.attention import LayerKV  # noqa: E402
 from localgen.models import llama  # noqa: E402
+from localgen.models.cpu_decode import CpuDecodeLoop  # noqa: E402
 from localgen.quant import gguf_blocks as gb  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -151,8 +152,21 @@ def test_gguf_decode_layer_is_bit_identical_to_layer(dtype, num_seqs, fused_qkv,
 # ---- whole models: greedy tokens and logprobs ---------------------------------------------
 
 
+def _counting_loop(taken: list):
+    """``CpuDecodeLoop.run`` that adds one to ``taken`` for each layer of a step it runs."""
+    real = CpuDecodeLoop.run
+
+    def run(self, cfg, *args):
+        out = real(self, cfg, *args)
+        taken.extend([1] * cfg.num_layers if out is not None else [])
+        return out
+
+    return run
+
+
 def _greedy(path: Path, dtype: str, fused: bool, monkeypatch, n: int, text: str | None):
-    """Greedy tokens and their top-5 logprobs, and how many layer steps took the fused path."""
+    """Greedy tokens and their top-5 logprobs, and how many layer steps took the fused path
+    (one layer at a time, or every layer of a step through ``CpuDecodeLoop``)."""
     from localgen.api import LLM, Request, SamplingParams
 
     taken = []
@@ -161,6 +175,7 @@ def _greedy(path: Path, dtype: str, fused: bool, monkeypatch, n: int, text: str 
         m.setenv("LOCALGEN_GGUF_PACKED", "1")
         if fused:
             m.setattr(llama, "_cpu_decode_layer", lambda *a: taken.append(1) or real(*a))
+            m.setattr(CpuDecodeLoop, "run", _counting_loop(taken))
         else:
             m.setattr(llama, "_cpu_decode_mats", lambda *a: None)
         llm = LLM.load(str(path), device="cpu", dtype=dtype, kv_cache_memory=1 << 22)
@@ -201,3 +216,35 @@ def test_embedded_model_decodes_as_the_generic_path(dtype, monkeypatch):
         pytest.skip(str(e))
     _assert_same_decoding(path, dtype, monkeypatch, n=32, layers=30,
                           text="The three largest cities of France are")
+
+
+@needs_kernel
+@needs_ops
+def test_decode_loop_is_bit_identical_to_the_layer_path(tmp_path, monkeypatch):
+    """``CpuDecodeLoop`` (two C calls a layer) against ``llama.layer`` one layer at a time on a
+    float32 Q4_K_M file of random blocks: three sequences of different lengths decoding
+    together give the same tokens and logprobs, every decode step through the loop; with a
+    score observer installed the loop steps aside for the layer path."""
+    from localgen.api import LLM, Request, SamplingParams
+
+    path = write_random_gguf(tmp_path / "q4km.gguf", *FILES["Q4_K_M"][:1],
+                             tied=FILES["Q4_K_M"][1])
+    monkeypatch.setenv("LOCALGEN_GGUF_PACKED", "1")
+    llm = LLM.load(str(path), device="cpu", dtype="float32", kv_cache_memory=1 << 22)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    prompts = [PROMPT, PROMPT[:2], PROMPT * 4]
+
+    def run(loop: bool):
+        taken = []
+        with monkeypatch.context() as m:
+            m.setattr(CpuDecodeLoop, "run", _counting_loop(taken) if loop else lambda *a: None)
+            outs = llm.generate([Request(prompt_token_ids=p, sampling=sp) for p in prompts])
+        return [(o.token_ids, o.logprobs) for o in outs], len(taken)
+
+    got, taken = run(True)
+    want, _ = run(False)
+    assert taken == llm.config.num_layers * 11 and got == want
+    assert len({t for toks, _ in got for t in toks}) > 3  # varied tokens: a real comparison
+    llm.engine.runner.observe_scores(lambda *a: None)
+    again, taken = run(True)
+    assert taken == 0 and again == want

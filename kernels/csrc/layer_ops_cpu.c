@@ -224,3 +224,68 @@ int lg_decode_down(const float *act, int m, void *matmul, const lg_mat *down, co
     for (int64_t i = 0; i < size; i++) out[i] = h[i] + out[i];
     return 0;
 }
+
+/* ---- A whole float32 decode layer in two calls ----------------------------------------------
+ * lg_decode_layer_attention runs lg_decode_qkv, the paged attention (paged_decode_cpu.c's
+ * lg_paged_decode, reached through a pointer as the matmul is) and lg_decode_o_gate_up;
+ * lg_decode_layer_mlp multiplies SiLU(gate) by up and runs lg_decode_down. Between the two the
+ * caller applies torch's SiLU to the gate half of gu in place: its exp is not one this file
+ * reproduces, and the product after it is one correctly rounded multiply, as torch's mul_. A
+ * layer's weights and cache sit in an lg_layer made once; what changes each step (rows, rotary
+ * tables, slots, block tables, scratch rows) sits in one lg_step that every layer reads. */
+typedef int (*attention_fn)(const void *q, int64_t q_stride, const void *k, const void *v,
+                            int64_t blk_stride, int64_t tok_stride, int64_t head_stride,
+                            const int64_t *block_tables, int64_t bt_stride,
+                            const int64_t *context_lens, void *out, int num_seqs, int num_heads,
+                            int num_kv_heads, int d, int block_size, float scale, int dtype,
+                            int splits, int threads);
+
+/* One layer: its four matrices, its norms, the cache halves rotary writes into (store_k,
+ * store_v: [slots, hk, d]) and the K/V views attention reads (k, v with element strides per
+ * block, token and head). */
+typedef struct {
+    const lg_mat *qkv, *o, *gate_up, *down;
+    const float *input_norm, *post_norm;
+    float *store_k, *store_v;
+    const float *k, *v;
+    int64_t blk_stride, tok_stride, head_stride;
+} lg_layer;
+
+/* One step of m rows: h [m, hidden] is the residual stream, read by the attention half and
+ * overwritten by the MLP half; h_mid [m, hidden], y [m, qkv->n], attn [m, hq d], gu
+ * [m, gate_up->n] and act [m, gate_up->n / 2] are scratch rows. */
+typedef struct {
+    void *matmul, *attention;
+    const float *cos, *sin;
+    const int64_t *slots, *block_tables, *context_lens;
+    float *h, *h_mid, *y, *attn, *gu, *act;
+    int64_t bt_stride;
+    int m, hidden, hq, hk, d, block_size, splits, threads;
+    float eps, scale;
+} lg_step;
+
+/* h -> (h_mid, gu) of one layer. Returns 0, the matmul's nonzero code, -3 without memory, or
+ * -4 when the attention kernel rejects the shapes. */
+int lg_decode_layer_attention(const lg_step *s, const lg_layer *l) {
+    int rc = lg_decode_qkv(s->h, l->input_norm, s->eps, s->m, s->hidden, s->matmul, l->qkv, s->y,
+                           s->cos, s->sin, l->store_k, l->store_v, s->slots, s->hq, s->hk, s->d);
+    if (rc) return rc;
+    if (((attention_fn)s->attention)(s->y, l->qkv->n, l->k, l->v, l->blk_stride, l->tok_stride,
+                                     l->head_stride, s->block_tables, s->bt_stride,
+                                     s->context_lens, s->attn, s->m, s->hq, s->hk, s->d,
+                                     s->block_size, s->scale, DT_F32, s->splits, s->threads))
+        return -4;
+    return lg_decode_o_gate_up(s->attn, s->m, s->matmul, l->o, s->h, s->h_mid, l->post_norm,
+                               s->eps, l->gate_up, s->gu);
+}
+
+/* (h_mid, gu with SiLU applied to its gate half) -> h. Returns 0 or the matmul's nonzero code. */
+int lg_decode_layer_mlp(const lg_step *s, const lg_layer *l) {
+    const int64_t inter = l->gate_up->n / 2;
+    for (int r = 0; r < s->m; r++) {
+        const float *g = s->gu + r * 2 * inter, *u = g + inter;
+        float *a = s->act + r * inter;
+        for (int64_t j = 0; j < inter; j++) a[j] = g[j] * u[j];
+    }
+    return lg_decode_down(s->act, s->m, s->matmul, l->down, s->h_mid, s->h);
+}

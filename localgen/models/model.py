@@ -15,6 +15,7 @@ import torch
 
 from localgen.kv.attention import AttentionMetadata, LayerKV
 from localgen.models import dense, llama, opt
+from localgen.models.cpu_decode import CpuDecodeLoop
 from localgen.models.config import ModelConfig, UnsupportedModelError, supported_list
 from localgen.models.rope import RotaryPositions, layer_rope, model_rope, step_rope
 
@@ -189,6 +190,7 @@ class CausalLM:
         if int4:
             self._int4_output(store, gnames)
         self.layers = [self._read_layer(store, i) for i in range(cfg.num_layers)]
+        self.cpu_decode = CpuDecodeLoop()
 
     def _int4_output(self, store: WeightSource, gnames: dict[str, str]) -> None:
         """The output matrix (tied: the embedding) through the int4 kernel at small M:
@@ -253,6 +255,10 @@ class CausalLM:
             rope = RotaryPositions(positions, self.inv_freq)
             return llama.forward_layers(self.cfg, self.layers, h, rope, kv_caches, meta)
         rope = step_rope(self.inv_freq, positions, self.dtype, fused=False)
+        if self.family is llama and not meta.is_prefill and h.device.type == "cpu":
+            out = self.cpu_decode.run(self.cfg, self.layers, h, rope, kv_caches, meta)
+            if out is not None:  # every layer through two C calls (models/cpu_decode.py)
+                return out
         for i, (w, kv) in enumerate(zip(self.layers, kv_caches)):
             h = self.family.layer(self.cfg, w, h, layer_rope(rope, i), kv, meta)
         return h
