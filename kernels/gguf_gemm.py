@@ -15,8 +15,9 @@ the type (ggml-common.h: ``block_q4_K``, ``block_q5_K``, ``block_q6_K``, ``block
   accumulated elementwise and summed once at the end). Every weight
   byte is read from memory once per call: decode is bound by reading W, so K is split across
   programs until the grid fills the GPU, their float32 partial sums added atomically.
-* Prefill (larger M): the same ``_group`` dequantization writes W once to a bf16/fp16 buffer and
-  cuBLAS does the GEMM, which is compute-bound at that M.
+* Prefill (larger M): by default the same ``_group`` dequantization writes W once to a
+  bf16/fp16 buffer and cuBLAS does the GEMM, which is compute-bound at that M;
+  ``gguf_gemv.PREFILL_CONFIGS`` (or a sweep's winners) may name ``gguf_i8mma``'s kernel.
 
 The value order inside each block follows ``gguf.quants`` (the reference these kernels are tested
 against): e.g. Q4_K's 128 bytes of nibbles hold, per 32-byte chunk ``c``, sub-block ``2c`` in the
@@ -33,7 +34,7 @@ import triton.language as tl
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from triton.errors import TritonError
 
-from . import gguf_gemv, gguf_mma, gguf_q8
+from . import gguf_gemv, gguf_i8mma, gguf_mma, gguf_q8
 
 # The types these kernels read; ``_group`` dispatches on their GGMLQuantizationType values.
 KERNEL_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
@@ -42,7 +43,7 @@ KERNEL_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0, GGMLQuanti
 BLOCK_WEIGHTS = {int(t): GGML_QUANT_SIZES[t][0] for t in KERNEL_TYPES}
 BLOCK_BYTES = {int(t): GGML_QUANT_SIZES[t][1] for t in KERNEL_TYPES}
 TILE_K = 256  # weights dequantized per loop step: one K-quant super-block, eight 32-blocks
-DECODE_MAX_M = gguf_gemv.MMA_MAX_M  # past it, the prefill path whatever the table says
+DECODE_MAX_M = gguf_gemv.MMA_MAX_M  # past it, the prefill configs (gguf_gemv.PREFILL_CONFIGS)
 
 
 @triton.jit
@@ -225,12 +226,15 @@ def _dequant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int) -> t
 
 def _run_config(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
                 cfg: gguf_gemv.DecodeConfig, x8=None) -> torch.Tensor | None:
-    """The product under ``cfg``'s kernel (``dequant``, ``mma``, or ``gguf_gemv``'s, which takes
-    ``x8``), or None where that kernel does not take the type, M or raw's layout, or ``cfg`` is
-    ``file``."""
+    """The product under ``cfg``'s kernel (``dequant``, ``mma``, ``i8mma`` or ``gguf_gemv``'s;
+    the last two take ``x8``), or None where that kernel does not take the type, M or raw's
+    layout, or ``cfg`` is ``file``."""
     m = x.shape[0]
     if cfg.kernel == "dequant":
         return _dequant_matmul(x, raw, qtype, k)
+    if cfg.kernel == "i8mma":
+        return (gguf_i8mma.matmul(x, raw, qtype, k, cfg, x8)
+                if gguf_i8mma.serves(raw, qtype, m) else None)
     if cfg.kernel == "mma":
         return gguf_mma.matmul(x, raw, qtype, k, cfg) if gguf_mma.serves(raw, qtype, m) else None
     if m <= gguf_gemv.MAX_M and _new_kernel_serves(raw, qtype, cfg):
@@ -264,12 +268,13 @@ def _default_decode(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int, x8=N
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
            cfg: gguf_gemv.DecodeConfig | None = None, x8=None) -> torch.Tensor:
     """``x [M, k] · Wᵀ`` -> ``[M, N]`` in x's dtype (fp16/bf16/fp32), W the GGUF blocks ``raw``.
-    M <= DECODE_MAX_M runs the kernel that ``cfg`` (None: ``gguf_gemv.default_config``) names:
-    ``gguf_gemv``'s per-group kernels (Q4_K, Q5_K, Q6_K; M <= 16), ``gguf_mma``'s tensor-core
-    kernel (Q4_K, Q6_K; 2 <= M <= 64), the prefill path (``dequant``) or this module's
-    file-layout kernel (``file``: every type here, M <= 16; also where the named kernel does not
-    take the type, M or raw's layout, the prefill path past 16 rows). Larger M dequantizes W
-    once and calls cuBLAS.
+    Runs the kernel that ``cfg`` (None: ``gguf_gemv.default_config``, past DECODE_MAX_M rows
+    its ``PREFILL_CONFIGS``) names: ``gguf_gemv``'s per-group kernels (Q4_K, Q5_K, Q6_K;
+    M <= 16), ``gguf_mma``'s tensor-core kernel (Q4_K, Q6_K; 2 <= M <= 64), ``gguf_i8mma``'s
+    int8 tensor-core kernel (Q4_K, Q6_K; M >= 2), the prefill path (``dequant``: W dequantized
+    once, then cuBLAS) or this module's file-layout kernel (``file``: every type here, M <= 16;
+    also where the named kernel does not take the type, M or raw's layout, the prefill path
+    past 16 rows).
     A default config that fails to compile or run falls back to the file kernel with a warning
     (``FAILED_DEFAULTS``); a given config's errors propagate.
     ``x8``: ``gguf_q8.quantize(x)`` made once for several matrices (:func:`matmuls_same_x`).
@@ -278,8 +283,6 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
     m, n = x.shape[0], raw.shape[0]
-    if m > DECODE_MAX_M:
-        return _dequant_matmul(x, raw, qtype, k)
     x = x.contiguous()
     y = (_default_decode(x, raw, qtype, k, x8) if cfg is None
          else _run_config(x, raw, qtype, k, cfg, x8))

@@ -57,6 +57,7 @@ TYPES = (Q4_K, Q5_K, Q6_K)
 TILE_K = 256
 MAX_M = 16
 MMA_TYPES, MMA_MAX_M = (Q4_K, Q6_K), 64  # the types and the largest M of gguf_mma's kernel
+I8MMA_TYPES = (Q4_K, Q6_K)  # gguf_i8mma's kernel: any M from 2 (decode and prefill)
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,14 @@ class DecodeConfig:
     """One launch of the decode kernels. ``kernel``: ``gemv`` (M = 1; with "q8" codes up to
     ``MAX_M`` rows), ``dot`` or ``file``
     (``gguf_gemm``'s kernel over the file's blocks, dequantizing each weight; M <= 16),
-    ``mma`` (``gguf_mma``'s tensor-core kernel, Q4_K and Q6_K, 2 <= M <= 64) or ``dequant``
-    (the whole matrix dequantized, then cuBLAS: the prefill path); ``block_n``:
+    ``mma`` (``gguf_mma``'s tensor-core kernel, Q4_K and Q6_K, 2 <= M <= 64), ``i8mma``
+    (``gguf_i8mma``'s int8 tensor-core kernel over 8-bit activations, Q4_K and Q6_K, M >= 2)
+    or ``dequant`` (the whole matrix dequantized, then cuBLAS: the prefill path); ``block_n``:
     output rows a program; ``split_k``: K slices (0: enough for ``programs_per_sm`` programs on
     every multiprocessor); ``num_warps``; ``codes``: how the gemv kernels turn codes into floats
     (``CODE_MODES``); ``blocks_per_step``: blocks of each row a gemv loop step loads (1, 2, 4, 8);
-    ``num_stages``: the mma kernel's software-pipeline depth over K (0: Triton's default)."""
+    ``num_stages``: the mma and i8mma kernels' software-pipeline depth over K (0: Triton's
+    default)."""
 
     kernel: str = "gemv"
     block_n: int = 16
@@ -93,8 +96,10 @@ Q8_TYPES = gguf_q8.TYPES
 def serves(cfg: DecodeConfig, qtype: int, m: int) -> bool:
     """Whether ``cfg`` runs as itself for ``qtype`` at ``m`` rows (gemv at M = 1, and with its
     "q8" codes, only for ``Q8_TYPES``, up to ``MAX_M``; dot and file up to ``MAX_M``; mma for
-    ``MMA_TYPES`` from 2 to ``MMA_MAX_M`` rows; dequant, the prefill path, past one row): the
-    sweep's filter."""
+    ``MMA_TYPES`` from 2 to ``MMA_MAX_M`` rows; i8mma for ``I8MMA_TYPES`` from 2 rows; dequant,
+    the prefill path, past one row): the sweep's filter."""
+    if cfg.kernel == "i8mma":
+        return int(qtype) in I8MMA_TYPES and m >= 2
     if cfg.kernel == "mma":
         return int(qtype) in MMA_TYPES and 2 <= m <= MMA_MAX_M
     if cfg.kernel == "dequant":
@@ -112,8 +117,14 @@ FILE_CONFIG = DecodeConfig("file", block_n=32)
 DEQUANT_CONFIG = DecodeConfig("dequant")
 
 
+PREFILL_CLASS = MMA_MAX_M + 1  # decode_class of every M past MMA_MAX_M: PREFILL_CONFIGS
+
+
 def decode_class(m: int) -> int:
-    """The table's M class of ``m`` activation rows: 1, 16 (2..16) or 64 (17..64)."""
+    """The table's M class of ``m`` activation rows: 1, 16 (2..16), 64 (17..64) or
+    ``PREFILL_CLASS`` (more)."""
+    if m > MMA_MAX_M:
+        return PREFILL_CLASS
     return 1 if m == 1 else (MAX_M if m <= MAX_M else MMA_MAX_M)
 
 # (qtype, decode_class(M)) -> config: the one place to change after ``gguf_gemm_bench
@@ -131,23 +142,34 @@ DECODE_CONFIGS: dict[tuple[int, int], DecodeConfig] = {
     (Q4_K, 16): FILE_CONFIG, (Q5_K, 16): FILE_CONFIG, (Q6_K, 16): FILE_CONFIG,
     (Q4_K, 64): DEQUANT_CONFIG, (Q5_K, 64): DEQUANT_CONFIG, (Q6_K, 64): DEQUANT_CONFIG,
 }
+# qtype -> config past MMA_MAX_M rows (prefill), where a sweep's prefill rows (M = 128, 512)
+# rank a kernel above the prefill path; a type not named takes DEQUANT_CONFIG.
+PREFILL_CONFIGS: dict[int, DecodeConfig] = {}
 
 
 ENV_CONFIGS = "LOCALGEN_GGUF_DECODE_CONFIGS"  # a sweep's JSON whose ``winners`` to take
 
 
 def default_config(qtype: int, m: int) -> DecodeConfig:
-    """The config for ``qtype`` at ``m`` activation rows (1..``MMA_MAX_M``): the
-    ``ENV_CONFIGS`` file's winner of the nearest measured M at or above ``m`` that serves ``m``
-    where it has one, else the table's; for a type neither names ``FILE_CONFIG`` up to
-    ``MAX_M`` rows, ``DEQUANT_CONFIG`` past it. Raises ValueError (naming the file) for a file
-    that cannot be read or whose winners are not configs that serve their type and M."""
+    """The config for ``qtype`` at ``m`` activation rows: the ``ENV_CONFIGS`` file's winner of
+    the nearest measured M at or above ``m`` that serves ``m`` where it has one (past
+    ``MMA_MAX_M`` rows, else its largest measured M past them: a prefill row serves every longer
+    prompt), else the table's (``PREFILL_CONFIGS`` past ``MMA_MAX_M`` rows); for a type none
+    names ``FILE_CONFIG`` up to ``MAX_M`` rows, ``DEQUANT_CONFIG`` past it. Raises ValueError
+    (naming the file) for a file that cannot be read or whose winners are not configs that
+    serve their type and M."""
     path = os.environ.get(ENV_CONFIGS)
     if path:
-        above = [(wm, cfg) for wq, wm, cfg in measured_winners(path) if wq == int(qtype)
-                 and wm >= m and serves(cfg, qtype, m)]
+        mine = [(wm, cfg) for wq, wm, cfg in measured_winners(path) if wq == int(qtype)
+                and serves(cfg, qtype, m)]
+        above = [e for e in mine if e[0] >= m]
         if above:
             return min(above, key=lambda e: e[0])[1]
+        prefill = [e for e in mine if e[0] > MMA_MAX_M]
+        if m > MMA_MAX_M and prefill:
+            return max(prefill, key=lambda e: e[0])[1]
+    if m > MMA_MAX_M:
+        return PREFILL_CONFIGS.get(int(qtype), DEQUANT_CONFIG)
     return DECODE_CONFIGS.get((int(qtype), decode_class(m)),
                               FILE_CONFIG if m <= MAX_M else DEQUANT_CONFIG)
 
@@ -425,6 +447,8 @@ def rounds_x(qtype: int, m: int = 1) -> bool:
     """Whether the default config of ``qtype`` at ``m`` rows rounds x to 8 bits
     (``gguf_q8``), so that one ``x8`` made for several matrices saves each of them a launch."""
     cfg = default_config(qtype, m)
+    if cfg.kernel == "i8mma":  # gguf_i8mma reads gguf_q8's rounding too
+        return serves(cfg, qtype, m)
     return (cfg.kernel == "gemv" and cfg.codes == "q8" and int(qtype) in Q8_TYPES
             and m <= MAX_M)
 

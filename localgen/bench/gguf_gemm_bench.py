@@ -123,7 +123,7 @@ def run(shapes: dict[str, tuple[int, int]], qtypes: list[int], ms: list[int],
 
 SWEEP_SHAPES = {**SHAPES, "7b_output": (32000, 4096)}
 SWEEP_QTYPES = (12, 14)  # Q4_K, Q6_K
-SWEEP_MS = (1, 16, 64)
+SWEEP_MS = (1, 16, 64, 128, 512)  # 128 and 512: prefill rows (i8mma beside dequant + cuBLAS)
 BAD_REL_ERR = 2e-2  # a config whose output is this far from the bf16 reference is broken
 
 
@@ -155,7 +155,18 @@ def sweep_configs() -> list:
             _q8(8, 4, 1), _q8(2, 4, 2), _q8(4, 4, 2), _q8(8, 8, 1),
             # M > 1 references: the prefill path (dequantize, then cuBLAS) beside the file
             # kernel above, and the tensor-core kernel (gguf_mma) in its best tile for Q4_K
-            C("dequant"), C("mma", 64, num_warps=4)]
+            C("dequant"), C("mma", 64, num_warps=4), *_i8mma_configs()]
+
+
+def _i8mma_configs() -> list:
+    """The int8 tensor-core kernel (``gguf_i8mma``; M >= 2, so also at the prefill rows): weight
+    rows a program 32 to 128 (the tensor core's wide side), warps 4 and 8, K unsplit or split
+    to fill the GPU."""
+    from localgen.kernels.gguf_gemv import DecodeConfig as C
+
+    return [C("i8mma", 32, num_warps=4), C("i8mma", 64, num_warps=4),
+            C("i8mma", 64, split_k=1, num_warps=4), C("i8mma", 128, num_warps=8),
+            C("i8mma", 128, split_k=1, num_warps=8)]
 
 
 def sweep_serves(cfg, qtype: int, m: int) -> bool:
@@ -295,21 +306,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ms", default="1,4,16,64,512")
     p.add_argument("--block-n", default="32,64,128", help="output rows a program, tried per cell")
     p.add_argument("--sweep", action="store_true",
-                   help="time every decode config (Q4_K, Q6_K; M 1, 16 and 64) in one process")
+                   help="time every decode config (Q4_K, Q6_K; M 1, 16, 64, 128, 512) in one process")
     p.add_argument("--dry-run", action="store_true",
                    help="the sweep at a tiny shape on the CPU under the Triton interpreter")
     p.add_argument("--budget-s", type=float, default=270.0, help="the sweep's time limit")
     p.add_argument("--sweep-qtypes", default=",".join(map(str, SWEEP_QTYPES)),
                    help="the sweep's types (13: Q5_K too)")
     p.add_argument("--sweep-ms", default=",".join(map(str, SWEEP_MS)),
-                   help="the sweep's activation rows (4: the q8 kernels' M_PAD 4 too)")
+                   help="the sweep's activation rows (4: the q8 kernels' M_PAD 4 too; past 64: "
+                        "prefill rows, i8mma beside dequant + cuBLAS)")
     a = p.parse_args(argv)
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     if a.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels' module is imported
         # fp16: the interpreter's bf16 tl.dot is wrong
-        result = sweep({"tiny": (40, 512)}, ints(a.sweep_qtypes), (1, 3, 33), torch.device("cpu"),
-                       torch.float16, budget_s=a.budget_s)
+        result = sweep({"tiny": (40, 512)}, ints(a.sweep_qtypes), (1, 3, 33, 80),
+                       torch.device("cpu"), torch.float16, budget_s=a.budget_s)
     elif a.sweep:
         result = sweep(SWEEP_SHAPES, ints(a.sweep_qtypes), ints(a.sweep_ms), torch.device("cuda"),
                        budget_s=a.budget_s)

@@ -1,0 +1,295 @@
+"""Matmul over GGUF Q4_K and Q6_K blocks on int8 tensor cores, for 2..64 decode rows and for
+prefill: the weights' integer codes meet 8-bit activations in ``tl.dot`` (int8 x int8 -> int32)
+and the scales apply once per group to the exact integer sums. The idea is llama.cpp's MMQ
+(``mmq.cuh``: int8 tiles on the tensor cores, per-group scales on the int32 partial sums); the
+code here is this project's own.
+
+``y[m, n] = x[m, k] · W[n, k]ᵀ``, W the raw bytes ``[N, row_bytes]`` of ``block_q4_K`` /
+``block_q6_K`` rows (ggml-common.h; value order as ``gguf.quants`` reads it), x first rounded
+by ``gguf_q8.quantize`` (one launch for every row; int8 ``q_x`` per 32-group with the step
+``d_x = max|x| / 127`` and the group's exact ``Σ x``).
+
+* Q4_K (144-byte blocks: fp16 ``d``, ``dmin``, 12 bytes of 6-bit scales and mins, 128 bytes of
+  nibbles; in 64-weight chunk ``c`` the 32 bytes' low nibbles are weights ``64c .. 64c + 31``,
+  group ``2c``, the high ones ``64c + 32 ..``, group ``2c + 1``). Weight ``d·sc_g·q - dmin·m_g``,
+  so per 32-group ``g`` and block::
+
+      acc[n, m] += P[n, m] · (d·sc_g)[n] · d_x[m, g]  -  (dmin·m_g)[n] · (Σ x)[m, g]
+      P = codes[n, 0..31] · q_x[0..31, m]   (one int8 tl.dot, exact in int32)
+
+* Q6_K (210-byte blocks: ql[128], qh[64], 16 int8 scales, fp16 ``d``; 16-weight groups).
+  Weight ``d·sc_j·(q - 32)``, the codes made signed bytes ``q - 32`` before the dot. A 32-group
+  of activations spans two 16-groups of weights, so each 32-group takes two dots of the same
+  weight tile against the activation tile with its other half zeroed (the activation tile is
+  the small operand): ``P = P_lo·sc_lo + P_hi·sc_hi`` in int32, ``acc += P · d[n] · d_x[m, g]``.
+
+Shapes: a program owns ``BLOCK_N`` weight rows (the tensor core's wide side: the left operand,
+``[BLOCK_N, 32]`` codes), ``BLOCK_M`` activation rows (the right operand ``[32, BLOCK_M]``,
+``BLOCK_M`` the power of two at or above M, at least 16, at most ``MAX_BLOCK_M``: past it the
+grid's third axis walks M) and a slice of K tiles (256 weights, one block of each row); slices
+add their float32 partials atomically (``gguf_gemv.split_output``).
+
+Unpacking costs few instructions a weight: Q4_K's 32 nibble bytes of a chunk load as 16-byte
+vectors (blocks are 144 bytes and rows a multiple of 16 bytes apart) and each 32-bit register of
+four bytes gives four codes in one or two operations (``and 0x0F0F0F0F``, ``shr 4``) by
+``tl.inline_asm_elementwise(pack=4)``; the interpreter (no inline assembly) runs the same kernel
+with plain Triton byte operations (``ASM=False``).
+
+Error: the activations' rounding alone (``gguf_q8``): each ``x`` moves by at most ``d_x / 2``,
+the integer sums are exact, and the scales are float32 products.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import gguf_gemv, gguf_q8
+from .gguf_tiles import f16_at
+from .triton_common import interpreting
+
+Q4_K, Q6_K = gguf_gemv.Q4_K, gguf_gemv.Q6_K
+TYPES = (Q4_K, Q6_K)
+MIN_M = 2
+MAX_BLOCK_M = 64  # activation rows a program; more rows take more programs along the grid's axis 2
+BLOCK_BYTES = {Q4_K: 144, Q6_K: 210}  # ggml-common.h's block_q4_K, block_q6_K
+TILE_K = 256
+
+
+# ---- unpacking, four codes a 32-bit operation ----
+
+@triton.jit
+def _nibbles(b, HIGH: tl.constexpr, ASM: tl.constexpr):
+    """int8 codes 0..15 of uint8 bytes ``b``: each byte's low nibble, or (HIGH) its high one.
+    ASM: four bytes a register, one (two) PTX operations for four codes."""
+    if ASM:
+        if HIGH:
+            q = tl.inline_asm_elementwise("shr.b32 $0, $1, 4;\n\tand.b32 $0, $0, 0x0F0F0F0F;",
+                                          "=r,r", [b], dtype=tl.int8, is_pure=True, pack=4)
+        else:
+            q = tl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [b],
+                                          dtype=tl.int8, is_pure=True, pack=4)
+    else:
+        q = ((b.to(tl.int32) >> (4 * HIGH)) & 0x0F).to(tl.int8)
+    return q
+
+
+@triton.jit
+def _q6_codes(ql, qh, T: tl.constexpr, ASM: tl.constexpr):
+    """Signed int8 ``q - 32`` of quarter ``T`` of Q6_K's 6-bit codes from uint8 ``ql`` (nibble
+    ``T // 2``) and ``qh`` (bits ``2T, 2T + 1``). ASM: four codes a register; ``q - 32`` with no
+    borrow between bytes: ``q ^ 0x20`` is ``q - 32`` where bit 5 is set, else ``q + 32``,
+    which bits 6 and 7 set make ``q + 32 - 64``."""
+    if ASM:
+        q = tl.inline_asm_elementwise(
+            "{\n\t.reg .b32 lo, hi, neg;\n\t"
+            f"shr.b32 lo, $1, {4 * (T // 2)};\n\tand.b32 lo, lo, 0x0F0F0F0F;\n\t"
+            f"shr.b32 hi, $2, {2 * T};\n\tand.b32 hi, hi, 0x03030303;\n\t"
+            "shl.b32 hi, hi, 4;\n\tor.b32 lo, lo, hi;\n\txor.b32 lo, lo, 0x20202020;\n\t"
+            "and.b32 neg, lo, 0x20202020;\n\tshl.b32 hi, neg, 1;\n\tor.b32 lo, lo, hi;\n\t"
+            "shl.b32 hi, neg, 2;\n\tor.b32 $0, lo, hi;\n\t}",
+            "=r,r,r", [ql, qh], dtype=tl.int8, is_pure=True, pack=4)
+    else:
+        lo = (ql.to(tl.int32) >> (4 * (T // 2))) & 0x0F
+        hi = (qh.to(tl.int32) >> (2 * T)) & 0x03
+        q = ((lo | (hi << 4)) - 32).to(tl.int8)
+    return q
+
+
+# ---- the program's tile, the activations, the output ----
+
+@triton.jit
+def _tile(N, num_tiles, tiles_per_split, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Program (n, s, mt): weight rows ``offs_n`` ``[BLOCK_N]``, activation rows ``offs_m``
+    ``[BLOCK_M]`` and the K tiles ``kt0 .. end`` of slice ``s``."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kt0 = tl.program_id(1) * tiles_per_split
+    return offs_n, offs_m, kt0, tl.minimum(kt0 + tiles_per_split, num_tiles)
+
+
+@triton.jit
+def _x_group(xq_ptr, xd_ptr, x_off, offs_m, G, X_ROWS: tl.constexpr, MASK_M: tl.constexpr):
+    """The int8 activations ``[32, BLOCK_M]`` of 32-group ``G`` (``gguf_q8.Q8Activations``:
+    word-major for ``X_ROWS`` rows, so weight column ``kk`` of row ``m`` is byte
+    ``((8G + kk // 4)·X_ROWS + m)·4 + kk % 4``; ``x_off`` that offset less ``32·G·X_ROWS``)
+    and their steps ``d_x`` ``[BLOCK_M]``. MASK_M: the program's rows pass ``X_ROWS``."""
+    if MASK_M:
+        live = offs_m < X_ROWS
+        xt = tl.load(xq_ptr + G * (32 * X_ROWS) + x_off, mask=live[None, :], other=0)
+        xd = tl.load(xd_ptr + G * X_ROWS + offs_m, mask=live, other=0.0)
+    else:
+        xt = tl.load(xq_ptr + G * (32 * X_ROWS) + x_off)
+        xd = tl.load(xd_ptr + G * X_ROWS + offs_m)
+    return xt, xd
+
+
+@triton.jit
+def _x_sum(xs_ptr, offs_m, G, X_ROWS: tl.constexpr, MASK_M: tl.constexpr):
+    """The exact ``Σ x`` ``[BLOCK_M]`` of 32-group ``G`` of each activation row."""
+    if MASK_M:
+        xs = tl.load(xs_ptr + G * X_ROWS + offs_m, mask=offs_m < X_ROWS, other=0.0)
+    else:
+        xs = tl.load(xs_ptr + G * X_ROWS + offs_m)
+    return xs
+
+
+@triton.jit
+def _x_offsets(offs_m, X_ROWS: tl.constexpr):
+    """:func:`_x_group`'s ``x_off`` ``[32, BLOCK_M]``."""
+    kk = tl.arange(0, 32)
+    return ((kk // 4) * (4 * X_ROWS) + kk % 4)[:, None] + (4 * offs_m)[None, :]
+
+
+@triton.jit
+def _store(acc, y_ptr, offs_n, offs_m, M, N, stride_ym, ATOMIC: tl.constexpr):
+    """``acc`` ``[BLOCK_N, BLOCK_M]`` into ``y[m, n]`` (added atomically when K is split)."""
+    y = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+    mask = (offs_m < M)[None, :] & (offs_n < N)[:, None]
+    if ATOMIC:
+        tl.atomic_add(y, acc, mask=mask)
+    else:
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _k4_scales(w1, w2, w3, G: tl.constexpr):
+    """6-bit scale and min of group ``G`` (0..7) of Q4_K blocks as float32, from the int32
+    scale words ``w1`` (bytes 4..7: scales 0..3, and bits 4..5 of scales 4..7 in their top
+    bits), ``w2`` (8..11: the same for mins) and ``w3`` (12..15: the low nibbles of scales and
+    mins 4..7), as ggml's ``get_scale_min_k4``."""
+    if G < 4:
+        sc = (w1 >> (8 * G)) & 63
+        mn = (w2 >> (8 * G)) & 63
+    else:
+        sc = ((w3 >> (8 * (G - 4))) & 15) | (((w1 >> (8 * (G - 4) + 6)) & 3) << 4)
+        mn = ((w3 >> (8 * (G - 4) + 4)) & 15) | (((w2 >> (8 * (G - 4) + 6)) & 3) << 4)
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _i8_at(ptr):
+    """float32 of the signed byte at ``ptr``."""
+    return tl.load(ptr).to(tl.int8, bitcast=True).to(tl.float32)
+
+
+# ---- the kernels ----
+
+@triton.jit(do_not_specialize=["M", "N", "num_tiles", "tiles_per_split"])
+def _q4k_i8mma(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, row_16b,
+               stride_ym, X_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+               MASK_M: tl.constexpr, ATOMIC: tl.constexpr, ASM: tl.constexpr):
+    """Q4_K, program (n, s, mt) as the module docstring. ``row_16b``: the row stride in 16-byte
+    units (rows are whole 144-byte blocks), so each chunk's 32 nibble bytes load as 16-byte
+    vectors and the scale words as 32-bit ones."""
+    offs_n, offs_m, kt0, end = _tile(N, num_tiles, tiles_per_split, BLOCK_N, BLOCK_M)
+    rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * (row_16b * 16)  # rows past N: N - 1
+    x_off = _x_offsets(offs_m, X_ROWS)
+    lane = tl.arange(0, 32)[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for kt in range(kt0, end):
+        blk = rows + kt * 144
+        d = f16_at(blk)
+        dmin = f16_at(blk + 2)
+        blk32 = blk.to(tl.pointer_type(tl.int32))
+        w1 = tl.load(blk32 + 1)
+        w2 = tl.load(blk32 + 2)
+        w3 = tl.load(blk32 + 3)
+        for c in tl.static_range(4):
+            b = tl.load(blk[:, None] + 16 + 32 * c + lane)  # [BLOCK_N, 32] uint8
+            for h in tl.static_range(2):
+                g = kt * 8 + 2 * c + h
+                xt, xd = _x_group(xq_ptr, xd_ptr, x_off, offs_m, g, X_ROWS, MASK_M)
+                xs = _x_sum(xs_ptr, offs_m, g, X_ROWS, MASK_M)
+                p = tl.dot(_nibbles(b, h, ASM), xt, out_dtype=tl.int32)
+                sc, mn = _k4_scales(w1, w2, w3, 2 * c + h)
+                acc += (p.to(tl.float32) * ((d * sc)[:, None] * xd[None, :])
+                        - (dmin * mn)[:, None] * xs[None, :])
+    _store(acc, y_ptr, offs_n, offs_m, M, N, stride_ym, ATOMIC)
+
+
+@triton.jit(do_not_specialize=["M", "N", "num_tiles", "tiles_per_split"])
+def _q6k_i8mma(xq_ptr, xd_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_wn,
+               stride_ym, X_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+               MASK_M: tl.constexpr, ATOMIC: tl.constexpr, ASM: tl.constexpr):
+    """Q6_K, program (n, s, mt) as the module docstring. ``stride_wn`` in 2-byte units (210-byte
+    blocks are 2-byte aligned). Weight ``128hf + 32t + l`` of a block (half ``hf``, quarter
+    ``t``, ``l`` 0..31) takes its low 4 bits from ql byte ``64hf + 32(t % 2) + l``, nibble
+    ``t // 2``, its high 2 bits from qh byte ``128 + 32hf + l`` at bit ``2t``, and the scale
+    ``8hf + 2t + l // 16``: 32-group ``4hf + t`` of the activations."""
+    offs_n, offs_m, kt0, end = _tile(N, num_tiles, tiles_per_split, BLOCK_N, BLOCK_M)
+    rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * (stride_wn * 2)
+    x_off = _x_offsets(offs_m, X_ROWS)
+    lane = tl.arange(0, 32)[None, :]
+    low_half = (tl.arange(0, 32) < 16)[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for kt in range(kt0, end):
+        blk = rows[:, None] + kt * 210
+        d = f16_at(blk + 208)  # [BLOCK_N, 1]
+        for hf in tl.static_range(2):
+            ql_a = tl.load(blk + 64 * hf + lane)  # quarters 0 and 2
+            ql_b = tl.load(blk + 64 * hf + 32 + lane)  # 1 and 3
+            qh = tl.load(blk + 128 + 32 * hf + lane)
+            for t in tl.static_range(4):
+                q = _q6_codes(ql_a if t % 2 == 0 else ql_b, qh, t, ASM)  # [BLOCK_N, 32] int8
+                xt, xd = _x_group(xq_ptr, xd_ptr, x_off, offs_m, kt * 8 + 4 * hf + t, X_ROWS,
+                                  MASK_M)
+                sc = blk + 192 + 8 * hf + 2 * t
+                p = tl.dot(q, tl.where(low_half, xt, 0).to(tl.int8), out_dtype=tl.int32)
+                acc += p.to(tl.float32) * ((d * _i8_at(sc)) * xd[None, :])
+                p = tl.dot(q, tl.where(low_half, 0, xt).to(tl.int8), out_dtype=tl.int32)
+                acc += p.to(tl.float32) * ((d * _i8_at(sc + 1)) * xd[None, :])
+    _store(acc, y_ptr, offs_n, offs_m, M, N, stride_ym, ATOMIC)
+
+
+# ---- host side ----
+
+def block_m(m: int) -> int:
+    """Activation rows a program for ``m``: the power of two at or above it, at least 16 (the
+    tensor core's least), at most ``MAX_BLOCK_M``."""
+    return min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
+
+
+def serves(raw: torch.Tensor, qtype: int, m: int) -> bool:
+    """Whether this kernel takes the call: Q4_K or Q6_K, ``m >= MIN_M``, raw data aligned to the
+    kernel's loads (16 bytes for Q4_K, whose rows must then be a multiple of 16 bytes apart; 2
+    for Q6_K)."""
+    step = 16 if int(qtype) == Q4_K else 2
+    return (int(qtype) in TYPES and m >= MIN_M and raw.data_ptr() % step == 0
+            and raw.stride(0) % step == 0)
+
+
+def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
+           cfg: gguf_gemv.DecodeConfig,
+           x8: gguf_q8.Q8Activations | None = None) -> torch.Tensor:
+    """``x [M, k] · Wᵀ`` -> ``[M, N]`` in x's dtype (float32/bf16/fp16) for ``M >= 2``, W the
+    Q4_K or Q6_K blocks ``raw`` (uint8 ``[N, row_bytes]``, contiguous rows; the caller,
+    ``gguf_gemm.matmul``, checks the shapes and :func:`serves`). ``cfg``: ``block_n`` (16, 32,
+    64, 128), ``num_warps``, ``num_stages`` (0: Triton's default), ``split_k`` /
+    ``programs_per_sm``. ``x8``: ``gguf_q8.quantize(x)`` already made (else made here).
+    Raises ValueError for another type, M < 2 or an ``x8`` of another shape."""
+    qtype, (m, n) = int(qtype), (x.shape[0], raw.shape[0])
+    if qtype not in TYPES or m < MIN_M:
+        raise ValueError(f"gguf_i8mma serves Q4_K/Q6_K (12, 14) at M >= {MIN_M}, got type "
+                         f"{qtype}, M={m}")
+    x8 = gguf_q8.quantize(x) if x8 is None else x8
+    x_rows = gguf_q8.m_pad(m)
+    if tuple(x8.xd.shape) != (k // 32, x_rows):
+        raise ValueError(f"x8 must be gguf_q8.quantize of {m} rows of k={k}, got steps "
+                         f"{tuple(x8.xd.shape)}")
+    tiles, bm = k // TILE_K, block_m(m)
+    m_tiles, n_programs = triton.cdiv(m, bm), triton.cdiv(n, cfg.block_n)
+    splits, per_split, y = gguf_gemv.split_output(cfg, x, n, n_programs * m_tiles, tiles)
+    knobs = dict(X_ROWS=x_rows, BLOCK_N=cfg.block_n, BLOCK_M=bm, MASK_M=x_rows < bm,
+                 ATOMIC=splits > 1, ASM=not interpreting(), num_warps=cfg.num_warps)
+    if cfg.num_stages:
+        knobs["num_stages"] = cfg.num_stages
+    grid = (n_programs, splits, m_tiles)
+    if qtype == Q4_K:
+        _q4k_i8mma[grid](x8.xq, x8.xd, x8.xs, raw, y, m, n, tiles, per_split,
+                         raw.stride(0) // 16, y.stride(0), **knobs)
+    else:
+        _q6k_i8mma[grid](x8.xq, x8.xd, raw, y, m, n, tiles, per_split, raw.stride(0) // 2,
+                         y.stride(0), **knobs)
+    return y.to(x.dtype)
