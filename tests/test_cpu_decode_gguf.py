@@ -224,7 +224,8 @@ def test_decode_loop_is_bit_identical_to_the_layer_path(tmp_path, monkeypatch):
     """``CpuDecodeLoop`` (two C calls a layer) against ``llama.layer`` one layer at a time on a
     float32 Q4_K_M file of random blocks: three sequences of different lengths decoding
     together give the same tokens and logprobs, every decode step through the loop; with a
-    score observer installed the loop steps aside for the layer path."""
+    score observer installed the loop steps aside for the layer path; after a layer's weight
+    is replaced it multiplies the new one."""
     from localgen.api import LLM, Request, SamplingParams
 
     path = write_random_gguf(tmp_path / "q4km.gguf", *FILES["Q4_K_M"][:1],
@@ -248,3 +249,9 @@ def test_decode_loop_is_bit_identical_to_the_layer_path(tmp_path, monkeypatch):
     llm.engine.runner.observe_scores(lambda *a: None)
     again, taken = run(True)
     assert taken == 0 and again == want
+    llm.engine.runner.observe_scores(None)
+    layers = llm.engine.runner.model.layers
+    layers[0]["down"] = layers[1]["down"]  # a replaced weight: the loop binds the new one
+    got, taken = run(True)
+    want, _ = run(False)
+    assert taken == llm.config.num_layers * 11 and got == want

@@ -15,7 +15,9 @@ bit for bit (tests/test_cpu_decode_gguf.py).
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
+import weakref
 
 import torch
 
@@ -75,9 +77,18 @@ def _step_takes(h: torch.Tensor, rope, meta: AttentionMetadata) -> bool:
 
 def _snapshot(w: dict, kv) -> tuple:
     """What a bound layer's arguments address: the layer's weights, its view, the view's
-    backend and cache."""
-    return (w, kv, getattr(kv, "backend", None), getattr(kv, "pair", None),
+    backend and cache (the view and cache weakly: a binding must not keep a replaced cache's
+    memory alive)."""
+    return (w, _ref(kv), getattr(kv, "backend", None), _ref(getattr(kv, "pair", None)),
             tuple(w.get(k) for k in _ADDRESSED))
+
+
+def _ref(obj):
+    """A weak reference to obj where it takes one, else a function returning obj."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # None, or a type without weak references
+        return lambda: obj
 
 
 class _Bound:
@@ -95,12 +106,12 @@ class _Bound:
         if len(layers) != len(self.snapshots) or len(views) != len(self.snapshots):
             return False
         for (w, kv, backend, pair, vals), w1, kv1 in zip(self.snapshots, layers, views):
-            if (w1 is not w or kv1 is not kv or kv.backend is not backend or kv.pair is not pair
-                    or (backend is not None and backend.observer is not None)):
+            if (w1 is not w or kv1 is not kv() or getattr(kv1, "backend", None) is not backend
+                    or getattr(kv1, "pair", None) is not pair()
+                    or getattr(backend, "observer", None) is not None):
                 return False
-            for k, v in zip(_ADDRESSED, vals):
-                if w.get(k) is not v:
-                    return False
+            if not all(map(operator.is_, map(w.get, _ADDRESSED), vals)):
+                return False
         return True
 
     def bind(self, cfg: ModelConfig, h: torch.Tensor, rope, meta: AttentionMetadata) -> None:
@@ -109,7 +120,8 @@ class _Bound:
         shape."""
         m, d = h.shape[0], cfg.head_dim
         args, sizes = [], set()
-        for w, kv, *_ in self.snapshots:
+        for w, kv_ref, *_ in self.snapshots:
+            kv = kv_ref()
             mats = llama._cpu_decode_mats(cfg, w, h, kv) if isinstance(kv, LayerKV) else None
             drivers = getattr(mats, "drivers", None)
             if (drivers is None or not llama._drivers_take(w, h, rope, meta)
