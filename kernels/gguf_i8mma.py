@@ -154,24 +154,49 @@ def _store(acc, y_ptr, offs_n, offs_m, M, N, stride_ym, ATOMIC: tl.constexpr):
 
 
 @triton.jit
-def _k4_scales(w1, w2, w3, G: tl.constexpr):
-    """6-bit scale and min of group ``G`` (0..7) of Q4_K blocks as float32, from the int32
-    scale words ``w1`` (bytes 4..7: scales 0..3, and bits 4..5 of scales 4..7 in their top
-    bits), ``w2`` (8..11: the same for mins) and ``w3`` (12..15: the low nibbles of scales and
-    mins 4..7), as ggml's ``get_scale_min_k4``."""
-    if G < 4:
-        sc = (w1 >> (8 * G)) & 63
-        mn = (w2 >> (8 * G)) & 63
+def _k4_scale_words(blk):
+    """The 6-bit scales and mins of Q4_K blocks (``blk``: uint8 pointers, 4-byte aligned), one
+    a byte, four a 32-bit word: (scales 0..3, scales 4..7, mins 0..3, mins 4..7), from bytes
+    4..7 (scales 0..3, and bits 4..5 of scales 4..7 in their top bits), 8..11 (the same for
+    mins) and 12..15 (the low nibbles of scales 4..7, the high ones of mins 4..7), as ggml's
+    ``get_scale_min_k4``: eight operations for the sixteen values."""
+    blk32 = blk.to(tl.pointer_type(tl.int32))
+    w1 = tl.load(blk32 + 1)
+    w2 = tl.load(blk32 + 2)
+    w3 = tl.load(blk32 + 3)
+    sc_hi = (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030)
+    mn_hi = ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030)
+    return w1 & 0x3F3F3F3F, sc_hi, w2 & 0x3F3F3F3F, mn_hi
+
+
+@triton.jit
+def _byte_float(word, B: tl.constexpr):
+    """float32 of byte ``B`` of int32 ``word`` (as unsigned), exactly: placed under the exponent
+    of 2**23, with no int-to-float conversion instruction."""
+    if B == 3:
+        v = (word >> 24) & 0xFF
+    elif B == 0:
+        v = word & 0xFF
     else:
-        sc = ((w3 >> (8 * (G - 4))) & 15) | (((w1 >> (8 * (G - 4) + 6)) & 3) << 4)
-        mn = ((w3 >> (8 * (G - 4) + 4)) & 15) | (((w2 >> (8 * (G - 4) + 6)) & 3) << 4)
-    return sc.to(tl.float32), mn.to(tl.float32)
+        v = (word >> (8 * B)) & 0xFF
+    return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
 def _i8_at(ptr):
     """float32 of the signed byte at ``ptr``."""
     return tl.load(ptr).to(tl.int8, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _times_x_step(p, xd):
+    """float32 ``p·d_x`` of the int32 dot ``p`` ``[BLOCK_N, BLOCK_M]`` (``|p| < 2**22``) and the
+    steps ``xd`` ``[BLOCK_M]``, in an integer add and one multiply-add: ``p + 1.5·2**23`` is a
+    float's bits exactly, and ``(p + 1.5·2**23)·d_x - fl(1.5·2**23·d_x)`` is ``p·d_x`` but for
+    the rounding of ``fl(1.5·2**23·d_x)``, at most ``0.75·d_x`` (half a float32 unit of it):
+    below the rounding of x itself (``d_x / 2`` for each unit of a group's ``Σ |q|``)."""
+    bits = (p + 0x4B400000).to(tl.float32, bitcast=True)
+    return bits * xd[None, :] - (12582912.0 * xd)[None, :]
 
 
 # ---- the kernels ----
@@ -192,10 +217,7 @@ def _q4k_i8mma(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_
         blk = rows + kt * 144
         d = f16_at(blk)
         dmin = f16_at(blk + 2)
-        blk32 = blk.to(tl.pointer_type(tl.int32))
-        w1 = tl.load(blk32 + 1)
-        w2 = tl.load(blk32 + 2)
-        w3 = tl.load(blk32 + 3)
+        sc_lo, sc_hi, mn_lo, mn_hi = _k4_scale_words(blk)
         for c in tl.static_range(4):
             b = tl.load(blk[:, None] + 16 + 32 * c + lane)  # [BLOCK_N, 32] uint8
             for h in tl.static_range(2):
@@ -203,9 +225,10 @@ def _q4k_i8mma(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_
                 xt, xd = _x_group(xq_ptr, xd_ptr, x_off, offs_m, g, X_ROWS, MASK_M)
                 xs = _x_sum(xs_ptr, offs_m, g, X_ROWS, MASK_M)
                 p = tl.dot(_nibbles(b, h, ASM), xt, out_dtype=tl.int32)
-                sc, mn = _k4_scales(w1, w2, w3, 2 * c + h)
-                acc += (p.to(tl.float32) * ((d * sc)[:, None] * xd[None, :])
-                        - (dmin * mn)[:, None] * xs[None, :])
+                ds = d * _byte_float(sc_lo if c < 2 else sc_hi, (2 * c + h) % 4)
+                dm = dmin * _byte_float(mn_lo if c < 2 else mn_hi, (2 * c + h) % 4)
+                acc += _times_x_step(p, xd) * ds[:, None]
+                acc -= dm[:, None] * xs[None, :]
     _store(acc, y_ptr, offs_n, offs_m, M, N, stride_ym, ATOMIC)
 
 
@@ -246,9 +269,9 @@ def _q6k_i8mma(xq_ptr, xd_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, s
 # ---- host side ----
 
 def block_m(m: int) -> int:
-    """Activation rows a program for ``m``: the power of two at or above it, at least 16 (the
-    tensor core's least), at most ``MAX_BLOCK_M``."""
-    return min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
+    """Activation rows a program for ``m``: the power of two at or above it, at least 8 (the
+    tensor core's least N, which this Triton pads an int8 dot to), at most ``MAX_BLOCK_M``."""
+    return min(MAX_BLOCK_M, max(8, triton.next_power_of_2(m)))
 
 
 def serves(raw: torch.Tensor, qtype: int, m: int) -> bool:

@@ -170,10 +170,12 @@ def test_sweep_times_i8mma_at_decode_and_prefill_rows():
 
 
 @pytest.mark.parametrize("qtype,block_n,num_warps,m", [
-    (Q.Q4_K, 64, 4, 16), (Q.Q6_K, 64, 4, 16), (Q.Q4_K, 128, 8, 64), (Q.Q6_K, 128, 8, 512)])
+    (Q.Q4_K, 64, 4, 5), (Q.Q4_K, 64, 4, 16), (Q.Q6_K, 64, 4, 16), (Q.Q4_K, 128, 8, 64),
+    (Q.Q6_K, 128, 8, 512)])
 def test_sm90_build_keeps_its_registers(qtype, block_n, num_warps, m, tmp_path):
     """Sweep tiles build for sm_90 with the inline-assembly unpacking (what the interpreter
-    cannot run) and spill no register to the stack."""
+    cannot run), 8 activation rows a program (M = 5: an int8 dot's N, padded by Triton) to 64,
+    and spill no register to the stack."""
     from tests.sm90_build import stack_bytes
 
     ptrs = ["xq_ptr", "xd_ptr"] + (["xs_ptr"] if qtype == Q.Q4_K else []) + ["w_ptr", "y_ptr"]
