@@ -19,14 +19,15 @@ by ``gguf_q8.quantize`` (one launch for every row; int8 ``q_x`` per 32-group wit
 
 * Q6_K (210-byte blocks: ql[128], qh[64], 16 int8 scales, fp16 ``d``; 16-weight groups).
   Weight ``d·sc_j·(q - 32)``, the codes made signed bytes ``q - 32`` before the dot. A 32-group
-  of activations spans two 16-groups of weights, so each 32-group takes two dots of the same
-  weight tile against the activation tile with its other half zeroed (the activation tile is
-  the small operand): ``P = P_lo·sc_lo + P_hi·sc_hi`` in int32, ``acc += P · d[n] · d_x[m, g]``.
+  of activations spans two 16-groups of weights, so the activation tile (the small operand)
+  is loaded twice side by side, ``[32, 2·BLOCK_M]``, each copy with the other half's rows
+  masked to zero: one dot gives ``P_e`` of both halves ``e``, and
+  ``acc_e[n, m] += P_e[n, m] · (d·sc_e)[n] · d_x[m, g]``; the two copies add at the end.
 
 Shapes: a program owns ``BLOCK_N`` weight rows (the tensor core's wide side: the left operand,
 ``[BLOCK_N, 32]`` codes), ``BLOCK_M`` activation rows (the right operand ``[32, BLOCK_M]``,
-``BLOCK_M`` the power of two at or above M, at least 16, at most ``MAX_BLOCK_M``: past it the
-grid's third axis walks M) and a slice of K tiles (256 weights, one block of each row); slices
+``BLOCK_M`` the power of two at or above M, at least 8, at most ``MAX_BLOCK_M``: past it the
+grid's first axis walks M) and a slice of K tiles (256 weights, one block of each row); slices
 add their float32 partials atomically (``gguf_gemv.split_output``).
 
 Unpacking costs few instructions a weight: Q4_K's 32 nibble bytes of a chunk load as 16-byte
@@ -35,8 +36,13 @@ four bytes gives four codes in one or two operations (``and 0x0F0F0F0F``, ``shr 
 ``tl.inline_asm_elementwise(pack=4)``; the interpreter (no inline assembly) runs the same kernel
 with plain Triton byte operations (``ASM=False``).
 
-Error: the activations' rounding alone (``gguf_q8``): each ``x`` moves by at most ``d_x / 2``,
-the integer sums are exact, and the scales are float32 products.
+Per output and group the scales cost three multiply-adds and no conversion instruction: the
+int32 ``P`` enters the float unit through its bits (:func:`_times_x_step`), the scale bytes
+likewise (:func:`_byte_float`).
+
+Error: the activations' rounding (``gguf_q8``): each ``x`` moves by at most ``d_x / 2``; the
+integer sums are exact, the scales float32 products, and ``P·d_x`` is exact but for at most
+``0.75·d_x`` (:func:`_times_x_step`), below that rounding for any group whose codes sum past 1.
 """
 
 from __future__ import annotations
@@ -52,7 +58,10 @@ from .triton_common import interpreting
 Q4_K, Q6_K = gguf_gemv.Q4_K, gguf_gemv.Q6_K
 TYPES = (Q4_K, Q6_K)
 MIN_M = 2
-MAX_BLOCK_M = 64  # activation rows a program; more rows take more programs along the grid's axis 2
+# activation rows a program (Q6_K's tile doubles them: half its registers' worth); more rows take
+# more programs along the grid's first axis
+MAX_BLOCK_M = {Q4_K: 64, Q6_K: 32}
+Q6K_STAGES = 2  # Q6_K's default software-pipeline depth: deeper ones spill registers
 BLOCK_BYTES = {Q4_K: 144, Q6_K: 210}  # ggml-common.h's block_q4_K, block_q6_K
 TILE_K = 256
 
@@ -101,11 +110,13 @@ def _q6_codes(ql, qh, T: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _tile(N, num_tiles, tiles_per_split, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Program (n, s, mt): weight rows ``offs_n`` ``[BLOCK_N]``, activation rows ``offs_m``
-    ``[BLOCK_M]`` and the K tiles ``kt0 .. end`` of slice ``s``."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    kt0 = tl.program_id(1) * tiles_per_split
+    """Program (mt, n, s): weight rows ``offs_n`` ``[BLOCK_N]``, activation rows ``offs_m``
+    ``[BLOCK_M]`` and the K tiles ``kt0 .. end`` of slice ``s``. The M tile is the grid's first
+    axis, so the programs that read the same weights run side by side (one read from memory,
+    the others from L2)."""
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kt0 = tl.program_id(2) * tiles_per_split
     return offs_n, offs_m, kt0, tl.minimum(kt0 + tiles_per_split, num_tiles)
 
 
@@ -183,9 +194,14 @@ def _byte_float(word, B: tl.constexpr):
 
 
 @triton.jit
-def _i8_at(ptr):
-    """float32 of the signed byte at ``ptr``."""
-    return tl.load(ptr).to(tl.int8, bitcast=True).to(tl.float32)
+def _q6_scale_words(blk, HF: tl.constexpr):
+    """The eight int8 scales of half ``HF`` of Q6_K blocks (``blk``: uint8 pointers, 2-byte
+    aligned), each byte XOR 0x80 (the scale + 128, unsigned), four a word: (scales 0..3,
+    4..7) of the half."""
+    ptr = (blk + 192 + 8 * HF).to(tl.pointer_type(tl.int16))
+    lo = (tl.load(ptr).to(tl.int32) & 0xFFFF) | (tl.load(ptr + 1).to(tl.int32) << 16)
+    hi = (tl.load(ptr + 2).to(tl.int32) & 0xFFFF) | (tl.load(ptr + 3).to(tl.int32) << 16)
+    return lo ^ -0x7F7F7F80, hi ^ -0x7F7F7F80  # -0x7F7F7F80: 0x80808080 as an int32
 
 
 @triton.jit
@@ -243,35 +259,50 @@ def _q6k_i8mma(xq_ptr, xd_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, s
     ``8hf + 2t + l // 16``: 32-group ``4hf + t`` of the activations."""
     offs_n, offs_m, kt0, end = _tile(N, num_tiles, tiles_per_split, BLOCK_N, BLOCK_M)
     rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * (stride_wn * 2)
-    x_off = _x_offsets(offs_m, X_ROWS)
+    # the activation tile twice along N: column j is row offs_m[j % BLOCK_M] with only the
+    # group's 16-weight half j // BLOCK_M kept (a masked load), so one dot gives both halves'
+    # sums, each against its own scale
+    cols = tl.arange(0, 2 * BLOCK_M)
+    m2 = tl.program_id(0) * BLOCK_M + cols % BLOCK_M
+    second = (cols >= BLOCK_M)[None, :]
+    x_off = _x_offsets(m2, X_ROWS)
+    keep = (tl.arange(0, 32) >= 16)[:, None] == second
+    if MASK_M:
+        keep = keep & (m2 < X_ROWS)[None, :]
     lane = tl.arange(0, 32)[None, :]
-    low_half = (tl.arange(0, 32) < 16)[:, None]
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_N, 2 * BLOCK_M], tl.float32)
     for kt in range(kt0, end):
-        blk = rows[:, None] + kt * 210
-        d = f16_at(blk + 208)  # [BLOCK_N, 1]
+        blk = rows + kt * 210
+        d = f16_at(blk + 208)
         for hf in tl.static_range(2):
-            ql_a = tl.load(blk + 64 * hf + lane)  # quarters 0 and 2
-            ql_b = tl.load(blk + 64 * hf + 32 + lane)  # 1 and 3
-            qh = tl.load(blk + 128 + 32 * hf + lane)
+            ql_a = tl.load(blk[:, None] + 64 * hf + lane)  # quarters 0 and 2
+            ql_b = tl.load(blk[:, None] + 64 * hf + 32 + lane)  # 1 and 3
+            qh = tl.load(blk[:, None] + 128 + 32 * hf + lane)
+            sc_a, sc_b = _q6_scale_words(blk, hf)  # scales 0..3, 4..7 of the half, + 128
             for t in tl.static_range(4):
                 q = _q6_codes(ql_a if t % 2 == 0 else ql_b, qh, t, ASM)  # [BLOCK_N, 32] int8
-                xt, xd = _x_group(xq_ptr, xd_ptr, x_off, offs_m, kt * 8 + 4 * hf + t, X_ROWS,
-                                  MASK_M)
-                sc = blk + 192 + 8 * hf + 2 * t
-                p = tl.dot(q, tl.where(low_half, xt, 0).to(tl.int8), out_dtype=tl.int32)
-                acc += p.to(tl.float32) * ((d * _i8_at(sc)) * xd[None, :])
-                p = tl.dot(q, tl.where(low_half, 0, xt).to(tl.int8), out_dtype=tl.int32)
-                acc += p.to(tl.float32) * ((d * _i8_at(sc + 1)) * xd[None, :])
+                g = kt * 8 + 4 * hf + t
+                xt = tl.load(xq_ptr + g * (32 * X_ROWS) + x_off, mask=keep, other=0)
+                if MASK_M:
+                    xd = tl.load(xd_ptr + g * X_ROWS + m2, mask=m2 < X_ROWS, other=0.0)
+                else:
+                    xd = tl.load(xd_ptr + g * X_ROWS + m2)
+                p = tl.dot(q, xt, out_dtype=tl.int32)  # [BLOCK_N, 2·BLOCK_M]
+                words = sc_a if t < 2 else sc_b
+                ds_a = d * (_byte_float(words, (2 * t) % 4) - 128.0)
+                ds_b = d * (_byte_float(words, (2 * t + 1) % 4) - 128.0)
+                acc += _times_x_step(p, xd) * tl.where(second, ds_b[:, None], ds_a[:, None])
+    acc = tl.sum(tl.reshape(acc, (BLOCK_N, 2, BLOCK_M)), axis=1)
     _store(acc, y_ptr, offs_n, offs_m, M, N, stride_ym, ATOMIC)
 
 
 # ---- host side ----
 
-def block_m(m: int) -> int:
+def block_m(m: int, qtype: int) -> int:
     """Activation rows a program for ``m``: the power of two at or above it, at least 8 (the
-    tensor core's least N, which this Triton pads an int8 dot to), at most ``MAX_BLOCK_M``."""
-    return min(MAX_BLOCK_M, max(8, triton.next_power_of_2(m)))
+    tensor core's least N, which this Triton pads an int8 dot to), at most
+    ``MAX_BLOCK_M[qtype]``."""
+    return min(MAX_BLOCK_M[int(qtype)], max(8, triton.next_power_of_2(m)))
 
 
 def serves(raw: torch.Tensor, qtype: int, m: int) -> bool:
@@ -301,14 +332,14 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     if tuple(x8.xd.shape) != (k // 32, x_rows):
         raise ValueError(f"x8 must be gguf_q8.quantize of {m} rows of k={k}, got steps "
                          f"{tuple(x8.xd.shape)}")
-    tiles, bm = k // TILE_K, block_m(m)
+    tiles, bm = k // TILE_K, block_m(m, qtype)
     m_tiles, n_programs = triton.cdiv(m, bm), triton.cdiv(n, cfg.block_n)
     splits, per_split, y = gguf_gemv.split_output(cfg, x, n, n_programs * m_tiles, tiles)
     knobs = dict(X_ROWS=x_rows, BLOCK_N=cfg.block_n, BLOCK_M=bm, MASK_M=x_rows < bm,
                  ATOMIC=splits > 1, ASM=not interpreting(), num_warps=cfg.num_warps)
-    if cfg.num_stages:
-        knobs["num_stages"] = cfg.num_stages
-    grid = (n_programs, splits, m_tiles)
+    if cfg.num_stages or qtype == Q6_K:
+        knobs["num_stages"] = cfg.num_stages or Q6K_STAGES
+    grid = (m_tiles, n_programs, splits)
     if qtype == Q4_K:
         _q4k_i8mma[grid](x8.xq, x8.xd, x8.xs, raw, y, m, n, tiles, per_split,
                          raw.stride(0) // 16, y.stride(0), **knobs)

@@ -45,9 +45,9 @@ def test_i8mma_within_the_rounding_of_x(qtype, m, cfg, kernel_device):
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("m", [65, 130])
 def test_i8mma_prefill_walks_m(qtype, m, kernel_device):
-    """Past ``MAX_BLOCK_M`` rows the grid's third axis takes 64 rows a program (130: the last
-    program's rows mostly past M), each within the same rounding bound."""
-    assert gguf_i8mma.block_m(m) == gguf_i8mma.MAX_BLOCK_M
+    """Past ``MAX_BLOCK_M`` rows (Q4_K 64, Q6_K 32) the grid's first axis walks M (130: the last
+    program's rows mostly past M), each row within the same rounding bound."""
+    assert gguf_i8mma.block_m(m, qtype) == gguf_i8mma.MAX_BLOCK_M[qtype] < m
     check_q8_matmul(DecodeConfig("i8mma", block_n=16, split_k=1), kernel_device, qtype, m=m)
 
 
@@ -171,7 +171,7 @@ def test_sweep_times_i8mma_at_decode_and_prefill_rows():
 
 @pytest.mark.parametrize("qtype,block_n,num_warps,m", [
     (Q.Q4_K, 64, 4, 5), (Q.Q4_K, 64, 4, 16), (Q.Q6_K, 64, 4, 16), (Q.Q4_K, 128, 8, 64),
-    (Q.Q6_K, 128, 8, 512)])
+    (Q.Q6_K, 64, 4, 64), (Q.Q6_K, 128, 8, 512), (Q.Q6_K, 32, 4, 5)])
 def test_sm90_build_keeps_its_registers(qtype, block_n, num_warps, m, tmp_path):
     """Sweep tiles build for sm_90 with the inline-assembly unpacking (what the interpreter
     cannot run), 8 activation rows a program (M = 5: an int8 dot's N, padded by Triton) to 64,
@@ -183,10 +183,11 @@ def test_sm90_build_keeps_its_registers(qtype, block_n, num_warps, m, tmp_path):
             "row_16b" if qtype == Q.Q4_K else "stride_wn", "stride_ym"]
     types = ["*i8"] + ["*fp32"] * (len(ptrs) - 3) + ["*u8", "*bf16"]
     sig = dict(zip(ptrs + ints, types + ["i32"] * len(ints)))
-    x_rows, bm = gguf_q8.m_pad(m), gguf_i8mma.block_m(m)
+    x_rows, bm = gguf_q8.m_pad(m), gguf_i8mma.block_m(m, qtype)
     consts = dict(X_ROWS=x_rows, BLOCK_N=block_n, BLOCK_M=bm, MASK_M=x_rows < bm, ATOMIC=True,
                   ASM=True)
     kernel = "_q4k_i8mma" if qtype == Q.Q4_K else "_q6k_i8mma"
     aligned = list(range(len(ptrs))) + [len(sig) - 1]
+    stages = gguf_i8mma.Q6K_STAGES if qtype == Q.Q6_K else None  # as matmul launches it
     assert stack_bytes("localgen.kernels.gguf_i8mma", kernel, sig, consts, aligned, num_warps,
-                       tmp_path) == 0
+                       tmp_path, stages) == 0
