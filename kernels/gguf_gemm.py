@@ -271,7 +271,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     Runs the kernel that ``cfg`` (None: ``gguf_gemv.default_config``, past DECODE_MAX_M rows
     its ``PREFILL_CONFIGS``) names: ``gguf_gemv``'s per-group kernels (Q4_K, Q5_K, Q6_K;
     M <= 16), ``gguf_mma``'s tensor-core kernel (Q4_K, Q6_K; 2 <= M <= 64), ``gguf_i8mma``'s
-    int8 tensor-core kernel (Q4_K, Q6_K; M >= 2), the prefill path (``dequant``: W dequantized
+    int8 tensor-core kernel (Q4_K, Q5_K, Q6_K; M >= 2), the prefill path (``dequant``: W dequantized
     once, then cuBLAS) or this module's file-layout kernel (``file``: every type here, M <= 16;
     also where the named kernel does not take the type, M or raw's layout, the prefill path
     past 16 rows).

@@ -57,7 +57,7 @@ TYPES = (Q4_K, Q5_K, Q6_K)
 TILE_K = 256
 MAX_M = 16
 MMA_TYPES, MMA_MAX_M = (Q4_K, Q6_K), 64  # the types and the largest M of gguf_mma's kernel
-I8MMA_TYPES = (Q4_K, Q6_K)  # gguf_i8mma's kernel: any M from 2 (decode and prefill)
+I8MMA_TYPES = (Q4_K, Q5_K, Q6_K)  # gguf_i8mma's kernel: any M from 2 (decode and prefill)
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,8 @@ class DecodeConfig:
     ``MAX_M`` rows), ``dot`` or ``file``
     (``gguf_gemm``'s kernel over the file's blocks, dequantizing each weight; M <= 16),
     ``mma`` (``gguf_mma``'s tensor-core kernel, Q4_K and Q6_K, 2 <= M <= 64), ``i8mma``
-    (``gguf_i8mma``'s int8 tensor-core kernel over 8-bit activations, Q4_K and Q6_K, M >= 2)
+    (``gguf_i8mma``'s int8 tensor-core kernel over 8-bit activations, Q4_K, Q5_K and Q6_K,
+    M >= 2)
     or ``dequant`` (the whole matrix dequantized, then cuBLAS: the prefill path); ``block_n``:
     output rows a program; ``split_k``: K slices (0: enough for ``programs_per_sm`` programs on
     every multiprocessor); ``num_warps``; ``codes``: how the gemv kernels turn codes into floats

@@ -1,13 +1,13 @@
-"""Matmul over GGUF Q4_K and Q6_K blocks on int8 tensor cores, for 2..64 decode rows and for
-prefill: the weights' integer codes meet 8-bit activations in ``tl.dot`` (int8 x int8 -> int32)
-and the scales apply once per group to the exact integer sums. The idea is llama.cpp's MMQ
-(``mmq.cuh``: int8 tiles on the tensor cores, per-group scales on the int32 partial sums); the
-code here is this project's own.
+"""Matmul over GGUF Q4_K, Q5_K and Q6_K blocks on int8 tensor cores, for 2..64 decode rows and
+for prefill: the weights' integer codes meet 8-bit activations in ``tl.dot`` (int8 x int8 ->
+int32) and the scales apply once per group to the exact integer sums. The idea is llama.cpp's
+MMQ (``mmq.cuh``: int8 tiles on the tensor cores, per-group scales on the int32 partial sums);
+the code here is this project's own.
 
 ``y[m, n] = x[m, k] · W[n, k]ᵀ``, W the raw bytes ``[N, row_bytes]`` of ``block_q4_K`` /
-``block_q6_K`` rows (ggml-common.h; value order as ``gguf.quants`` reads it), x first rounded
-by ``gguf_q8.quantize`` (one launch for every row; int8 ``q_x`` per 32-group with the step
-``d_x = max|x| / 127`` and the group's exact ``Σ x``).
+``block_q5_K`` / ``block_q6_K`` rows (ggml-common.h; value order as ``gguf.quants`` reads it),
+x first rounded by ``gguf_q8.quantize`` (one launch for every row; int8 ``q_x`` per 32-group
+with the step ``d_x = max|x| / 127`` and the group's exact ``Σ x``).
 
 * Q4_K (144-byte blocks: fp16 ``d``, ``dmin``, 12 bytes of 6-bit scales and mins, 128 bytes of
   nibbles; in 64-weight chunk ``c`` the 32 bytes' low nibbles are weights ``64c .. 64c + 31``,
@@ -16,6 +16,9 @@ by ``gguf_q8.quantize`` (one launch for every row; int8 ``q_x`` per 32-group wit
 
       acc[n, m] += P[n, m] · (d·sc_g)[n] · d_x[m, g]  -  (dmin·m_g)[n] · (Σ x)[m, g]
       P = codes[n, 0..31] · q_x[0..31, m]   (one int8 tl.dot, exact in int32)
+
+  Q5_K (176 bytes: Q4_K's fields with 32 bytes ``qh`` before the nibbles, bit ``g`` of byte
+  ``l`` the fifth bit of weight ``32g + l``) the same with 5-bit codes.
 
 * Q6_K (210-byte blocks: ql[128], qh[64], 16 int8 scales, fp16 ``d``; 16-weight groups).
   Weight ``d·sc_j·(q - 32)``, the codes made signed bytes ``q - 32`` before the dot. A 32-group
@@ -55,14 +58,14 @@ from . import gguf_gemv, gguf_q8
 from .gguf_tiles import f16_at
 from .triton_common import interpreting
 
-Q4_K, Q6_K = gguf_gemv.Q4_K, gguf_gemv.Q6_K
-TYPES = (Q4_K, Q6_K)
+Q4_K, Q5_K, Q6_K = gguf_gemv.Q4_K, gguf_gemv.Q5_K, gguf_gemv.Q6_K
+TYPES = gguf_gemv.I8MMA_TYPES
 MIN_M = 2
 # activation rows a program (Q6_K's tile doubles them: half its registers' worth); more rows take
 # more programs along the grid's first axis
-MAX_BLOCK_M = {Q4_K: 64, Q6_K: 32}
+MAX_BLOCK_M = {Q4_K: 64, Q5_K: 64, Q6_K: 32}
 Q6K_STAGES = 2  # Q6_K's default software-pipeline depth: deeper ones spill registers
-BLOCK_BYTES = {Q4_K: 144, Q6_K: 210}  # ggml-common.h's block_q4_K, block_q6_K
+BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}  # ggml-common.h's block_q4_K, _q5_K, _q6_K
 TILE_K = 256
 
 
@@ -81,6 +84,23 @@ def _nibbles(b, HIGH: tl.constexpr, ASM: tl.constexpr):
                                           dtype=tl.int8, is_pure=True, pack=4)
     else:
         q = ((b.to(tl.int32) >> (4 * HIGH)) & 0x0F).to(tl.int8)
+    return q
+
+
+@triton.jit
+def _q5_codes(b, qh, HIGH: tl.constexpr, G: tl.constexpr, ASM: tl.constexpr):
+    """int8 codes 0..31 of Q5_K's group ``G``: the nibble of uint8 ``b`` (high if HIGH) with bit
+    ``G`` of uint8 ``qh`` as its fifth bit; four codes a register (ASM)."""
+    if ASM:
+        q = tl.inline_asm_elementwise(
+            "{\n\t.reg .b32 lo, hi;\n\t"
+            f"shr.b32 lo, $1, {4 * HIGH};\n\tand.b32 lo, lo, 0x0F0F0F0F;\n\t"
+            f"shr.b32 hi, $2, {G};\n\tand.b32 hi, hi, 0x01010101;\n\t"
+            "shl.b32 hi, hi, 4;\n\tor.b32 $0, lo, hi;\n\t}",
+            "=r,r,r", [b, qh], dtype=tl.int8, is_pure=True, pack=4)
+    else:
+        lo = (b.to(tl.int32) >> (4 * HIGH)) & 0x0F
+        q = (lo | (((qh.to(tl.int32) >> G) & 1) << 4)).to(tl.int8)
     return q
 
 
@@ -218,29 +238,40 @@ def _times_x_step(p, xd):
 # ---- the kernels ----
 
 @triton.jit(do_not_specialize=["M", "N", "num_tiles", "tiles_per_split"])
-def _q4k_i8mma(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, row_16b,
-               stride_ym, X_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-               MASK_M: tl.constexpr, ATOMIC: tl.constexpr, ASM: tl.constexpr):
-    """Q4_K, program (n, s, mt) as the module docstring. ``row_16b``: the row stride in 16-byte
-    units (rows are whole 144-byte blocks), so each chunk's 32 nibble bytes load as 16-byte
-    vectors and the scale words as 32-bit ones."""
+def _q45k_i8mma(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split,
+                row_16b, stride_ym, QTYPE: tl.constexpr, X_ROWS: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, MASK_M: tl.constexpr,
+                ATOMIC: tl.constexpr, ASM: tl.constexpr):
+    """Q4_K (QTYPE 12) or Q5_K (13), program (mt, n, s) as the module docstring. ``row_16b``:
+    the row stride in 16-byte units (rows are whole 144- or 176-byte blocks), so each chunk's 32
+    nibble bytes load as 16-byte vectors and the scale words as 32-bit ones. Q5_K's block is
+    Q4_K's with 32 bytes ``qh`` before the nibbles: bit ``G`` of byte ``l`` is the fifth bit of
+    weight ``32G + l``."""
+    BB: tl.constexpr = 144 if QTYPE == 12 else 176  # bytes a block
+    QS: tl.constexpr = 16 if QTYPE == 12 else 48  # offset of the nibbles
     offs_n, offs_m, kt0, end = _tile(N, num_tiles, tiles_per_split, BLOCK_N, BLOCK_M)
     rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * (row_16b * 16)  # rows past N: N - 1
     x_off = _x_offsets(offs_m, X_ROWS)
     lane = tl.arange(0, 32)[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for kt in range(kt0, end):
-        blk = rows + kt * 144
+        blk = rows + kt * BB
         d = f16_at(blk)
         dmin = f16_at(blk + 2)
         sc_lo, sc_hi, mn_lo, mn_hi = _k4_scale_words(blk)
+        if QTYPE == 13:
+            qh = tl.load(blk[:, None] + 16 + lane)
         for c in tl.static_range(4):
-            b = tl.load(blk[:, None] + 16 + 32 * c + lane)  # [BLOCK_N, 32] uint8
+            b = tl.load(blk[:, None] + QS + 32 * c + lane)  # [BLOCK_N, 32] uint8
             for h in tl.static_range(2):
                 g = kt * 8 + 2 * c + h
                 xt, xd = _x_group(xq_ptr, xd_ptr, x_off, offs_m, g, X_ROWS, MASK_M)
                 xs = _x_sum(xs_ptr, offs_m, g, X_ROWS, MASK_M)
-                p = tl.dot(_nibbles(b, h, ASM), xt, out_dtype=tl.int32)
+                if QTYPE == 12:
+                    q = _nibbles(b, h, ASM)
+                else:
+                    q = _q5_codes(b, qh, h, 2 * c + h, ASM)
+                p = tl.dot(q, xt, out_dtype=tl.int32)
                 ds = d * _byte_float(sc_lo if c < 2 else sc_hi, (2 * c + h) % 4)
                 dm = dmin * _byte_float(mn_lo if c < 2 else mn_hi, (2 * c + h) % 4)
                 acc += _times_x_step(p, xd) * ds[:, None]
@@ -252,7 +283,7 @@ def _q4k_i8mma(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_
 def _q6k_i8mma(xq_ptr, xd_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_wn,
                stride_ym, X_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                MASK_M: tl.constexpr, ATOMIC: tl.constexpr, ASM: tl.constexpr):
-    """Q6_K, program (n, s, mt) as the module docstring. ``stride_wn`` in 2-byte units (210-byte
+    """Q6_K, program (mt, n, s) as the module docstring. ``stride_wn`` in 2-byte units (210-byte
     blocks are 2-byte aligned). Weight ``128hf + 32t + l`` of a block (half ``hf``, quarter
     ``t``, ``l`` 0..31) takes its low 4 bits from ql byte ``64hf + 32(t % 2) + l``, nibble
     ``t // 2``, its high 2 bits from qh byte ``128 + 32hf + l`` at bit ``2t``, and the scale
@@ -306,10 +337,10 @@ def block_m(m: int, qtype: int) -> int:
 
 
 def serves(raw: torch.Tensor, qtype: int, m: int) -> bool:
-    """Whether this kernel takes the call: Q4_K or Q6_K, ``m >= MIN_M``, raw data aligned to the
-    kernel's loads (16 bytes for Q4_K, whose rows must then be a multiple of 16 bytes apart; 2
-    for Q6_K)."""
-    step = 16 if int(qtype) == Q4_K else 2
+    """Whether this kernel takes the call: Q4_K, Q5_K or Q6_K, ``m >= MIN_M``, raw data aligned
+    to the kernel's loads (16 bytes for Q4_K and Q5_K, whose rows must then be a multiple of 16
+    bytes apart; 2 for Q6_K)."""
+    step = 2 if int(qtype) == Q6_K else 16
     return (int(qtype) in TYPES and m >= MIN_M and raw.data_ptr() % step == 0
             and raw.stride(0) % step == 0)
 
@@ -318,15 +349,15 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
            cfg: gguf_gemv.DecodeConfig,
            x8: gguf_q8.Q8Activations | None = None) -> torch.Tensor:
     """``x [M, k] · Wᵀ`` -> ``[M, N]`` in x's dtype (float32/bf16/fp16) for ``M >= 2``, W the
-    Q4_K or Q6_K blocks ``raw`` (uint8 ``[N, row_bytes]``, contiguous rows; the caller,
+    Q4_K, Q5_K or Q6_K blocks ``raw`` (uint8 ``[N, row_bytes]``, contiguous rows; the caller,
     ``gguf_gemm.matmul``, checks the shapes and :func:`serves`). ``cfg``: ``block_n`` (16, 32,
     64, 128), ``num_warps``, ``num_stages`` (0: Triton's default), ``split_k`` /
     ``programs_per_sm``. ``x8``: ``gguf_q8.quantize(x)`` already made (else made here).
     Raises ValueError for another type, M < 2 or an ``x8`` of another shape."""
     qtype, (m, n) = int(qtype), (x.shape[0], raw.shape[0])
     if qtype not in TYPES or m < MIN_M:
-        raise ValueError(f"gguf_i8mma serves Q4_K/Q6_K (12, 14) at M >= {MIN_M}, got type "
-                         f"{qtype}, M={m}")
+        raise ValueError(f"gguf_i8mma serves Q4_K/Q5_K/Q6_K (12, 13, 14) at M >= {MIN_M}, got "
+                         f"type {qtype}, M={m}")
     x8 = gguf_q8.quantize(x) if x8 is None else x8
     x_rows = gguf_q8.m_pad(m)
     if tuple(x8.xd.shape) != (k // 32, x_rows):
@@ -340,9 +371,9 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     if cfg.num_stages or qtype == Q6_K:
         knobs["num_stages"] = cfg.num_stages or Q6K_STAGES
     grid = (m_tiles, n_programs, splits)
-    if qtype == Q4_K:
-        _q4k_i8mma[grid](x8.xq, x8.xd, x8.xs, raw, y, m, n, tiles, per_split,
-                         raw.stride(0) // 16, y.stride(0), **knobs)
+    if qtype != Q6_K:
+        _q45k_i8mma[grid](x8.xq, x8.xd, x8.xs, raw, y, m, n, tiles, per_split,
+                          raw.stride(0) // 16, y.stride(0), QTYPE=qtype, **knobs)
     else:
         _q6k_i8mma[grid](x8.xq, x8.xd, raw, y, m, n, tiles, per_split, raw.stride(0) // 2,
                          y.stride(0), **knobs)

@@ -220,9 +220,9 @@ def q8_x(m: int = 1) -> torch.Tensor:
 
 
 def check_q8_matmul(cfg, kernel_device, qtype=Q.Q4_K, x8=None, m: int = 1) -> None:
-    """Q4_K or Q6_K against 8-bit activations (``gguf_q8.quantize``: int8 per 32-group,
+    """Q4_K, Q5_K or Q6_K against 8-bit activations (``gguf_q8.quantize``: int8 per 32-group,
     ``d = max|x|/127``, round half away from zero). Each activation moves by at most ``d/2``.
-    Q4_K: only the scale term ``a·q`` meets it (the min term uses the exact ``Σ x``), so
+    Q4_K, Q5_K: only the scale term ``a·q`` meets it (the min term uses the exact ``Σ x``), so
     ``|y - y64| <= Σ_j |a q_j|·d_g(j)/2`` (``a·q``: the weight dequantized with ``dmin`` set
     to 0); Q6_K: the whole weight ``a·(q - 32)`` meets it, so ``Σ_j |w_j|·d_g(j)/2``; plus
     float32 summation (hand-derived bounds), for each of the ``m`` rows with its own steps.
@@ -230,8 +230,8 @@ def check_q8_matmul(cfg, kernel_device, qtype=Q.Q4_K, x8=None, m: int = 1) -> No
     n, k = 37, 768
     raw = random_blocks(qtype, n, k, seed=11)
     w = reference(raw, qtype, k)
-    if qtype == Q.Q4_K:
-        no_min = raw.reshape(n, -1, 144).copy()
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        no_min = raw.reshape(n, -1, gguf_gemm.BLOCK_BYTES[qtype]).copy()
         no_min[:, :, 2:4] = 0
         meets = np.abs(reference(no_min.reshape(n, -1), qtype, k))
     else:

@@ -24,7 +24,7 @@ from test_gguf_gemm_triton import check_q8_matmul, q8_x, random_blocks  # noqa: 
 from test_gguf_mma import _Recorder  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
-TYPES = [Q.Q4_K, Q.Q6_K]
+TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -34,8 +34,8 @@ TYPES = [Q.Q4_K, Q.Q6_K]
 def test_i8mma_within_the_rounding_of_x(qtype, m, cfg, kernel_device):
     """The activations rounded as ``gguf_q8`` rounds them (int8 per 32-group, step
     ``d = max|x|/127``), the codes' products summed exactly in int32 and the scales applied in
-    float32: the error is the rounding's, ``Σ_j |a q_j|·d_g(j)/2`` for Q4_K (its min term takes
-    the exact ``Σ x``) and ``Σ_j |w_j|·d_g(j)/2`` for Q6_K, plus float32 summation
+    float32: the error is the rounding's, ``Σ_j |a q_j|·d_g(j)/2`` for Q4_K and Q5_K (their min
+    term takes the exact ``Σ x``) and ``Σ_j |w_j|·d_g(j)/2`` for Q6_K, plus float32 summation
     (``check_q8_matmul``'s bound, hand-derived; it also checks that x was rounded at all).
     Three tiles a row over two K slices: the second slice is shorter."""
     assert gguf_gemv.serves(cfg, qtype, m)
@@ -45,8 +45,8 @@ def test_i8mma_within_the_rounding_of_x(qtype, m, cfg, kernel_device):
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("m", [65, 130])
 def test_i8mma_prefill_walks_m(qtype, m, kernel_device):
-    """Past ``MAX_BLOCK_M`` rows (Q4_K 64, Q6_K 32) the grid's first axis walks M (130: the last
-    program's rows mostly past M), each row within the same rounding bound."""
+    """Past ``MAX_BLOCK_M`` rows (Q4_K, Q5_K 64, Q6_K 32) the grid's first axis walks M (130:
+    the last program's rows mostly past M), each row within the same rounding bound."""
     assert gguf_i8mma.block_m(m, qtype) == gguf_i8mma.MAX_BLOCK_M[qtype] < m
     check_q8_matmul(DecodeConfig("i8mma", block_n=16, split_k=1), kernel_device, qtype, m=m)
 
@@ -75,22 +75,22 @@ def test_i8mma_half_activations(dtype, qtype, kernel_device):
 def test_i8mma_refuses_what_it_does_not_serve():
     raw = torch.from_numpy(random_blocks(Q.Q4_K, 4, 256, seed=1))
     cfg = DecodeConfig("i8mma", block_n=16)
-    for m, qtype in [(1, Q.Q4_K), (4, Q.Q5_K)]:
+    for m, qtype in [(1, Q.Q4_K), (4, Q.Q8_0)]:
         with pytest.raises(ValueError, match="gguf_i8mma serves"):
             gguf_i8mma.matmul(torch.zeros(m, 256), raw, qtype, 256, cfg)
     with pytest.raises(ValueError, match="quantize of 3 rows"):
         gguf_i8mma.matmul(torch.zeros(3, 256), raw, Q.Q4_K, 256, cfg,
                           x8=gguf_q8.quantize(torch.zeros(2, 256)))
     assert gguf_i8mma.serves(raw, Q.Q4_K, 2) and gguf_i8mma.serves(raw, Q.Q6_K, 4096)
-    assert not gguf_i8mma.serves(raw, Q.Q4_K, 1) and not gguf_i8mma.serves(raw, Q.Q5_K, 4)
+    assert not gguf_i8mma.serves(raw, Q.Q4_K, 1) and not gguf_i8mma.serves(raw, Q.Q8_0, 4)
     assert not gguf_i8mma.serves(raw[:, 2:], Q.Q4_K, 4)  # Q4_K's loads need 16-byte rows
-    for qtype, m, ok in [(Q.Q4_K, 2, True), (Q.Q6_K, 512, True), (Q.Q4_K, 1, False),
-                         (Q.Q5_K, 16, False)]:
+    for qtype, m, ok in [(Q.Q4_K, 2, True), (Q.Q6_K, 512, True), (Q.Q5_K, 16, True),
+                         (Q.Q4_K, 1, False), (Q.Q8_0, 16, False)]:
         assert gguf_gemv.serves(cfg, qtype, m) == ok
 
 
 @pytest.mark.parametrize("qtype,m,ran", [(Q.Q4_K, 1, "_gemm_decode"),
-                                         (Q.Q5_K, 40, "_dequant_matmul")])
+                                         (Q.Q8_0, 40, "_dequant_matmul")])
 def test_i8mma_config_where_it_does_not_serve(qtype, m, ran, monkeypatch, kernel_device):
     """An i8mma config for an M or type it does not take runs the file kernel (up to 16 rows)
     or the prefill path (past them)."""
@@ -130,8 +130,8 @@ def test_prefill_takes_the_table_then_a_sweeps_prefill_winner(tmp_path, monkeypa
         assert gguf_gemv.default_config(Q.Q6_K, 2048) == gguf_gemv.DEQUANT_CONFIG
         assert gguf_gemv.rounds_x(Q.Q4_K, 70) and not gguf_gemv.rounds_x(Q.Q6_K, 70)
         calls = []
-        monkeypatch.setattr(gguf_i8mma, "_q4k_i8mma",
-                            _Recorder(gguf_i8mma._q4k_i8mma, calls, "i8mma"))
+        monkeypatch.setattr(gguf_i8mma, "_q45k_i8mma",
+                            _Recorder(gguf_i8mma._q45k_i8mma, calls, "i8mma"))
         check_q8_matmul(None, kernel_device, Q.Q4_K, m=70)
         assert calls == ["i8mma"]
     finally:
@@ -171,23 +171,27 @@ def test_sweep_times_i8mma_at_decode_and_prefill_rows():
 
 @pytest.mark.parametrize("qtype,block_n,num_warps,m", [
     (Q.Q4_K, 64, 4, 5), (Q.Q4_K, 64, 4, 16), (Q.Q6_K, 64, 4, 16), (Q.Q4_K, 128, 8, 64),
-    (Q.Q6_K, 64, 4, 64), (Q.Q6_K, 128, 8, 512), (Q.Q6_K, 32, 4, 5)])
+    (Q.Q6_K, 64, 4, 64), (Q.Q6_K, 128, 8, 512), (Q.Q6_K, 32, 4, 5), (Q.Q5_K, 64, 4, 16),
+    (Q.Q5_K, 128, 8, 64)])
 def test_sm90_build_keeps_its_registers(qtype, block_n, num_warps, m, tmp_path):
     """Sweep tiles build for sm_90 with the inline-assembly unpacking (what the interpreter
     cannot run), 8 activation rows a program (M = 5: an int8 dot's N, padded by Triton) to 64,
     and spill no register to the stack."""
     from tests.sm90_build import stack_bytes
 
-    ptrs = ["xq_ptr", "xd_ptr"] + (["xs_ptr"] if qtype == Q.Q4_K else []) + ["w_ptr", "y_ptr"]
-    ints = ["M", "N", "num_tiles", "tiles_per_split",
-            "row_16b" if qtype == Q.Q4_K else "stride_wn", "stride_ym"]
+    q6k = qtype == Q.Q6_K
+    ptrs = ["xq_ptr", "xd_ptr"] + ([] if q6k else ["xs_ptr"]) + ["w_ptr", "y_ptr"]
+    ints = ["M", "N", "num_tiles", "tiles_per_split", "stride_wn" if q6k else "row_16b",
+            "stride_ym"]
     types = ["*i8"] + ["*fp32"] * (len(ptrs) - 3) + ["*u8", "*bf16"]
     sig = dict(zip(ptrs + ints, types + ["i32"] * len(ints)))
     x_rows, bm = gguf_q8.m_pad(m), gguf_i8mma.block_m(m, qtype)
     consts = dict(X_ROWS=x_rows, BLOCK_N=block_n, BLOCK_M=bm, MASK_M=x_rows < bm, ATOMIC=True,
                   ASM=True)
-    kernel = "_q4k_i8mma" if qtype == Q.Q4_K else "_q6k_i8mma"
+    if not q6k:
+        consts = dict(QTYPE=int(qtype), **consts)
+    kernel = "_q6k_i8mma" if q6k else "_q45k_i8mma"
     aligned = list(range(len(ptrs))) + [len(sig) - 1]
-    stages = gguf_i8mma.Q6K_STAGES if qtype == Q.Q6_K else None  # as matmul launches it
+    stages = gguf_i8mma.Q6K_STAGES if q6k else None  # as matmul launches it
     assert stack_bytes("localgen.kernels.gguf_i8mma", kernel, sig, consts, aligned, num_warps,
                        tmp_path, stages) == 0

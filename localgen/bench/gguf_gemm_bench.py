@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ms", default="1,4,16,64,512")
     p.add_argument("--block-n", default="32,64,128", help="output rows a program, tried per cell")
     p.add_argument("--sweep", action="store_true",
-                   help="time every decode config (Q4_K, Q6_K; M 1, 16, 64, 128, 512) in one process")
+                   help="time every config (Q4_K, Q6_K; M 1, 16, 64, 128, 512) in one process")
     p.add_argument("--dry-run", action="store_true",
                    help="the sweep at a tiny shape on the CPU under the Triton interpreter")
     p.add_argument("--budget-s", type=float, default=270.0, help="the sweep's time limit")
