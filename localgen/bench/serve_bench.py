@@ -55,6 +55,7 @@ class LevelResult:
     itl_p50: float | None
     itl_p99: float | None
     errors: int = 0
+    first_error: str | None = None  # the first failed request's exception, for the report
 
     @property
     def tokens_per_s(self) -> float:
@@ -93,7 +94,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def summarize(server: str, concurrency: int, timings: list[RequestTiming], seconds: float,
-              errors: int = 0) -> LevelResult:
+              errors: int = 0, first_error: str | None = None) -> LevelResult:
     ttfts = [t.ttft for t in timings if t.ttft is not None]
     gaps = [g for t in timings for g in t.gaps]
     prompts = [t.prompt_tokens for t in timings if t.prompt_tokens is not None]
@@ -101,7 +102,7 @@ def summarize(server: str, concurrency: int, timings: list[RequestTiming], secon
                        sum(t.output_tokens for t in timings),
                        sum(prompts) / len(prompts) if prompts else None,
                        percentile(ttfts, 0.5), percentile(ttfts, 0.99),
-                       percentile(gaps, 0.5), percentile(gaps, 0.99), errors)
+                       percentile(gaps, 0.5), percentile(gaps, 0.99), errors, first_error)
 
 
 # common English nouns: about one token each in the usual BPE vocabularies
@@ -155,25 +156,24 @@ async def one_request(client, url: str, model: str, prompt: str, max_tokens: int
 
 async def drive(base_url: str, model: str, concurrency: int, requests: int, prompt_words: int,
                 max_tokens: int, timeout_s: float = 600.0, offset: int = 0
-                ) -> tuple[list[RequestTiming], float, int]:
+                ) -> tuple[list[RequestTiming], float, list[str]]:
     """``requests`` streamed completions, ``concurrency`` at a time; ``(timings, wall seconds,
-    failed requests)``."""
+    one line per failed request)``."""
     import httpx
 
     todo = iter(range(requests))
     timings: list[RequestTiming] = []
-    errors = 0
+    errors: list[str] = []
     limits = httpx.Limits(max_connections=concurrency + 4)
 
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         async def worker() -> None:
-            nonlocal errors
             for i in todo:
                 try:
                     timings.append(await one_request(client, base_url + "/v1/completions", model,
                                                      prompt_text(offset + i, prompt_words), max_tokens))
-                except Exception:  # noqa: BLE001 - counted and reported, the level goes on
-                    errors += 1
+                except Exception as e:  # noqa: BLE001 - counted and reported, the level goes on
+                    errors.append(f"{type(e).__name__}: {e}")
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -251,8 +251,9 @@ def _level(base_url: str, name: str, c: int, requests: int, prompt_words: int, m
     asyncio.run(drive(base_url, "bench", 1, 1, prompt_words, max_tokens, offset=10**6 + c))
     timings, secs, errors = asyncio.run(drive(base_url, "bench", c, requests, prompt_words,
                                               max_tokens, offset=c * 1000))
-    res = summarize(name, c, timings, secs, errors)
-    log(f"  {name} C={c}: {res.tokens_per_s:.1f} tok/s, {errors} errors")
+    res = summarize(name, c, timings, secs, len(errors), errors[0] if errors else None)
+    log(f"  {name} C={c}: {res.tokens_per_s:.1f} tok/s, {len(errors)} errors"
+        + (f" (first: {errors[0][:300]})" if errors else ""))
     return res
 
 
