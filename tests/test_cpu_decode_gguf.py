@@ -223,28 +223,31 @@ def test_embedded_model_decodes_as_the_generic_path(dtype, monkeypatch):
 def test_decode_loop_is_bit_identical_to_the_layer_path(tmp_path, monkeypatch):
     """``CpuDecodeLoop`` (two C calls a layer) against ``llama.layer`` one layer at a time on a
     float32 Q4_K_M file of random blocks: three sequences of different lengths decoding
-    together give the same tokens and logprobs, every decode step through the loop; with a
-    score observer installed the loop steps aside for the layer path; after a layer's weight
-    is replaced it multiplies the new one."""
+    together, then two, then one, give the same tokens and logprobs, every decode step through
+    the loop (one binding per row count); with a score observer installed the loop steps aside
+    for the layer path; after a layer's weight is replaced it multiplies the new one."""
     from localgen.api import LLM, Request, SamplingParams
 
     path = write_random_gguf(tmp_path / "q4km.gguf", *FILES["Q4_K_M"][:1],
                              tied=FILES["Q4_K_M"][1])
     monkeypatch.setenv("LOCALGEN_GGUF_PACKED", "1")
     llm = LLM.load(str(path), device="cpu", dtype="float32", kv_cache_memory=1 << 22)
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
+           for n in (12, 5, 8)]  # 3, 2, then 1 row a step
     prompts = [PROMPT, PROMPT[:2], PROMPT * 4]
 
     def run(loop: bool):
         taken = []
         with monkeypatch.context() as m:
             m.setattr(CpuDecodeLoop, "run", _counting_loop(taken) if loop else lambda *a: None)
-            outs = llm.generate([Request(prompt_token_ids=p, sampling=sp) for p in prompts])
+            outs = llm.generate([Request(prompt_token_ids=p, sampling=sp)
+                                 for p, sp in zip(prompts, sps)])
         return [(o.token_ids, o.logprobs) for o in outs], len(taken)
 
     got, taken = run(True)
     want, _ = run(False)
     assert taken == llm.config.num_layers * 11 and got == want
+    assert sorted(k[0] for k in llm.engine.runner.model.cpu_decode._bound) == [1, 2, 3]
     assert len({t for toks, _ in got for t in toks}) > 3  # varied tokens: a real comparison
     llm.engine.runner.observe_scores(lambda *a: None)
     again, taken = run(True)

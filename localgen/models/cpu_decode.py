@@ -35,14 +35,19 @@ _ADDRESSED = ("qkv", "q", "k", "v", "o", "gate_up", "down", "input_norm", "post_
 _silu_ = torch._C._nn.silu_  # F.silu(x, inplace=True) without its Python wrapper
 
 
+# step shapes (rows, threads, kernel environment) whose bindings a loop keeps: a served batch
+# that grows and shrinks finds its earlier sizes bound
+MAX_BINDINGS = 16
+
+
 class CpuDecodeLoop:
     """A model's decode steps through ``layer_calls`` where every layer takes them. It keeps
-    the layers' C arguments from one step to the next and binds them again when the step's rows,
-    the thread count, the GGUF kernel's environment or a layer's weights, cache or backend
-    change."""
+    the layers' C arguments from one step to the next, one binding per step shape (rows,
+    threads, the GGUF kernel's environment), and binds them again when a layer's weights, cache
+    or backend change."""
 
     def __init__(self):
-        self._bound: _Bound | None = None
+        self._bound: dict[tuple, _Bound] = {}
 
     def run(self, cfg: ModelConfig, layers: list[dict], h: torch.Tensor, rope,
             views: list, meta: AttentionMetadata) -> torch.Tensor | None:
@@ -55,9 +60,11 @@ class CpuDecodeLoop:
             return None
         key = (h.shape[0], torch.get_num_threads(),
                os.environ.get(gguf_blocks.CPU_KERNEL_ENV, "1"), gguf_blocks.cpu_activations())
-        bound = self._bound
-        if bound is None or bound.key != key or not bound.current(layers, views):
-            bound = self._bound = _Bound(key, layers, views)
+        bound = self._bound.get(key)
+        if bound is None or not bound.current(layers, views):
+            if bound is not None or len(self._bound) >= MAX_BINDINGS:
+                self._bound.clear()  # a changed layer outdates every shape's binding
+            bound = self._bound[key] = _Bound(layers, views)
             bound.bind(cfg, h, rope, meta)
         return None if bound.layer_ptrs is None else bound.step(h, rope, meta)
 
@@ -92,11 +99,10 @@ def _ref(obj):
 
 
 class _Bound:
-    """Every layer's ``LayerArgs`` for steps of one key (rows, threads, kernel environment),
+    """Every layer's ``LayerArgs`` for steps of one shape (rows, threads, kernel environment),
     or none (``layer_ptrs`` None) where some layer does not take the path."""
 
-    def __init__(self, key: tuple, layers: list[dict], views: list):
-        self.key = key
+    def __init__(self, layers: list[dict], views: list):
         self.snapshots = [_snapshot(w, kv) for w, kv in zip(layers, views)]
         self.layer_ptrs: list[int] | None = None
 
