@@ -59,3 +59,39 @@ def test_fill_writes_each_field_and_pads_unused_rows():
     assert g.device_inputs[4 * b4:5 * b4].tolist() == [5, 7, 7, 7]
     assert g.device_inputs[6 * b4:].view(4, 3)[1].tolist() == [99, 99, 99]
     assert np.all(g.staging == g.device_inputs.numpy())
+
+
+def test_capture_batches_makes_every_batch_buckets_graph_once_and_steps_use_them():
+    """A server's load captures the decode graph of each batch bucket at the smallest context
+    bucket (here as the CPU stand-in, ``capture=False``); the steps of three sequences then find
+    their graph there (nothing new is captured) and give the tokens of the eager runner."""
+    from localgen.api import LLM, Request
+    from tests.fixtures.families.make_fixtures import HERE
+
+    def load() -> LLM:
+        return LLM.load(str(HERE / "qwen3"), device="cpu", dtype="float32", block_size=4,
+                        kv_cache_memory=1 << 22, max_num_seqs=3, max_model_len=64)
+
+    def greedy(llm: LLM) -> dict[str, list[int]]:
+        g = torch.Generator().manual_seed(5)
+        for i, n in enumerate((9, 14, 6)):
+            ids = torch.randint(3, 100, (n,), generator=g).tolist()
+            llm.add_request(Request(prompt_token_ids=ids, request_id=f"r{i}",
+                                    sampling=SamplingParams(max_tokens=8, temperature=0.0,
+                                                            ignore_eos=True)))
+        out: dict[str, list[int]] = {}
+        while llm.has_unfinished():
+            for o in llm.step():
+                out[o.request_id] = list(o.token_ids)
+        return out
+
+    eager = greedy(load())
+    llm = load()
+    eng = llm.engine
+    runner = GraphedModelRunner(eng.model, eng.kv_cache, 3, eng.max_model_len, capture=False)
+    eng.runner = runner
+    assert llm.warm_decode_graphs() == 3  # batch buckets 1, 2, 3; one context bucket (64)
+    assert sorted(runner.graphs) == [(1, 64), (2, 64), (3, 64)]
+    assert llm.warm_decode_graphs() == 0  # each bucket once
+    assert greedy(llm) == eager
+    assert sorted(runner.graphs) == [(1, 64), (2, 64), (3, 64)]

@@ -76,9 +76,16 @@ def serve(
     from localgen.service import EngineService
 
     typer.echo(f"loading {model or 'the embedded model'} ...", err=True)
-    service = EngineService(lambda: LLM.load(model, kv_cache_memory=kv, max_num_seqs=max_num_seqs,
-                                             max_model_len=max_model_len, dtype=dtype,
-                                             device=device, prefill_copies=dtype is None)).start()
+    def load() -> LLM:
+        llm = LLM.load(model, kv_cache_memory=kv, max_num_seqs=max_num_seqs,
+                       max_model_len=max_model_len, dtype=dtype, device=device,
+                       prefill_copies=dtype is None)
+        # every batch size's decode graph before the first request, not inside the steps of
+        # the requests that first reach it
+        llm.warm_decode_graphs()
+        return llm
+
+    service = EngineService(load).start()
     try:
         service.wait_ready()
     except Exception as e:  # noqa: BLE001 - the load error, shown as such

@@ -108,6 +108,22 @@ class GraphedModelRunner(ModelRunner):
         c = self.ctx_buckets[bisect.bisect_left(self.ctx_buckets, longest)]
         return self.graphs.get((b, c)) or self._capture(b, c)
 
+    @torch.inference_mode()
+    def capture_batches(self, context: int = 1) -> int:
+        """Capture the decode graph of every batch bucket at the context bucket that holds
+        ``context`` tokens (by default the smallest), those not captured yet; returns how many.
+        A server calls it at load: a bucket's first use otherwise pays its kernels' compilation
+        and the capture inside the step of the requests that first reach that batch size. Does
+        nothing for a model whose steps run eagerly (``replays`` false)."""
+        if not self.replays:
+            return 0
+        c = self.ctx_buckets[min(bisect.bisect_left(self.ctx_buckets, context),
+                                 len(self.ctx_buckets) - 1)]
+        todo = [b for b in self.batch_buckets if (b, c) not in self.graphs]
+        for b in todo:
+            self._capture(b, c)
+        return len(todo)
+
     def _fill(self, g: _Graph, seqs: list[Sequence]) -> bool:
         """Write the step's inputs into the graph's pinned staging buffer, then one asynchronous
         host-to-device copy into the static buffers. Rows past ``len(seqs)`` are padding: they

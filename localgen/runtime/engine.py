@@ -192,6 +192,13 @@ class Engine:
         self._update_gauges()  # the panels read these: freed blocks show at once
         return self._output(seq, "")
 
+    def warm_decode_graphs(self) -> int:
+        """Capture the decode graphs of every batch bucket now rather than at first use
+        (``GraphedModelRunner.capture_batches``); how many were captured, 0 for a runner
+        without graphs."""
+        capture = getattr(self.runner, "capture_batches", None)
+        return capture() if capture is not None else 0
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
