@@ -128,11 +128,8 @@ class _Bound:
         args, sizes = [], set()
         for w, kv_ref, *_ in self.snapshots:
             kv = kv_ref()
-            mats = llama._cpu_decode_mats(cfg, w, h, kv) if isinstance(kv, LayerKV) else None
-            drivers = getattr(mats, "drivers", None)
-            if (drivers is None or not llama._drivers_take(w, h, rope, meta)
-                    or type(kv.bound()) is not CpuKernelBackend or not attn_kernel.supports(
-                        torch.empty((m, cfg.num_heads, d)), kv.k_cache, kv.v_cache)):
+            drivers = _layer_drivers(cfg, w, kv, h, rope, meta)
+            if drivers is None:
                 return
             mat_args = drivers.args(m)
             sizes.add(tuple((a.n, a.k) for a in mat_args) + (kv.k_cache.shape[1:], drivers.matmul))
@@ -143,9 +140,7 @@ class _Bound:
             return
         self.sizes = next(iter(sizes))
         self.layers_args = args  # the structs the pointers address, and the MatArgs they point at
-        self.step_args = cpu_ops.StepArgs()
-        self.step_ptr = ctypes.addressof(self.step_args)
-        s = self.step_args
+        self.step_args = s = cpu_ops.StepArgs()  # the fields every step shares; a step fills a copy
         s.matmul, s.attention = drivers.matmul, attn_kernel.entry_address()
         s.m, s.hidden, s.hq, s.hk, s.d = m, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, d
         s.block_size, s.eps = kv.k_cache.shape[1], cfg.norm_eps
@@ -155,7 +150,26 @@ class _Bound:
 
     def step(self, h: torch.Tensor, rope, meta: AttentionMetadata) -> torch.Tensor:
         """One decode step's layers over a copy of ``h``."""
-        s, m = self.step_args, h.shape[0]
+        # a copy a step: two threads stepping one model (two engines) share no arguments
+        s = cpu_ops.StepArgs.from_buffer_copy(self.step_args)
+        out, gate = self._fill(s, h, rope, meta)
+        attention_half, mlp_half = self.calls
+        step_ptr = ctypes.addressof(s)
+        for layer_ptr in self.layer_ptrs:
+            rc = attention_half(step_ptr, layer_ptr)
+            if rc:
+                cpu_ops.check(rc, "attention")
+            _silu_(gate)
+            rc = mlp_half(step_ptr, layer_ptr)
+            if rc:
+                cpu_ops.check(rc, "down")
+        return out
+
+    def _fill(self, s, h: torch.Tensor, rope, meta: AttentionMetadata):
+        """Set the step's fields of ``s``: the output rows (a copy of h), the scratch rows, the
+        rotary tables, slots and the attention launch (the backend's plan for this step).
+        Returns the output rows and the gate half of the gate/up rows."""
+        m = h.shape[0]
         (qkv_n, _), (o_n, o_k), (gu_n, _), _ = self.sizes[:4]
         launch = meta.plan(attn_kernel.Launch, lambda: attn_kernel.plan(
             meta.block_tables, meta.context_lens, s.hk, max(meta.context_lens_list)))
@@ -167,22 +181,24 @@ class _Bound:
         gu_at = m * sum(sizes[:3])
         gate = scratch[gu_at:gu_at + m * gu_n].view(m, gu_n)[:, :gu_n // 2]
         cos, sin = rope
-        s.h, s.cos, s.sin, s.slots = out.data_ptr(), cos.data_ptr(), sin.data_ptr(), \
-            meta.slot_mapping.data_ptr()
-        s.block_tables, s.bt_stride = launch.block_tables.data_ptr(), launch.block_tables.stride(0)
-        s.context_lens, s.splits, s.threads = launch.context_lens.data_ptr(), launch.splits, \
-            launch.threads
-        attention_half, mlp_half = self.calls
-        step_ptr = self.step_ptr
-        for layer_ptr in self.layer_ptrs:
-            rc = attention_half(step_ptr, layer_ptr)
-            if rc:
-                cpu_ops.check(rc, "attention")
-            _silu_(gate)
-            rc = mlp_half(step_ptr, layer_ptr)
-            if rc:
-                cpu_ops.check(rc, "down")
-        return out
+        s.h, s.cos, s.sin = out.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        s.slots, s.block_tables = meta.slot_mapping.data_ptr(), launch.block_tables.data_ptr()
+        s.bt_stride, s.context_lens = launch.block_tables.stride(0), launch.context_lens.data_ptr()
+        s.splits, s.threads = launch.splits, launch.threads
+        return out, gate
+
+
+def _layer_drivers(cfg: ModelConfig, w: dict, kv, h: torch.Tensor, rope,
+                   meta: AttentionMetadata):
+    """The layer's ``GGUFDecodeDrivers`` where ``llama.layer`` would run it through
+    ``_cpu_decode_driven`` and attend through the C kernel (``CpuKernelBackend``), else None."""
+    mats = llama._cpu_decode_mats(cfg, w, h, kv) if isinstance(kv, LayerKV) else None
+    drivers = getattr(mats, "drivers", None)
+    if (drivers is None or not llama._drivers_take(w, h, rope, meta)
+            or type(kv.bound()) is not CpuKernelBackend):
+        return None
+    q = torch.empty((h.shape[0], cfg.num_heads, cfg.head_dim))
+    return drivers if attn_kernel.supports(q, kv.k_cache, kv.v_cache) else None
 
 
 def _layer_args(w: dict, kv: LayerKV, mat_args: tuple, kv_heads: int, d: int) -> tuple:
