@@ -235,3 +235,67 @@ def test_predicted_peak_reaches_the_model_info(model_dir):
         assert svc.metrics().model.predicted_peak == peak
     finally:
         svc.close()
+
+
+def test_pushes_with_shared_wakeups_wake_each_loop_once_when_told():
+    """Outputs pushed with a shared ``wakeups`` reach their async readers only at ``wake``, which
+    schedules one callback on their loop for both streams (not one per stream)."""
+    from localgen.runtime.request import RequestOutput
+    from localgen.service.stream import wake
+
+    streams = [RequestStream("a"), RequestStream("b")]
+    wakeups: dict = {}
+    calls = []
+
+    async def consume():
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (calls.append(a), real(*a))[1]
+        readers = [asyncio.ensure_future(s.__anext__()) for s in streams]
+        await asyncio.sleep(0.01)  # both wait on an event now
+
+        def engine_thread():
+            for s in streams:
+                s._push(RequestOutput(s.request_id, "x", "x", [1], True, "stop", 3, 1), wakeups)
+
+        threading.Thread(target=engine_thread).start()
+        await asyncio.sleep(0.05)
+        assert not any(r.done() for r in readers)  # pushed, not woken
+        waker = threading.Thread(target=wake, args=(wakeups,))
+        waker.start()
+        got = [(await asyncio.wait_for(r, 5)).request_id for r in readers]
+        waker.join(5)
+        return got
+
+    assert asyncio.run(consume()) == ["a", "b"]
+    assert len(calls) == 1 and not wakeups
+
+
+def test_deferred_wakeups_end_every_stream(model_dir, monkeypatch):
+    """With the CUDA ordering forced on the CPU (outputs woken at the next step's launch, or
+    when the engine goes idle), concurrent streams all finish with the tokens of a service that
+    wakes at once."""
+    def run(defer: bool) -> list[list[int]]:
+        if defer:
+            def hook(self, llm):
+                llm.engine.after_launch = self._wake
+                return True
+            monkeypatch.setattr(EngineService, "_hook_after_launch", hook)
+        svc = EngineService(lambda: LLM.load(str(model_dir), device="cpu",
+                                             kv_cache_memory=1 << 22)).start()
+        try:
+            assert svc.wait_ready(60) and svc._defer_wakeups == defer
+
+            async def consume(i):
+                msgs = [{"role": "user", "content": f"count {i} {i + 1}"}]
+                return [o async for o in svc.chat(msgs, GREEDY)][-1].token_ids
+
+            async def all_of():
+                return await asyncio.wait_for(asyncio.gather(*(consume(i) for i in range(4))), 60)
+
+            return asyncio.run(all_of())
+        finally:
+            svc.close()
+
+    plain = run(False)
+    assert run(True) == plain

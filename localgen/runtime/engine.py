@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -94,6 +95,9 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self.metrics = Metrics(kv_blocks_total=self.block_manager.num_blocks)
+        # called in each step once the runner has queued the model's work and before sampling
+        # waits for its logits: on CUDA, host work done there overlaps the GPU's
+        self.after_launch: Callable[[], None] | None = None
 
     # -- limits ---------------------------------------------------------------------------
     @property
@@ -224,6 +228,8 @@ class Engine:
             self.metrics.prompt_tokens += sum(s.num_tokens - s.num_computed for s in seqs)
             self.metrics.cached_prompt_tokens += sum(s.num_computed for s in seqs)
         logits = self.runner.run(seqs, batch.is_prefill)
+        if self.after_launch is not None:  # the model's work is queued; sampling waits for it
+            self.after_launch()
         params = [s.sampling for s in seqs]
         masked = mask_logits(logits, [s.grammar for s in seqs])  # response_format rows
         tokens = sample(masked, params, [s.token_ids for s in seqs], [s.generator for s in seqs],

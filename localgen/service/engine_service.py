@@ -26,7 +26,7 @@ from localgen.service.memory import probe_memory
 from localgen.service.rates import MetricsTracker, build_snapshot, model_info
 from localgen.service.served import ServedLLM
 from localgen.service.snapshot import MemorySnapshot, MetricsSnapshot, ModelInfo
-from localgen.service.stream import RequestStream, ServiceClosed
+from localgen.service.stream import RequestStream, ServiceClosed, Wakeups, wake
 
 if TYPE_CHECKING:
     from localgen.profiler.hardware import HardwareProfile
@@ -78,6 +78,10 @@ class EngineService:
         # or aborted request) refreshes the engine's counters and reuses the last probe
         self._memory_snap: MemorySnapshot | None = None
         self._memory_at = float("-inf")
+        # readers to wake for the outputs routed since the last wake; on CUDA they wait until
+        # the next step's GPU work is queued (``_defer_wakeups``)
+        self._wakeups: Wakeups = {}
+        self._defer_wakeups = False
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> "EngineService":
@@ -194,6 +198,7 @@ class EngineService:
                 self._llm = self._loader()
             assert self._llm is not None
             self.model_info = model_info(self._llm, self.predicted_peak)
+            self._defer_wakeups = self._hook_after_launch(self._llm)
             self.state = "ready"
         except BaseException as e:  # noqa: BLE001 - reported to the caller, not raised here
             self.error, self.state = e, "failed"
@@ -205,11 +210,29 @@ class EngineService:
         self._publish(force=True)
         return True
 
+    def _hook_after_launch(self, llm: ServedLLM) -> bool:
+        """On CUDA, wake the readers of a step's outputs once the next step's GPU work is
+        queued (``Engine.after_launch``), not before its host work: the readers' threads (the
+        server's event loop encoding and sending each token) then run while the GPU computes
+        instead of contending for the GIL with the launch. On the CPU the model's work is the
+        host's, so outputs are woken at once. True when deferred."""
+        engine = getattr(llm, "engine", None)
+        if engine is None or not hasattr(engine, "after_launch") or llm.device.type != "cuda":
+            return False
+        engine.after_launch = self._wake
+        return True
+
+    def _wake(self) -> None:
+        wake(self._wakeups)
+
     def _loop(self) -> None:
         llm = self._llm
         assert llm is not None
         while not self._closing:
-            self._drain(block=not (llm.has_unfinished() or self._batches))
+            idle = not (llm.has_unfinished() or self._batches)
+            if idle:
+                self._wake()  # no next step will
+            self._drain(block=idle)
             if self._closing:
                 break
             if self._batches:
@@ -278,7 +301,9 @@ class EngineService:
                 continue  # a batch request: run_batch reads it from step()'s return value
             if out.finished:
                 del self._streams[out.request_id]
-            stream._push(out)
+            stream._push(out, self._wakeups)
+        if not self._defer_wakeups:
+            self._wake()
 
     def _run_batch(self, job: BatchJob) -> None:
         if job.cancelled:
@@ -328,6 +353,8 @@ class EngineService:
         self._batches.clear()
 
     def _shutdown(self) -> None:
+        self._defer_wakeups = False
+        self._wake()
         if self._llm is not None:
             for rid in list(self._streams):
                 try:
