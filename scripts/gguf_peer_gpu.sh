@@ -10,9 +10,9 @@
 #                                            with the sweep's winners (LOCALGEN_GGUF_DECODE_CONFIGS),
 #                                            llama-bench / llama-batched-bench as the peer (-ngl 99)
 #   scripts/gguf_peer_gpu.sh serve WORK OUT  `localgen bench serve` on RUN/m7b.gguf at concurrency 1 and
-#                                            16 (CONCURRENCY) beside llama-server (-ngl 99), the sweep's winners;
-#                                            the file's test tokenizer splits words finely, hence
-#                                            --peer-ctx
+#                                            16 and 64 (CONCURRENCY) beside llama-server (-ngl 99), the sweep's
+#                                            winners; the file's context is 256 tokens and its test
+#                                            tokenizer splits words finely (32 words: ~154 tokens)
 # WORK holds llama.cpp-src.tar.gz and build-llama-cpp.sh (from the shared tools' folder). The build,
 # the 7B file and the sweep go to RUN (/tmp/gguf_peer), outside the repository: a folder that a
 # device call carries is replaced at every call, which would take the build with it. `serve` needs the
@@ -66,8 +66,8 @@ case "$cmd" in
       --out "$out/decode_7b_q4km.json" ;;
   serve)
     gpu; wait_build
-    python3 -c "from localgen.cli.main import app; app(prog_name='localgen')" bench serve --model "$work/m7b.gguf" --concurrency "${CONCURRENCY:-1,16}" \
-      --prompt-words 128 --max-tokens 64 --peer-ctx 1536 \
+    python3 -c "from localgen.cli.main import app; app(prog_name='localgen')" bench serve --model "$work/m7b.gguf" --concurrency "${CONCURRENCY:-1,16,64}" \
+      --prompt-words 32 --max-tokens 64 --peer-ctx 256 \
       --llama-server "$work/llama.cpp/build/bin/llama-server" --out "$out/serve_7b_q4km.json" ;;
   *) sed -n 2,15p "$0"; exit 2 ;;
 esac
