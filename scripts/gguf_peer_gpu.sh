@@ -13,7 +13,9 @@
 #                                            16 and 64 (CONCURRENCY) beside llama-server (-ngl 99), the sweep's
 #                                            winners; the file's context is 256 tokens and its test
 #                                            tokenizer splits words finely (32 words: ~154 tokens)
-# WORK holds llama.cpp-src.tar.gz and build-llama-cpp.sh (from the shared tools' folder). The build,
+# WORK holds llama.cpp-src.tar.gz and build-llama-cpp.sh (from the shared tools' folder), or the
+# build/bin folder of an earlier machine of the same image as llama_bin.tar.xz.part* (split so that
+# each part comes back from a device call and the folder can be carried). The build,
 # the 7B file and the sweep go to RUN (/tmp/gguf_peer), outside the repository: a folder that a
 # device call carries is replaced at every call, which would take the build with it. `serve` needs the
 # server's packages (fastapi, starlette, sse-starlette, uvicorn, pydantic, xgrammar) where the
@@ -24,7 +26,13 @@ src=$(cd "$2" && pwd)
 out=$3
 work=/tmp/gguf_peer
 mkdir -p "$work"
-cp -n "$src/llama.cpp-src.tar.gz" "$src/build-llama-cpp.sh" "$work/"
+for f in llama.cpp-src.tar.gz build-llama-cpp.sh; do
+  if [ -f "$src/$f" ] && [ ! -f "$work/$f" ]; then cp "$src/$f" "$work/"; fi
+done
+# tools built on an earlier machine of the same image (build/bin as llama_bin.tar.xz.part*): no build
+if [ ! -x "$work/llama.cpp/build/bin/llama-server" ] && compgen -G "$src/llama_bin.tar.xz.part*" >/dev/null; then
+  mkdir -p "$work/llama.cpp/build" && cat "$src"/llama_bin.tar.xz.part* | xz -d | tar xf - -C "$work/llama.cpp/build"
+fi
 export PYTHONUNBUFFERED=1
 # kernels/ and profiles/ install under the localgen namespace; a bare checkout links them there
 [ -e localgen/kernels ] || ln -s ../kernels localgen/kernels
@@ -54,7 +62,7 @@ case "$cmd" in
       cp "$work/sweep.json" "$out/" || true
       grep -E "^type " "$out/sweep.log" || tail -n 5 "$out/sweep.log"
     fi
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gguf_gemm_triton.py tests/test_gguf_mma.py \
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gguf_gemm_triton.py tests/test_gguf_mma.py tests/test_gguf_i8mma.py \
       tests/test_gguf_packed.py >"$out/tests.log" 2>&1 || true
     tail -n 4 "$out/tests.log"
     wait_build
