@@ -29,9 +29,10 @@ with the step ``d_x = max|x| / 127`` and the group's exact ``Σ x``).
 
 Shapes: a program owns ``BLOCK_N`` weight rows (the tensor core's wide side: the left operand,
 ``[BLOCK_N, 32]`` codes), ``BLOCK_M`` activation rows (the right operand ``[32, BLOCK_M]``,
-``BLOCK_M`` the power of two at or above M, at least 8, at most ``MAX_BLOCK_M``: past it the
-grid's first axis walks M) and a slice of K tiles (256 weights, one block of each row); slices
-add their float32 partials atomically (``gguf_gemv.split_output``).
+``BLOCK_M`` the power of two at or above M, at least 8, at most ``MAX_BLOCK_M``: past it more
+programs walk M) and a slice of K tiles (256 weights, one block of each row); the slices of a
+tile leave float32 partials that its last slice sums and stores in x's dtype
+(``gguf_tiles.finish_at``).
 
 Unpacking costs few instructions a weight: Q4_K's 32 nibble bytes of a chunk load as 16-byte
 vectors (blocks are 144 bytes and rows a multiple of 16 bytes apart) and each 32-bit register of
@@ -55,7 +56,7 @@ import triton
 import triton.language as tl
 
 from . import gguf_gemv, gguf_q8
-from .gguf_tiles import f16_at
+from .gguf_tiles import f16_at, finish_at, split_buffers
 from .triton_common import interpreting
 
 Q4_K, Q5_K, Q6_K = gguf_gemv.Q4_K, gguf_gemv.Q5_K, gguf_gemv.Q6_K
@@ -128,16 +129,22 @@ def _q6_codes(ql, qh, T: tl.constexpr, ASM: tl.constexpr):
 
 # ---- the program's tile, the activations, the output ----
 
+# shape arguments are not specialized (no recompiling per shape; the loads' alignment comes from
+# the row stride's unit)
+_SHAPE_ARGS = ["M", "N", "num_tiles", "tiles_per_split", "m_tiles", "splits"]
+
+
 @triton.jit
-def _tile(N, num_tiles, tiles_per_split, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Program (mt, n, s): weight rows ``offs_n`` ``[BLOCK_N]``, activation rows ``offs_m``
-    ``[BLOCK_M]`` and the K tiles ``kt0 .. end`` of slice ``s``. The M tile is the grid's first
-    axis, so the programs that read the same weights run side by side (one read from memory,
-    the others from L2)."""
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    kt0 = tl.program_id(2) * tiles_per_split
-    return offs_n, offs_m, kt0, tl.minimum(kt0 + tiles_per_split, num_tiles)
+def _tile(num_tiles, tiles_per_split, m_tiles, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Program (t, s) of output tile ``t = n·m_tiles + mt`` and K slice ``s``: its first
+    activation row ``m0``, weight rows ``offs_n`` ``[BLOCK_N]``, activation rows ``offs_m``
+    ``[BLOCK_M]`` and the K tiles ``kt0 .. end``. The M tile varies fastest, so the programs
+    that read the same weights run side by side (one read from memory, the others from L2)."""
+    m0 = (tl.program_id(0) % m_tiles) * BLOCK_M
+    offs_n = (tl.program_id(0) // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    kt0 = tl.program_id(1) * tiles_per_split
+    return m0, offs_n, m0 + tl.arange(0, BLOCK_M), kt0, tl.minimum(kt0 + tiles_per_split,
+                                                                    num_tiles)
 
 
 @triton.jit
@@ -174,14 +181,15 @@ def _x_offsets(offs_m, X_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _store(acc, y_ptr, offs_n, offs_m, M, N, stride_ym, ATOMIC: tl.constexpr):
-    """``acc`` ``[BLOCK_N, BLOCK_M]`` into ``y[m, n]`` (added atomically when K is split)."""
-    y = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
-    mask = (offs_m < M)[None, :] & (offs_n < N)[:, None]
-    if ATOMIC:
-        tl.atomic_add(y, acc, mask=mask)
-    else:
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
+def _store(acc, y_ptr, part_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_ym, splits,
+           SPLIT: tl.constexpr):
+    """``acc`` ``[BLOCK_N, BLOCK_M]`` into ``y[m, n]`` in y's dtype; split K slices through
+    :func:`gguf_tiles.finish_at` (float32 partials ``[splits, M·N]``, the tile's last slice sums
+    them in slice order: no zero-fill or cast launch)."""
+    m2 = offs_m.to(tl.int64)[None, :]
+    n2 = offs_n[:, None]
+    finish_at(acc, y_ptr, m2 * stride_ym + n2, part_ptr, m2 * N + n2, M * N,
+              (m2 < M) & (n2 < N), cnt_ptr, splits, SPLIT)
 
 
 @triton.jit
@@ -237,19 +245,20 @@ def _times_x_step(p, xd):
 
 # ---- the kernels ----
 
-@triton.jit(do_not_specialize=["M", "N", "num_tiles", "tiles_per_split"])
-def _q45k_i8mma(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split,
-                row_16b, stride_ym, QTYPE: tl.constexpr, X_ROWS: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, MASK_M: tl.constexpr,
-                ATOMIC: tl.constexpr, ASM: tl.constexpr):
-    """Q4_K (QTYPE 12) or Q5_K (13), program (mt, n, s) as the module docstring. ``row_16b``:
+@triton.jit(do_not_specialize=_SHAPE_ARGS)
+def _q45k_i8mma(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, num_tiles,
+                tiles_per_split, m_tiles, splits, row_16b, stride_ym, QTYPE: tl.constexpr,
+                X_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                MASK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr):
+    """Q4_K (QTYPE 12) or Q5_K (13), program (t, s) as :func:`_tile`'s. ``row_16b``:
     the row stride in 16-byte units (rows are whole 144- or 176-byte blocks), so each chunk's 32
     nibble bytes load as 16-byte vectors and the scale words as 32-bit ones. Q5_K's block is
     Q4_K's with 32 bytes ``qh`` before the nibbles: bit ``G`` of byte ``l`` is the fifth bit of
     weight ``32G + l``."""
     BB: tl.constexpr = 144 if QTYPE == 12 else 176  # bytes a block
     QS: tl.constexpr = 16 if QTYPE == 12 else 48  # offset of the nibbles
-    offs_n, offs_m, kt0, end = _tile(N, num_tiles, tiles_per_split, BLOCK_N, BLOCK_M)
+    m0, offs_n, offs_m, kt0, end = _tile(num_tiles, tiles_per_split, m_tiles, BLOCK_N,
+                                         BLOCK_M)
     rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * (row_16b * 16)  # rows past N: N - 1
     x_off = _x_offsets(offs_m, X_ROWS)
     lane = tl.arange(0, 32)[None, :]
@@ -276,25 +285,27 @@ def _q45k_i8mma(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per
                 dm = dmin * _byte_float(mn_lo if c < 2 else mn_hi, (2 * c + h) % 4)
                 acc += _times_x_step(p, xd) * ds[:, None]
                 acc -= dm[:, None] * xs[None, :]
-    _store(acc, y_ptr, offs_n, offs_m, M, N, stride_ym, ATOMIC)
+    _store(acc, y_ptr, part_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_ym, splits, SPLIT)
 
 
-@triton.jit(do_not_specialize=["M", "N", "num_tiles", "tiles_per_split"])
-def _q6k_i8mma(xq_ptr, xd_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, stride_wn,
-               stride_ym, X_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-               MASK_M: tl.constexpr, ATOMIC: tl.constexpr, ASM: tl.constexpr):
-    """Q6_K, program (mt, n, s) as the module docstring. ``stride_wn`` in 2-byte units (210-byte
+@triton.jit(do_not_specialize=_SHAPE_ARGS)
+def _q6k_i8mma(xq_ptr, xd_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, num_tiles,
+               tiles_per_split, m_tiles, splits, stride_wn, stride_ym, X_ROWS: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, MASK_M: tl.constexpr,
+               SPLIT: tl.constexpr, ASM: tl.constexpr):
+    """Q6_K, program (t, s) as :func:`_tile`'s. ``stride_wn`` in 2-byte units (210-byte
     blocks are 2-byte aligned). Weight ``128hf + 32t + l`` of a block (half ``hf``, quarter
     ``t``, ``l`` 0..31) takes its low 4 bits from ql byte ``64hf + 32(t % 2) + l``, nibble
     ``t // 2``, its high 2 bits from qh byte ``128 + 32hf + l`` at bit ``2t``, and the scale
     ``8hf + 2t + l // 16``: 32-group ``4hf + t`` of the activations."""
-    offs_n, offs_m, kt0, end = _tile(N, num_tiles, tiles_per_split, BLOCK_N, BLOCK_M)
+    m0, offs_n, offs_m, kt0, end = _tile(num_tiles, tiles_per_split, m_tiles, BLOCK_N,
+                                         BLOCK_M)
     rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * (stride_wn * 2)
     # the activation tile twice along N: column j is row offs_m[j % BLOCK_M] with only the
     # group's 16-weight half j // BLOCK_M kept (a masked load), so one dot gives both halves'
     # sums, each against its own scale
     cols = tl.arange(0, 2 * BLOCK_M)
-    m2 = tl.program_id(0) * BLOCK_M + cols % BLOCK_M
+    m2 = m0 + cols % BLOCK_M
     second = (cols >= BLOCK_M)[None, :]
     x_off = _x_offsets(m2, X_ROWS)
     keep = (tl.arange(0, 32) >= 16)[:, None] == second
@@ -324,7 +335,7 @@ def _q6k_i8mma(xq_ptr, xd_ptr, w_ptr, y_ptr, M, N, num_tiles, tiles_per_split, s
                 ds_b = d * (_byte_float(words, (2 * t + 1) % 4) - 128.0)
                 acc += _times_x_step(p, xd) * tl.where(second, ds_b[:, None], ds_a[:, None])
     acc = tl.sum(tl.reshape(acc, (BLOCK_N, 2, BLOCK_M)), axis=1)
-    _store(acc, y_ptr, offs_n, offs_m, M, N, stride_ym, ATOMIC)
+    _store(acc, y_ptr, part_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_ym, splits, SPLIT)
 
 
 # ---- host side ----
@@ -364,17 +375,21 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
         raise ValueError(f"x8 must be gguf_q8.quantize of {m} rows of k={k}, got steps "
                          f"{tuple(x8.xd.shape)}")
     tiles, bm = k // TILE_K, block_m(m, qtype)
-    m_tiles, n_programs = triton.cdiv(m, bm), triton.cdiv(n, cfg.block_n)
-    splits, per_split, y = gguf_gemv.split_output(cfg, x, n, n_programs * m_tiles, tiles)
+    m_tiles = triton.cdiv(m, bm)
+    n_tiles = m_tiles * triton.cdiv(n, cfg.block_n)
+    per_split = triton.cdiv(tiles, gguf_gemv.splits_for(cfg, n_tiles, tiles, x.device))
+    splits = triton.cdiv(tiles, per_split)  # no slice left empty
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part, cnt = split_buffers(y, splits, n_tiles)
     knobs = dict(X_ROWS=x_rows, BLOCK_N=cfg.block_n, BLOCK_M=bm, MASK_M=x_rows < bm,
-                 ATOMIC=splits > 1, ASM=not interpreting(), num_warps=cfg.num_warps)
+                 SPLIT=splits > 1, ASM=not interpreting(), num_warps=cfg.num_warps)
     if cfg.num_stages or qtype == Q6_K:
         knobs["num_stages"] = cfg.num_stages or Q6K_STAGES
-    grid = (m_tiles, n_programs, splits)
+    shape = (m, n, tiles, per_split, m_tiles, splits)
     if qtype != Q6_K:
-        _q45k_i8mma[grid](x8.xq, x8.xd, x8.xs, raw, y, m, n, tiles, per_split,
-                          raw.stride(0) // 16, y.stride(0), QTYPE=qtype, **knobs)
+        _q45k_i8mma[(n_tiles, splits)](x8.xq, x8.xd, x8.xs, raw, y, part, cnt, *shape,
+                                       raw.stride(0) // 16, y.stride(0), QTYPE=qtype, **knobs)
     else:
-        _q6k_i8mma[grid](x8.xq, x8.xd, raw, y, m, n, tiles, per_split, raw.stride(0) // 2,
-                         y.stride(0), **knobs)
-    return y.to(x.dtype)
+        _q6k_i8mma[(n_tiles, splits)](x8.xq, x8.xd, raw, y, part, cnt, *shape,
+                                      raw.stride(0) // 2, y.stride(0), **knobs)
+    return y

@@ -153,26 +153,26 @@ def test_matmuls_same_x_shares_the_rounding_with_i8mma(tmp_path, monkeypatch, ke
 
 
 def test_sweep_times_i8mma_at_decode_and_prefill_rows():
-    """``gguf_gemm_bench --sweep`` times a handful of i8mma tiles at 16 and 64 rows and at the
-    prefill rows (128, 512) beside the prefill path, and nothing but those two past 64 rows."""
+    """``gguf_gemm_bench --sweep`` times a handful of i8mma tiles at 16 and 64 rows (mma.sync
+    and wgmma tiles, K split or not) and, at the prefill rows ``--sweep-ms`` may add, only the
+    i8mma tiles beside the prefill path."""
     from localgen.bench import gguf_gemm_bench as bench
 
-    assert {16, 64, 128, 512} <= set(bench.SWEEP_MS)
+    assert {16, 64} <= set(bench.SWEEP_MS)
     for qtype in bench.SWEEP_QTYPES:
         for m in (16, 64, 128, 512):
             timed = [c for c in bench.sweep_configs() if bench.sweep_serves(c, qtype, m)]
             i8 = [c for c in timed if c.kernel == "i8mma"]
-            assert len(i8) >= 4 and {c.block_n for c in i8} >= {32, 64, 128}
-            assert {c.num_warps for c in i8} == {4, 8} and {c.split_k for c in i8} == {0, 1}
-            assert gguf_gemv.DEQUANT_CONFIG in timed
+            assert len(i8) >= 4 and {c.block_n for c in i8} >= {16, 32, 64}
+            assert {c.split_k for c in i8} == {0, 1} and gguf_gemv.DEQUANT_CONFIG in timed
             if m > gguf_gemv.MMA_MAX_M:
                 assert {c.kernel for c in timed} == {"i8mma", "dequant"}
 
 
 @pytest.mark.parametrize("qtype,block_n,num_warps,m", [
-    (Q.Q4_K, 64, 4, 5), (Q.Q4_K, 64, 4, 16), (Q.Q6_K, 64, 4, 16), (Q.Q4_K, 128, 8, 64),
-    (Q.Q6_K, 64, 4, 64), (Q.Q6_K, 128, 8, 512), (Q.Q6_K, 32, 4, 5), (Q.Q5_K, 64, 4, 16),
-    (Q.Q5_K, 128, 8, 64)])
+    (Q.Q4_K, 64, 4, 5), (Q.Q4_K, 64, 4, 16), (Q.Q6_K, 64, 4, 16), (Q.Q4_K, 64, 4, 64),
+    (Q.Q6_K, 64, 4, 64), (Q.Q6_K, 32, 4, 5), (Q.Q4_K, 16, 1, 64), (Q.Q6_K, 16, 1, 64),
+    (Q.Q4_K, 32, 4, 512), (Q.Q5_K, 64, 4, 16), (Q.Q5_K, 32, 4, 64)])
 def test_sm90_build_keeps_its_registers(qtype, block_n, num_warps, m, tmp_path):
     """Sweep tiles build for sm_90 with the inline-assembly unpacking (what the interpreter
     cannot run), 8 activation rows a program (M = 5: an int8 dot's N, padded by Triton) to 64,
@@ -180,13 +180,14 @@ def test_sm90_build_keeps_its_registers(qtype, block_n, num_warps, m, tmp_path):
     from tests.sm90_build import stack_bytes
 
     q6k = qtype == Q.Q6_K
-    ptrs = ["xq_ptr", "xd_ptr"] + ([] if q6k else ["xs_ptr"]) + ["w_ptr", "y_ptr"]
-    ints = ["M", "N", "num_tiles", "tiles_per_split", "stride_wn" if q6k else "row_16b",
-            "stride_ym"]
-    types = ["*i8"] + ["*fp32"] * (len(ptrs) - 3) + ["*u8", "*bf16"]
+    ptrs = ["xq_ptr", "xd_ptr"] + ([] if q6k else ["xs_ptr"]) + ["w_ptr", "y_ptr", "part_ptr",
+                                                                  "cnt_ptr"]
+    ints = ["M", "N", "num_tiles", "tiles_per_split", "m_tiles", "splits",
+            "stride_wn" if q6k else "row_16b", "stride_ym"]
+    types = ["*i8"] + ["*fp32"] * (len(ptrs) - 5) + ["*u8", "*bf16", "*fp32", "*i32"]
     sig = dict(zip(ptrs + ints, types + ["i32"] * len(ints)))
     x_rows, bm = gguf_q8.m_pad(m), gguf_i8mma.block_m(m, qtype)
-    consts = dict(X_ROWS=x_rows, BLOCK_N=block_n, BLOCK_M=bm, MASK_M=x_rows < bm, ATOMIC=True,
+    consts = dict(X_ROWS=x_rows, BLOCK_N=block_n, BLOCK_M=bm, MASK_M=x_rows < bm, SPLIT=True,
                   ASM=True)
     if not q6k:
         consts = dict(QTYPE=int(qtype), **consts)

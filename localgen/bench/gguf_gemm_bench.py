@@ -123,7 +123,7 @@ def run(shapes: dict[str, tuple[int, int]], qtypes: list[int], ms: list[int],
 
 SWEEP_SHAPES = {**SHAPES, "7b_output": (32000, 4096)}
 SWEEP_QTYPES = (12, 14)  # Q4_K, Q6_K
-SWEEP_MS = (1, 16, 64, 128, 512)  # 128 and 512: prefill rows (i8mma beside dequant + cuBLAS)
+SWEEP_MS = (1, 16, 64)  # --sweep-ms 128,512 adds prefill rows (i8mma beside dequant + cuBLAS)
 BAD_REL_ERR = 2e-2  # a config whose output is this far from the bf16 reference is broken
 
 
@@ -159,14 +159,14 @@ def sweep_configs() -> list:
 
 
 def _i8mma_configs() -> list:
-    """The int8 tensor-core kernel (``gguf_i8mma``; M >= 2, so also at the prefill rows): weight
-    rows a program 32 to 128 (the tensor core's wide side), warps 4 and 8, K unsplit or split
-    to fill the GPU."""
+    """The int8 tensor-core kernel (``gguf_i8mma``; M >= 2, so also at prefill rows): 16 or 32
+    weight rows a program take mma.sync, 64 on four warps wgmma; K split to fill the GPU with
+    four or eight programs a multiprocessor, or unsplit."""
     from localgen.kernels.gguf_gemv import DecodeConfig as C
 
-    return [C("i8mma", 32, num_warps=4), C("i8mma", 64, num_warps=4),
-            C("i8mma", 64, split_k=1, num_warps=4), C("i8mma", 128, num_warps=8),
-            C("i8mma", 128, split_k=1, num_warps=8)]
+    return [C("i8mma", 16, num_warps=1), C("i8mma", 32, num_warps=4),
+            C("i8mma", 64, num_warps=4), C("i8mma", 64, num_warps=4, programs_per_sm=8),
+            C("i8mma", 64, split_k=1, num_warps=4)]
 
 
 def sweep_serves(cfg, qtype: int, m: int) -> bool:
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ms", default="1,4,16,64,512")
     p.add_argument("--block-n", default="32,64,128", help="output rows a program, tried per cell")
     p.add_argument("--sweep", action="store_true",
-                   help="time every config (Q4_K, Q6_K; M 1, 16, 64, 128, 512) in one process")
+                   help="time every decode config (Q4_K, Q6_K; M 1, 16, 64) in one process")
     p.add_argument("--dry-run", action="store_true",
                    help="the sweep at a tiny shape on the CPU under the Triton interpreter")
     p.add_argument("--budget-s", type=float, default=270.0, help="the sweep's time limit")
