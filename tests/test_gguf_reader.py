@@ -147,3 +147,22 @@ def test_a_file_cut_after_opening_names_the_tensor_and_the_missing_bytes(tiny_gg
         f.truncate(int(last.data_offset) + 3)
     with pytest.raises(CorruptModelError, match=rf"tensor {last.name} ends {int(last.n_bytes) - 3} bytes"):
         read_tensor_rows(last, torch.empty(1, int(last.n_bytes), dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("rows,width", [(3, 144), (1024, 1040)])  # below and above 1 MiB
+def test_empty_rows_is_writable_row_memory_that_outlives_its_views(rows, width):
+    """A tensor's byte buffer: ``[rows, width]`` contiguous uint8, writable; a row view keeps
+    the (populated, for 1 MiB and up) map alive after the tensor itself is dropped."""
+    import gc
+
+    from localgen.models.gguf_tensors import POPULATE_MIN_BYTES, empty_rows
+
+    buf = empty_rows(rows, width)
+    assert buf.shape == (rows, width) and buf.dtype == torch.uint8 and buf.is_contiguous()
+    assert (rows * width >= POPULATE_MIN_BYTES) == (rows == 1024)
+    buf.copy_(torch.arange(rows * width, dtype=torch.int64).remainder(251).view(rows, width))
+    last = buf[-1]
+    del buf
+    gc.collect()
+    want = torch.arange((rows - 1) * width, rows * width).remainder(251).to(torch.uint8)
+    assert torch.equal(last, want)

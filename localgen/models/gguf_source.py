@@ -21,7 +21,8 @@ from localgen.models.gguf_dense import transformers_reads_arch
 from localgen.models.gguf_names import gguf_to_hf_name
 from localgen.models.gguf_open import open_gguf
 from localgen.models.gguf_reader import gguf_field
-from localgen.models.gguf_tensors import dequantize_tensor, read_tensor_rows, release_mapped
+from localgen.models.gguf_tensors import (dequantize_tensor, empty_rows, read_tensor_rows,
+                                          release_mapped)
 from localgen.models.weights import WeightStore
 from localgen.quant.gguf_blocks import unpermute_qk
 
@@ -114,7 +115,7 @@ class GGUFStore(WeightStore):
             return None
         t = self.tensor(name)
         rows, cols = self.shape(name)
-        raw = torch.empty(rows, int(t.n_bytes) // rows, dtype=torch.uint8)
+        raw = empty_rows(rows, int(t.n_bytes) // rows)
         if not self._read_rows(name, t, raw):
             raw = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True)).reshape(rows, -1)
             release_mapped(self.reader, int(t.data_offset), int(t.n_bytes))
@@ -133,8 +134,7 @@ class GGUFStore(WeightStore):
         ts, shapes = [self.tensor(n) for n in names], [self.shape(n) for n in names]
         if len({t.tensor_type for t in ts}) != 1 or len({s[1] for s in shapes}) != 1:
             return None
-        raw = torch.empty(sum(s[0] for s in shapes), int(ts[0].n_bytes) // shapes[0][0],
-                          dtype=torch.uint8)
+        raw = empty_rows(sum(s[0] for s in shapes), int(ts[0].n_bytes) // shapes[0][0])
         row = 0
         for name, t, (rows, _) in zip(names, ts, shapes):
             if not self._read_rows(name, t, raw[row:row + rows]):

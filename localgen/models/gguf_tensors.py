@@ -14,6 +14,23 @@ import numpy as np
 import torch
 
 
+POPULATE_MIN_BYTES = 1 << 20  # smaller buffers come from the allocator's pool
+
+
+def empty_rows(rows: int, width: int) -> torch.Tensor:
+    """Uninitialised ``[rows, width]`` uint8 host memory for a tensor's file bytes. From
+    ``POPULATE_MIN_BYTES`` up it is an anonymous private map made with ``MAP_POPULATE``, so the
+    kernel faults all of its pages in at once instead of one page fault a 4 KiB page inside the
+    ``preadv`` that then fills it (the copy into fresh pages is what a load spends its time on);
+    the tensor keeps the map alive. Elsewhere (no ``MAP_POPULATE``) a plain ``torch.empty``."""
+    n = rows * width
+    flags = getattr(mmap, "MAP_POPULATE", None)
+    if n < POPULATE_MIN_BYTES or flags is None:
+        return torch.empty(rows, width, dtype=torch.uint8)
+    mm = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | flags)
+    return torch.frombuffer(mm, dtype=torch.uint8).view(rows, width)
+
+
 def read_tensor_rows(t, out: torch.Tensor, dest_rows: list[int] | None = None) -> bool:
     """Read GGUF tensor ``t``'s rows, in file order, into the rows of ``out`` (``[rows,
     row_bytes]`` uint8, contiguous): file row ``i`` into ``out[dest_rows[i]]``, or all
