@@ -73,7 +73,8 @@ class DecodeConfig:
     every multiprocessor); ``num_warps``; ``codes``: how the gemv kernels turn codes into floats
     (``CODE_MODES``); ``blocks_per_step``: blocks of each row a gemv loop step loads (1, 2, 4, 8);
     ``num_stages``: the mma and i8mma kernels' software-pipeline depth over K (0: Triton's
-    default)."""
+    default); ``chunks_per_step``: the 64-weight chunks of a block an i8mma loop step takes
+    for Q4_K and Q5_K (1, 2, 4: fewer keep fewer registers)."""
 
     kernel: str = "gemv"
     block_n: int = 16
@@ -83,6 +84,7 @@ class DecodeConfig:
     programs_per_sm: int = 4
     blocks_per_step: int = 1
     num_stages: int = 0
+    chunks_per_step: int = 4
 
 
 # gemv code-to-float modes (the MODE constexpr): "i2f" converts the integer; "shift" moves the
@@ -99,8 +101,9 @@ def serves(cfg: DecodeConfig, qtype: int, m: int) -> bool:
     "q8" codes, only for ``Q8_TYPES``, up to ``MAX_M``; dot and file up to ``MAX_M``; mma for
     ``MMA_TYPES`` from 2 to ``MMA_MAX_M`` rows; i8mma for ``I8MMA_TYPES`` from 2 rows; dequant,
     the prefill path, past one row): the sweep's filter."""
-    if cfg.kernel == "i8mma":
-        return int(qtype) in I8MMA_TYPES and m >= 2
+    if cfg.kernel == "i8mma":  # Q6_K's loop step is a block half whatever chunks_per_step says
+        return (int(qtype) in I8MMA_TYPES and m >= 2
+                and (int(qtype) != Q6_K or cfg.chunks_per_step == 4))
     if cfg.kernel == "mma":
         return int(qtype) in MMA_TYPES and 2 <= m <= MMA_MAX_M
     if cfg.kernel == "dequant":

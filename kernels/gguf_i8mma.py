@@ -209,16 +209,22 @@ def _k4_scale_words(blk):
 
 
 @triton.jit
+def _float_of(v):
+    """float32 of int32 ``0 <= v < 2**23``, exactly: placed under the exponent of 2**23, with no
+    int-to-float conversion instruction."""
+    return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
 def _byte_float(word, B: tl.constexpr):
-    """float32 of byte ``B`` of int32 ``word`` (as unsigned), exactly: placed under the exponent
-    of 2**23, with no int-to-float conversion instruction."""
+    """float32 of byte ``B`` of int32 ``word`` (as unsigned), exactly (:func:`_float_of`)."""
     if B == 3:
         v = (word >> 24) & 0xFF
     elif B == 0:
         v = word & 0xFF
     else:
         v = (word >> (8 * B)) & 0xFF
-    return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return _float_of(v)
 
 
 @triton.jit
@@ -249,7 +255,8 @@ def _times_x_step(p, xd):
 def _q45k_i8mma(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, num_tiles,
                 tiles_per_split, m_tiles, splits, row_16b, stride_ym, QTYPE: tl.constexpr,
                 X_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                MASK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr):
+                MASK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+                CHUNKS: tl.constexpr):
     """Q4_K (QTYPE 12) or Q5_K (13), program (t, s) as :func:`_tile`'s. ``row_16b``:
     the row stride in 16-byte units (rows are whole 144- or 176-byte blocks), so each chunk's 32
     nibble bytes load as 16-byte vectors and the scale words as 32-bit ones. Q5_K's block is
@@ -263,26 +270,36 @@ def _q45k_i8mma(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, n
     x_off = _x_offsets(offs_m, X_ROWS)
     lane = tl.arange(0, 32)[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for kt in range(kt0, end):
-        blk = rows + kt * BB
+    # a loop step is CHUNKS 64-weight chunks of a block (two groups each): fewer make the loads
+    # that the compiler hoists ahead of a step's dots fewer, so a large BLOCK_M keeps few
+    # registers and more programs fit; four run a block with no per-step overhead
+    STEPS: tl.constexpr = 4 // CHUNKS
+    for it in range(kt0 * STEPS, end * STEPS):
+        blk = rows + (it // STEPS) * BB
         d = f16_at(blk)
         dmin = f16_at(blk + 2)
         sc_lo, sc_hi, mn_lo, mn_hi = _k4_scale_words(blk)
         if QTYPE == 13:
             qh = tl.load(blk[:, None] + 16 + lane)
-        for c in tl.static_range(4):
+        for cc in tl.static_range(CHUNKS):
+            c = (it % STEPS) * CHUNKS + cc  # the chunk: groups 2c, 2c + 1
             b = tl.load(blk[:, None] + QS + 32 * c + lane)  # [BLOCK_N, 32] uint8
+            sc_w = tl.where(c < 2, sc_lo, sc_hi)
+            mn_w = tl.where(c < 2, mn_lo, mn_hi)
+            if QTYPE == 13:
+                qh_c = (qh >> (2 * c)).to(tl.uint8)  # bit 0 (1): group 2c (2c + 1)
             for h in tl.static_range(2):
-                g = kt * 8 + 2 * c + h
+                g = (it // STEPS) * 8 + 2 * c + h
                 xt, xd = _x_group(xq_ptr, xd_ptr, x_off, offs_m, g, X_ROWS, MASK_M)
                 xs = _x_sum(xs_ptr, offs_m, g, X_ROWS, MASK_M)
                 if QTYPE == 12:
                     q = _nibbles(b, h, ASM)
                 else:
-                    q = _q5_codes(b, qh, h, 2 * c + h, ASM)
+                    q = _q5_codes(b, qh_c, h, h, ASM)
                 p = tl.dot(q, xt, out_dtype=tl.int32)
-                ds = d * _byte_float(sc_lo if c < 2 else sc_hi, (2 * c + h) % 4)
-                dm = dmin * _byte_float(mn_lo if c < 2 else mn_hi, (2 * c + h) % 4)
+                byte = 8 * ((2 * c + h) % 4)
+                ds = d * _float_of((sc_w >> byte) & 0xFF)
+                dm = dmin * _float_of((mn_w >> byte) & 0xFF)
                 acc += _times_x_step(p, xd) * ds[:, None]
                 acc -= dm[:, None] * xs[None, :]
     _store(acc, y_ptr, part_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_ym, splits, SPLIT)
@@ -362,13 +379,17 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     """``x [M, k] · Wᵀ`` -> ``[M, N]`` in x's dtype (float32/bf16/fp16) for ``M >= 2``, W the
     Q4_K, Q5_K or Q6_K blocks ``raw`` (uint8 ``[N, row_bytes]``, contiguous rows; the caller,
     ``gguf_gemm.matmul``, checks the shapes and :func:`serves`). ``cfg``: ``block_n`` (16, 32,
-    64, 128), ``num_warps``, ``num_stages`` (0: Triton's default), ``split_k`` /
-    ``programs_per_sm``. ``x8``: ``gguf_q8.quantize(x)`` already made (else made here).
-    Raises ValueError for another type, M < 2 or an ``x8`` of another shape."""
+    64, 128), ``num_warps``, ``num_stages`` (0: Triton's default; Q6_K ``Q6K_STAGES``),
+    ``split_k`` / ``programs_per_sm``, ``chunks_per_step`` (Q4_K, Q5_K). ``x8``:
+    ``gguf_q8.quantize(x)`` already made (else made here). Raises ValueError for another type,
+    M < 2, a ``chunks_per_step`` not 1, 2 or 4, or an ``x8`` of another shape."""
     qtype, (m, n) = int(qtype), (x.shape[0], raw.shape[0])
     if qtype not in TYPES or m < MIN_M:
         raise ValueError(f"gguf_i8mma serves Q4_K/Q5_K/Q6_K (12, 13, 14) at M >= {MIN_M}, got "
                          f"type {qtype}, M={m}")
+    if cfg.chunks_per_step not in (1, 2, 4):
+        raise ValueError(f"gguf_i8mma: chunks_per_step must be 1, 2 or 4, got "
+                         f"{cfg.chunks_per_step}")
     x8 = gguf_q8.quantize(x) if x8 is None else x8
     x_rows = gguf_q8.m_pad(m)
     if tuple(x8.xd.shape) != (k // 32, x_rows):
@@ -388,7 +409,8 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, k: int,
     shape = (m, n, tiles, per_split, m_tiles, splits)
     if qtype != Q6_K:
         _q45k_i8mma[(n_tiles, splits)](x8.xq, x8.xd, x8.xs, raw, y, part, cnt, *shape,
-                                       raw.stride(0) // 16, y.stride(0), QTYPE=qtype, **knobs)
+                                       raw.stride(0) // 16, y.stride(0), QTYPE=qtype,
+                                       CHUNKS=cfg.chunks_per_step, **knobs)
     else:
         _q6k_i8mma[(n_tiles, splits)](x8.xq, x8.xd, raw, y, part, cnt, *shape,
                                       raw.stride(0) // 2, y.stride(0), **knobs)

@@ -30,15 +30,18 @@ TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("m", [2, 5, 16, 33])
 @pytest.mark.parametrize("cfg", [DecodeConfig("i8mma", block_n=32, split_k=1),
-                                 DecodeConfig("i8mma", block_n=64, split_k=2, num_warps=8)])
+                                 DecodeConfig("i8mma", block_n=64, split_k=2, num_warps=8),
+                                 DecodeConfig("i8mma", block_n=16, split_k=2, chunks_per_step=1),
+                                 DecodeConfig("i8mma", block_n=32, chunks_per_step=2)])
 def test_i8mma_within_the_rounding_of_x(qtype, m, cfg, kernel_device):
     """The activations rounded as ``gguf_q8`` rounds them (int8 per 32-group, step
     ``d = max|x|/127``), the codes' products summed exactly in int32 and the scales applied in
     float32: the error is the rounding's, ``Σ_j |a q_j|·d_g(j)/2`` for Q4_K and Q5_K (their min
     term takes the exact ``Σ x``) and ``Σ_j |w_j|·d_g(j)/2`` for Q6_K, plus float32 summation
     (``check_q8_matmul``'s bound, hand-derived; it also checks that x was rounded at all).
-    Three tiles a row over two K slices: the second slice is shorter."""
-    assert gguf_gemv.serves(cfg, qtype, m)
+    Three tiles a row over two K slices: the second slice is shorter; Q4_K and Q5_K loop over
+    blocks, halves or chunks of them (Q6_K over block halves whatever the config says)."""
+    assert gguf_gemv.serves(cfg, qtype, m) == (qtype != Q.Q6_K or cfg.chunks_per_step == 4)
     check_q8_matmul(cfg, kernel_device, qtype, m=m)
 
 
@@ -78,6 +81,9 @@ def test_i8mma_refuses_what_it_does_not_serve():
     for m, qtype in [(1, Q.Q4_K), (4, Q.Q8_0)]:
         with pytest.raises(ValueError, match="gguf_i8mma serves"):
             gguf_i8mma.matmul(torch.zeros(m, 256), raw, qtype, 256, cfg)
+    with pytest.raises(ValueError, match="chunks_per_step must be 1, 2 or 4"):
+        gguf_i8mma.matmul(torch.zeros(3, 256), raw, Q.Q4_K, 256,
+                          DecodeConfig("i8mma", chunks_per_step=3))
     with pytest.raises(ValueError, match="quantize of 3 rows"):
         gguf_i8mma.matmul(torch.zeros(3, 256), raw, Q.Q4_K, 256, cfg,
                           x8=gguf_q8.quantize(torch.zeros(2, 256)))
@@ -169,11 +175,13 @@ def test_sweep_times_i8mma_at_decode_and_prefill_rows():
                 assert {c.kernel for c in timed} == {"i8mma", "dequant"}
 
 
-@pytest.mark.parametrize("qtype,block_n,num_warps,m", [
-    (Q.Q4_K, 64, 4, 5), (Q.Q4_K, 64, 4, 16), (Q.Q6_K, 64, 4, 16), (Q.Q4_K, 64, 4, 64),
-    (Q.Q6_K, 64, 4, 64), (Q.Q6_K, 32, 4, 5), (Q.Q4_K, 16, 1, 64), (Q.Q6_K, 16, 1, 64),
-    (Q.Q4_K, 32, 4, 512), (Q.Q5_K, 64, 4, 16), (Q.Q5_K, 32, 4, 64)])
-def test_sm90_build_keeps_its_registers(qtype, block_n, num_warps, m, tmp_path):
+@pytest.mark.parametrize("qtype,block_n,num_warps,m,chunks", [
+    (Q.Q4_K, 64, 4, 5, 4), (Q.Q4_K, 64, 4, 16, 4), (Q.Q6_K, 64, 4, 16, 4),
+    (Q.Q4_K, 64, 4, 64, 4), (Q.Q6_K, 64, 4, 64, 4), (Q.Q6_K, 32, 4, 5, 4),
+    (Q.Q4_K, 16, 1, 64, 4), (Q.Q6_K, 16, 1, 64, 4), (Q.Q4_K, 32, 4, 512, 4),
+    (Q.Q5_K, 64, 4, 16, 4), (Q.Q5_K, 32, 4, 64, 4), (Q.Q4_K, 32, 4, 64, 1),
+    (Q.Q4_K, 64, 4, 64, 1), (Q.Q5_K, 64, 4, 16, 1)])
+def test_sm90_build_keeps_its_registers(qtype, block_n, num_warps, m, chunks, tmp_path):
     """Sweep tiles build for sm_90 with the inline-assembly unpacking (what the interpreter
     cannot run), 8 activation rows a program (M = 5: an int8 dot's N, padded by Triton) to 64,
     and spill no register to the stack."""
@@ -190,7 +198,7 @@ def test_sm90_build_keeps_its_registers(qtype, block_n, num_warps, m, tmp_path):
     consts = dict(X_ROWS=x_rows, BLOCK_N=block_n, BLOCK_M=bm, MASK_M=x_rows < bm, SPLIT=True,
                   ASM=True)
     if not q6k:
-        consts = dict(QTYPE=int(qtype), **consts)
+        consts = dict(QTYPE=int(qtype), CHUNKS=chunks, **consts)
     kernel = "_q6k_i8mma" if q6k else "_q45k_i8mma"
     aligned = list(range(len(ptrs))) + [len(sig) - 1]
     stages = gguf_i8mma.Q6K_STAGES if q6k else None  # as matmul launches it

@@ -161,11 +161,14 @@ def sweep_configs() -> list:
 def _i8mma_configs() -> list:
     """The int8 tensor-core kernel (``gguf_i8mma``; M >= 2, so also at prefill rows): 16 or 32
     weight rows a program take mma.sync, 64 on four warps wgmma; K split to fill the GPU with
-    four or eight programs a multiprocessor, or unsplit."""
+    four or eight programs a multiprocessor, or unsplit; a loop step of a whole block or of one
+    64-weight chunk (fewer registers, more programs resident; Q4_K and Q5_K)."""
     from localgen.kernels.gguf_gemv import DecodeConfig as C
 
     return [C("i8mma", 16, num_warps=1), C("i8mma", 32, num_warps=4),
-            C("i8mma", 64, num_warps=4), C("i8mma", 64, num_warps=4, programs_per_sm=8),
+            C("i8mma", 32, num_warps=4, chunks_per_step=1), C("i8mma", 64, num_warps=4),
+            C("i8mma", 64, num_warps=4, chunks_per_step=1),
+            C("i8mma", 64, num_warps=4, programs_per_sm=8),
             C("i8mma", 64, split_k=1, num_warps=4)]
 
 
@@ -181,6 +184,8 @@ def label(cfg) -> str:
     split = f"sk{cfg.split_k}" if cfg.split_k else f"auto{cfg.programs_per_sm}/SM"
     codes = f" kb{cfg.blocks_per_step} {cfg.codes}" if cfg.kernel == "gemv" else ""
     stages = f" st{cfg.num_stages}" if cfg.num_stages else ""
+    if cfg.kernel == "i8mma" and cfg.chunks_per_step != 4:
+        stages += f" ch{cfg.chunks_per_step}"
     if cfg.kernel == "dequant":
         return "dequant + cuBLAS"
     return f"{cfg.kernel} bn{cfg.block_n} w{cfg.num_warps} {split}{codes}{stages}"
