@@ -228,11 +228,11 @@ def _byte_float(word, B: tl.constexpr):
 
 
 @triton.jit
-def _q6_scale_words(blk, HF: tl.constexpr):
-    """The eight int8 scales of half ``HF`` of Q6_K blocks (``blk``: uint8 pointers, 2-byte
+def _q6_scale_words(blk, hf):
+    """The eight int8 scales of half ``hf`` of Q6_K blocks (``blk``: uint8 pointers, 2-byte
     aligned), each byte XOR 0x80 (the scale + 128, unsigned), four a word: (scales 0..3,
     4..7) of the half."""
-    ptr = (blk + 192 + 8 * HF).to(tl.pointer_type(tl.int16))
+    ptr = (blk + 192 + 8 * hf).to(tl.pointer_type(tl.int16))
     lo = (tl.load(ptr).to(tl.int32) & 0xFFFF) | (tl.load(ptr + 1).to(tl.int32) << 16)
     hi = (tl.load(ptr + 2).to(tl.int32) & 0xFFFF) | (tl.load(ptr + 3).to(tl.int32) << 16)
     return lo ^ -0x7F7F7F80, hi ^ -0x7F7F7F80  # -0x7F7F7F80: 0x80808080 as an int32
@@ -330,27 +330,28 @@ def _q6k_i8mma(xq_ptr, xd_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, num_tiles,
         keep = keep & (m2 < X_ROWS)[None, :]
     lane = tl.arange(0, 32)[None, :]
     acc = tl.zeros([BLOCK_N, 2 * BLOCK_M], tl.float32)
-    for kt in range(kt0, end):
+    for it in range(kt0 * 2, end * 2):  # a loop step is a block half: fewer registers
+        kt = it // 2
+        hf = it % 2
         blk = rows + kt * 210
         d = f16_at(blk + 208)
-        for hf in tl.static_range(2):
-            ql_a = tl.load(blk[:, None] + 64 * hf + lane)  # quarters 0 and 2
-            ql_b = tl.load(blk[:, None] + 64 * hf + 32 + lane)  # 1 and 3
-            qh = tl.load(blk[:, None] + 128 + 32 * hf + lane)
-            sc_a, sc_b = _q6_scale_words(blk, hf)  # scales 0..3, 4..7 of the half, + 128
-            for t in tl.static_range(4):
-                q = _q6_codes(ql_a if t % 2 == 0 else ql_b, qh, t, ASM)  # [BLOCK_N, 32] int8
-                g = kt * 8 + 4 * hf + t
-                xt = tl.load(xq_ptr + g * (32 * X_ROWS) + x_off, mask=keep, other=0)
-                if MASK_M:
-                    xd = tl.load(xd_ptr + g * X_ROWS + m2, mask=m2 < X_ROWS, other=0.0)
-                else:
-                    xd = tl.load(xd_ptr + g * X_ROWS + m2)
-                p = tl.dot(q, xt, out_dtype=tl.int32)  # [BLOCK_N, 2·BLOCK_M]
-                words = sc_a if t < 2 else sc_b
-                ds_a = d * (_byte_float(words, (2 * t) % 4) - 128.0)
-                ds_b = d * (_byte_float(words, (2 * t + 1) % 4) - 128.0)
-                acc += _times_x_step(p, xd) * tl.where(second, ds_b[:, None], ds_a[:, None])
+        ql_a = tl.load(blk[:, None] + 64 * hf + lane)  # quarters 0 and 2
+        ql_b = tl.load(blk[:, None] + 64 * hf + 32 + lane)  # 1 and 3
+        qh = tl.load(blk[:, None] + 128 + 32 * hf + lane)
+        sc_a, sc_b = _q6_scale_words(blk, hf)  # scales 0..3, 4..7 of the half, + 128
+        for t in tl.static_range(4):
+            q = _q6_codes(ql_a if t % 2 == 0 else ql_b, qh, t, ASM)  # [BLOCK_N, 32] int8
+            g = kt * 8 + 4 * hf + t
+            xt = tl.load(xq_ptr + g * (32 * X_ROWS) + x_off, mask=keep, other=0)
+            if MASK_M:
+                xd = tl.load(xd_ptr + g * X_ROWS + m2, mask=m2 < X_ROWS, other=0.0)
+            else:
+                xd = tl.load(xd_ptr + g * X_ROWS + m2)
+            p = tl.dot(q, xt, out_dtype=tl.int32)  # [BLOCK_N, 2·BLOCK_M]
+            words = sc_a if t < 2 else sc_b
+            ds_a = d * (_byte_float(words, (2 * t) % 4) - 128.0)
+            ds_b = d * (_byte_float(words, (2 * t + 1) % 4) - 128.0)
+            acc += _times_x_step(p, xd) * tl.where(second, ds_b[:, None], ds_a[:, None])
     acc = tl.sum(tl.reshape(acc, (BLOCK_N, 2, BLOCK_M)), axis=1)
     _store(acc, y_ptr, part_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_ym, splits, SPLIT)
 
