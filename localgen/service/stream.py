@@ -14,7 +14,7 @@ from typing import Iterator, Protocol
 
 from localgen.runtime.request import RequestOutput
 
-__all__ = ["Aborter", "RequestStream", "ServiceClosed", "Wakeups"]
+__all__ = ["Aborter", "RequestStream", "ServiceClosed", "Wakeups", "wake"]
 
 # event loop -> the events of the streams waiting on it
 Wakeups = dict[asyncio.AbstractEventLoop, list[asyncio.Event]]
