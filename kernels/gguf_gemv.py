@@ -135,16 +135,20 @@ def decode_class(m: int) -> int:
 # --sweep``, whose ranking on the 7B shapes (docs/benchmarks.md) chose these. At M = 1, Q4_K and
 # Q6_K take 8-bit activations and dp4a in two-row tiles of one warp, K unsplit (many small
 # programs keep the most loads in flight), Q4_K with four blocks of a row a loop step; Q5_K's
-# gemv was not ranked, so it stays on the file kernel. From 2 to 16 rows the file kernel beat
-# the q8 rows kernels and the mma kernel. From 17 to 64 rows the prefill path
-# (DEQUANT_CONFIG) serves until a sweep ranks the mma kernel above it.
+# gemv was not ranked, so it stays on the file kernel. From 2 to 16 rows the int8 tensor-core
+# kernel (gguf_i8mma) in 64-row tiles beat the file kernel for Q4_K and Q6_K, and from 17 to 64
+# rows for Q4_K; there Q6_K stays on the prefill path (DEQUANT_CONFIG), which beat it. Q5_K's
+# i8mma tiles were not ranked.
 DECODE_CONFIGS: dict[tuple[int, int], DecodeConfig] = {
     (Q4_K, 1): DecodeConfig("gemv", block_n=2, split_k=1, num_warps=1, codes="q8",
                             blocks_per_step=4),
     (Q6_K, 1): DecodeConfig("gemv", block_n=2, split_k=1, num_warps=1, codes="q8"),
     (Q5_K, 1): FILE_CONFIG,
-    (Q4_K, 16): FILE_CONFIG, (Q5_K, 16): FILE_CONFIG, (Q6_K, 16): FILE_CONFIG,
-    (Q4_K, 64): DEQUANT_CONFIG, (Q5_K, 64): DEQUANT_CONFIG, (Q6_K, 64): DEQUANT_CONFIG,
+    (Q4_K, 16): DecodeConfig("i8mma", block_n=64),
+    (Q6_K, 16): DecodeConfig("i8mma", block_n=64, programs_per_sm=8),
+    (Q5_K, 16): FILE_CONFIG,
+    (Q4_K, 64): DecodeConfig("i8mma", block_n=64),
+    (Q5_K, 64): DEQUANT_CONFIG, (Q6_K, 64): DEQUANT_CONFIG,
 }
 # qtype -> config past MMA_MAX_M rows (prefill), where a sweep's prefill rows (M = 128, 512)
 # rank a kernel above the prefill path; a type not named takes DEQUANT_CONFIG.

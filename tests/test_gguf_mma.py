@@ -127,15 +127,18 @@ class _Recorder:
         return self.fn[grid]
 
 
-def test_table_keeps_its_kernels_until_a_sweep_says_otherwise():
-    """Up to 16 rows the table's M > 1 entries stay on the file kernel; 17..64 rows take the
-    prefill path; every default serves its type and M."""
+def test_table_entries_cover_their_m_class_and_serve_it():
+    """2..16 rows take the table's M = 16 entry and 17..64 rows its M = 64 entry, each one a
+    config that serves its type and M; a type the table does not name takes the file kernel up
+    to 16 rows and the prefill path past them."""
     for qtype in gguf_gemv.TYPES:
-        assert gguf_gemv.default_config(qtype, 16) == gguf_gemv.FILE_CONFIG
+        for m in (2, 16):
+            assert gguf_gemv.default_config(qtype, m) == gguf_gemv.DECODE_CONFIGS[(qtype, 16)]
         for m in (17, 40, 64):
-            assert gguf_gemv.default_config(qtype, m) == gguf_gemv.DEQUANT_CONFIG
+            assert gguf_gemv.default_config(qtype, m) == gguf_gemv.DECODE_CONFIGS[(qtype, 64)]
         for m in (1, 2, 16, 17, 64):
             assert gguf_gemv.serves(gguf_gemv.default_config(qtype, m), qtype, m)
+    assert gguf_gemv.default_config(Q.Q8_0, 16) == gguf_gemv.FILE_CONFIG
     assert gguf_gemv.default_config(Q.Q8_0, 33) == gguf_gemv.DEQUANT_CONFIG
 
 
