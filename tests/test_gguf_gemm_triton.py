@@ -74,10 +74,19 @@ def test_file_kernel_matches_float64(qtype, m, splits, kernel_device):
     (1, gguf_gemv.DecodeConfig("dot", block_n=32, split_k=2)),
     (3, gguf_gemv.DecodeConfig("gemv", block_n=16, split_k=1)),  # M > 1: the dot kernel
     (16, gguf_gemv.DecodeConfig("dot", block_n=16, split_k=2)),
-    (16, None),  # the table's default
 ])
 def test_group_kernels_match_float64(qtype, m, cfg, kernel_device):
     check_matmul(qtype, m, cfg, kernel_device)
+
+
+@pytest.mark.parametrize("qtype", gguf_gemv.TYPES)
+def test_default_at_16_rows_matches_float64(qtype, kernel_device):
+    """The table's config at 16 rows: within the 8-bit activation bound where it rounds x (the
+    int8 tensor-core kernel), within float32 summation where it does not."""
+    if gguf_gemv.rounds_x(qtype, 16):
+        check_q8_matmul(None, kernel_device, qtype, m=16)
+    else:
+        check_matmul(qtype, 16, None, kernel_device)
 
 
 @pytest.mark.parametrize("qtype", gguf_gemv.TYPES)
