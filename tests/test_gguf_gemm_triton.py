@@ -294,14 +294,14 @@ def test_q8_rows_sm90_build_keeps_its_registers(qtype, block_n, num_warps, block
                        tmp_path) == 0
 
 
-def test_q8_rows_refuse_a_rounding_of_other_rows():
+def test_q8_rows_refuse_a_rounding_of_other_rows(kernel_device):
     from localgen.kernels import gguf_q8
 
-    x = q8_x(3)
+    x = q8_x(3).to(kernel_device)
     cfg = gguf_gemv.DecodeConfig("gemv", block_n=4, split_k=1, codes="q8")
+    raw = torch.zeros(2, 3 * 210, dtype=torch.uint8, device=kernel_device)
     with pytest.raises(ValueError, match="quantize of 3 rows"):
-        gguf_gemv.matmul(x, torch.zeros(2, 3 * 210, dtype=torch.uint8), Q.Q6_K, 768, cfg,
-                         x8=gguf_q8.quantize(x[:2]))
+        gguf_gemv.matmul(x, raw, Q.Q6_K, 768, cfg, x8=gguf_q8.quantize(x[:2]))
 
 
 def test_q8_rows_take_one_rounding_of_every_row(kernel_device):
