@@ -438,16 +438,21 @@ def _roundings_of_qkv(m: int, monkeypatch, kernel_device) -> int:
     return len(calls)
 
 
-@pytest.mark.parametrize("q8_at_16", [False, True])
-def test_matmuls_same_x_at_several_rows(q8_at_16, tmp_path, monkeypatch, kernel_device):
-    """At M = 4: where a sweep's M = 16 winners are "q8" configs, q, k and v share one rounding
-    of the four rows; where the table's file kernel serves them, nothing is rounded. Each
-    output equals its own ``gguf_gemm.matmul`` bit for bit."""
-    if q8_at_16:
-        cfg = gguf_gemv.DecodeConfig("gemv", block_n=4, split_k=1, num_warps=2, codes="q8")
+@pytest.mark.parametrize("at_16", ["q8", "file", "table"])
+def test_matmuls_same_x_at_several_rows(at_16, tmp_path, monkeypatch, kernel_device):
+    """At M = 4: where the M = 16 configs round x (a sweep's "q8" winners, or the table's int8
+    tensor-core entries), q, k and v share one rounding of the four rows; where the file kernel
+    serves them, nothing is rounded. Each output equals its own ``gguf_gemm.matmul`` bit for
+    bit."""
+    cfg = {"q8": gguf_gemv.DecodeConfig("gemv", block_n=4, split_k=1, num_warps=2, codes="q8"),
+           "file": gguf_gemv.FILE_CONFIG}.get(at_16)
+    if cfg is not None:
         monkeypatch.setenv(gguf_gemv.ENV_CONFIGS, _winners_file(
             tmp_path, [dict(qtype=qt, m=16, cfg=cfg.__dict__) for qt in gguf_gemv.Q8_TYPES]))
-    assert _roundings_of_qkv(4, monkeypatch, kernel_device) == (1 if q8_at_16 else 0)
+    gguf_gemv.measured_winners.cache_clear()
+    rounds = any(gguf_gemv.rounds_x(qt, 4) for qt in gguf_gemv.Q8_TYPES)
+    assert rounds == (at_16 != "file")
+    assert _roundings_of_qkv(4, monkeypatch, kernel_device) == (1 if rounds else 0)
 
 
 def _llama_cfg():
