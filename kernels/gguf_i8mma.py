@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from . import gguf_gemv, gguf_q8
-from .gguf_tiles import f16_at, finish_at, split_buffers
+from .gguf_tiles import f16_at, finish_at, small_int_float, split_buffers
 from .triton_common import interpreting
 
 Q4_K, Q5_K, Q6_K = gguf_gemv.Q4_K, gguf_gemv.Q5_K, gguf_gemv.Q6_K
@@ -209,22 +209,15 @@ def _k4_scale_words(blk):
 
 
 @triton.jit
-def _float_of(v):
-    """float32 of int32 ``0 <= v < 2**23``, exactly: placed under the exponent of 2**23, with no
-    int-to-float conversion instruction."""
-    return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
 def _byte_float(word, B: tl.constexpr):
-    """float32 of byte ``B`` of int32 ``word`` (as unsigned), exactly (:func:`_float_of`)."""
+    """float32 of byte ``B`` of int32 ``word`` (as unsigned), exactly (``small_int_float``)."""
     if B == 3:
         v = (word >> 24) & 0xFF
     elif B == 0:
         v = word & 0xFF
     else:
         v = (word >> (8 * B)) & 0xFF
-    return _float_of(v)
+    return small_int_float(v)
 
 
 @triton.jit
@@ -298,8 +291,8 @@ def _q45k_i8mma(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, n
                     q = _q5_codes(b, qh_c, h, h, ASM)
                 p = tl.dot(q, xt, out_dtype=tl.int32)
                 byte = 8 * ((2 * c + h) % 4)
-                ds = d * _float_of((sc_w >> byte) & 0xFF)
-                dm = dmin * _float_of((mn_w >> byte) & 0xFF)
+                ds = d * small_int_float((sc_w >> byte) & 0xFF)
+                dm = dmin * small_int_float((mn_w >> byte) & 0xFF)
                 acc += _times_x_step(p, xd) * ds[:, None]
                 acc -= dm[:, None] * xs[None, :]
     _store(acc, y_ptr, part_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_ym, splits, SPLIT)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .gguf_tiles import (GEMV_ARGS, f16_at, finish, finish_at, k4_scale_min, slots,
-                         split_buffers)
+                         small_int_float, split_buffers)
 from .triton_common import interpreting
 
 Q4_K, Q6_K = 12, 14  # GGMLQuantizationType values
@@ -87,13 +87,6 @@ def _dp4a_add(a, b, c, ASM: tl.constexpr):
     return out
 
 
-@triton.jit
-def _small_int_float(p):
-    """float32 of int32 ``|p| < 2**22``, exactly: added under the exponent of 1.5·2**23, with no
-    int-to-float conversion instruction."""
-    return (p + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-
-
 @triton.jit(do_not_specialize=GEMV_ARGS + ["row_16b"])
 def _q4k_gemv_q8(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, N, num_tiles,
                  tiles_per_split, splits, row_16b, BLOCK_N: tl.constexpr, KB: tl.constexpr,
@@ -130,7 +123,7 @@ def _q4k_gemv_q8(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, N, num
             xsum = tl.load(xs_ptr + kb3 * 8 + g3, mask=live, other=0.0)
             p = _dp4a((words >> (4 * h)) & 0x0F0F0F0F, tl.broadcast_to(xw, words.shape), ASM)
             sc, mn = k4_scale_min(blk8, g3)
-            acc += _small_int_float(p) * (d * sc * xd)
+            acc += small_int_float(p) * (d * sc * xd)
             acc_m += dmin * mn * xsum
     out = tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(tl.sum(acc_m, axis=2), axis=1)
     finish(out, y_ptr, part_ptr, cnt_ptr, offs_n, N, splits, SPLIT)
@@ -183,7 +176,7 @@ def _q6k_gemv_q8(xq_ptr, xd_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, N, num_tiles,
             off = _dp4a(tl.full(xw.shape, 0x20202020, tl.int32), xw, ASM)
             p = _dp4a(q, tl.broadcast_to(xw, q.shape), ASM) - off
             scale = tl.load(blk8 + 192 + 8 * hf3 + 2 * t + p3 % 2).to(tl.int8, bitcast=True)
-            acc += _small_int_float(p) * (d * scale.to(tl.float32) * xd)
+            acc += small_int_float(p) * (d * scale.to(tl.float32) * xd)
     finish(tl.sum(tl.sum(acc, axis=2), axis=1), y_ptr, part_ptr, cnt_ptr, offs_n, N, splits,
            SPLIT)
 
@@ -261,7 +254,7 @@ def _q4k_rows_q8(xq_ptr, xd_ptr, xs_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, 
         xd = tl.load(xd_ptr + m4 + (kb4 * 8 + g4) * M_PAD, mask=live, other=0.0)
         xsum = tl.load(xs_ptr + m4 + (kb4 * 8 + g4) * M_PAD, mask=live, other=0.0)
         sc, mn = k4_scale_min(blk8, g4)
-        part = _small_int_float(p) * ((f16_at(blk8) * sc) * xd) - (f16_at(blk8 + 2) * mn) * xsum
+        part = small_int_float(p) * ((f16_at(blk8) * sc) * xd) - (f16_at(blk8 + 2) * mn) * xsum
         acc += tl.sum(tl.sum(part, axis=3), axis=2)
     _finish_rows(acc, y_ptr, part_ptr, cnt_ptr, M, offs_n, N, stride_ym, splits, SPLIT)
 
@@ -297,7 +290,7 @@ def _q6k_rows_q8(xq_ptr, xd_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, num_tile
             p = _dp4a_add(_less_32(q), tl.load(x_t + i * M_PAD, mask=live, other=0), p, ASM)
         xd = tl.load(xd_ptr + m4 + (kb4 * 8 + 4 * hf4 + t4) * M_PAD, mask=live, other=0.0)
         scale = tl.load(blk8 + 192 + 8 * hf4 + 2 * t4 + p4 % 2).to(tl.int8, bitcast=True)
-        part = _small_int_float(p) * ((f16_at(blk8 + 208) * scale.to(tl.float32)) * xd)
+        part = small_int_float(p) * ((f16_at(blk8 + 208) * scale.to(tl.float32)) * xd)
         acc += tl.sum(tl.sum(part, axis=3), axis=2)
     _finish_rows(acc, y_ptr, part_ptr, cnt_ptr, M, offs_n, N, stride_ym, splits, SPLIT)
 

@@ -17,6 +17,13 @@ GEMV_ARGS = ["N", "num_tiles", "tiles_per_split", "splits"]
 
 
 @triton.jit
+def small_int_float(p):
+    """float32 of int32 ``|p| < 2**22``, exactly: added under the exponent of 1.5·2**23, with no
+    int-to-float conversion instruction."""
+    return (p + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+
+@triton.jit
 def f16_at(ptr):
     """float32 of the fp16 stored at ``ptr`` (any integer pointer tensor, 2-byte aligned)."""
     return tl.load(ptr.to(tl.pointer_type(tl.float16))).to(tl.float32)

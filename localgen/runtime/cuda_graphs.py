@@ -36,6 +36,15 @@ def context_buckets(max_model_len: int, smallest: int = 512) -> list[int]:
     return out + [max_model_len]
 
 
+def _bucket(buckets: list[int], n: int) -> int:
+    """The smallest bucket ``>= n``. Raises ValueError past the largest (``max_num_seqs``
+    sequences, ``max_model_len`` tokens: the engine's limits)."""
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} is past the largest decode graph bucket, {buckets[-1]}")
+    return buckets[i]
+
+
 @dataclass
 class _Graph:
     graph: "torch.cuda.CUDAGraph | EagerGraph"
@@ -103,22 +112,21 @@ class GraphedModelRunner(ModelRunner):
     def graph_for(self, seqs: list[Sequence]) -> _Graph:
         """The decode graph of the smallest (batch, context) bucket pair that holds ``seqs``,
         captured on first use."""
-        longest = max(s.num_tokens for s in seqs)
-        b = self.batch_buckets[bisect.bisect_left(self.batch_buckets, len(seqs))]
-        c = self.ctx_buckets[bisect.bisect_left(self.ctx_buckets, longest)]
+        b = _bucket(self.batch_buckets, len(seqs))
+        c = _bucket(self.ctx_buckets, max(s.num_tokens for s in seqs))
         return self.graphs.get((b, c)) or self._capture(b, c)
 
     @torch.inference_mode()
     def capture_batches(self, context: int = 1) -> int:
         """Capture the decode graph of every batch bucket at the context bucket that holds
         ``context`` tokens (by default the smallest), those not captured yet; returns how many.
+        Raises ValueError for a context past ``max_model_len``.
         A server calls it at load: a bucket's first use otherwise pays its kernels' compilation
         and the capture inside the step of the requests that first reach that batch size. Does
         nothing for a model whose steps run eagerly (``replays`` false)."""
         if not self.replays:
             return 0
-        c = self.ctx_buckets[min(bisect.bisect_left(self.ctx_buckets, context),
-                                 len(self.ctx_buckets) - 1)]
+        c = _bucket(self.ctx_buckets, context)
         todo = [b for b in self.batch_buckets if (b, c) not in self.graphs]
         for b in todo:
             self._capture(b, c)
