@@ -13,6 +13,8 @@
 #                                            16 and 64 (CONCURRENCY) beside llama-server (-ngl 99), the sweep's
 #                                            winners; the file's context is 256 tokens and its test
 #                                            tokenizer splits words finely (32 words: ~154 tokens)
+#   scripts/gguf_peer_gpu.sh trace WORK OUT  scripts/serve_step_trace.py on RUN/m7b.gguf at concurrency 16
+#                                            and 1 (CONCURRENCY): where a served decode step's time goes
 # WORK holds llama.cpp-src.tar.gz and build-llama-cpp.sh (from the shared tools' folder), or the
 # build/bin folder of an earlier machine of the same image as llama_bin.tar.xz.part* (split so that
 # each part comes back from a device call and the folder can be carried). The build,
@@ -77,5 +79,11 @@ case "$cmd" in
     python3 -c "from localgen.cli.main import app; app(prog_name='localgen')" bench serve --model "$work/m7b.gguf" --concurrency "${CONCURRENCY:-1,16,64}" \
       --prompt-words 32 --max-tokens 64 --peer-ctx 256 \
       --llama-server "$work/llama.cpp/build/bin/llama-server" --out "$out/serve_7b_q4km.json" ;;
-  *) sed -n 2,15p "$0"; exit 2 ;;
+  trace)
+    gpu; wait_build
+    for c in $(echo "${CONCURRENCY:-16,1}" | tr , ' '); do
+      python3 scripts/serve_step_trace.py --model "$work/m7b.gguf" --concurrency "$c" --prompt-words 32 \
+        --max-tokens 64 --json "$out/serve_trace_c$c.json"
+    done ;;
+  *) sed -n 2,19p "$0"; exit 2 ;;
 esac

@@ -5,8 +5,9 @@ timestamped, driven by `localgen bench serve`'s streaming clients.
 
 The server runs in a child process (this script with ``--serve``) whose engine records, per
 step: schedule (step start to the runner), launch (the runner queuing the model's work),
-after_launch (the service's hook: waking the readers of the previous step), wait (sampling,
-which waits for the device), advance (tokens, detokenization, outputs) and service (the
+after_launch (building the previous step's outputs and the service's hook: routing them and
+waking their readers), wait (sampling, which waits for the device), advance (tokens; outputs
+where they are not overlapped) and service (the
 service thread's work from one step's end to the next step's start: routing, metrics, inbox).
 A decode step's period is the sum; its device time is hidden behind the phases that run while
 the device computes (after_launch, wait). The summary prints each phase's median over the
@@ -14,7 +15,7 @@ decode steps that ran with ``--concurrency`` sequences, beside the clients' inte
 
 ``--emulate-step-ms``: replace the model by a stand-in device whose every step takes that long
 (the runner returns at once; sampling sleeps until the step is due, GIL released, and the
-service defers wake-ups as it does on CUDA): the host's share of a GPU server on a CPU machine.
+service overlaps outputs as it does on CUDA): the host's share of a GPU server on a CPU machine.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a bare checkout: localgen beside
 
 PHASES = ("schedule", "launch", "after_launch", "wait", "advance", "service")
 
@@ -84,20 +87,18 @@ def _install_trace(trace: list[dict], emulate_ms: float | None) -> None:
     real_hook = EngineService._hook_after_launch
 
     def hook(self, llm):
-        deferred = real_hook(self, llm) if emulate_ms is None else _defer(self, llm)
+        overlapped = real_hook(self, llm)
         engine = getattr(llm, "engine", None)
         inner = getattr(engine, "after_launch", None)
         if inner is not None:
-            def traced():
-                inner()
+            def traced(outs):
+                inner(outs)
                 cur["after_launch_end"] = time.perf_counter()
             engine.after_launch = traced
-        return deferred
+        return overlapped
 
-    def _defer(self, llm):
-        llm.engine.after_launch = self._wake
-        return True
-
+    if emulate_ms is not None:  # the service treats the stand-in as the asynchronous device
+        EngineService._device_async = staticmethod(lambda llm: True)
     Engine.__init__, Engine.step, engine_mod.sample = init, step, sample
     EngineService._hook_after_launch = hook
 

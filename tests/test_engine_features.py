@@ -146,3 +146,72 @@ def test_second_turn_reuses_the_conversation_prefix(model_dir):
     assert turn2.cached_prompt_tokens >= turn1.prompt_tokens // 4 * 4 - 4
     fresh = load(model_dir, enable_prefix_caching=False).generate([Request(messages=history, sampling=sp)])[0]
     assert fresh.token_ids == turn2.token_ids and fresh.cached_prompt_tokens == 0
+
+
+def _drive(llm: LLM, requests: list[Request], abort_id: str, abort_at: int):
+    """Step ``llm`` to the end, aborting ``abort_id`` before step ``abort_at``; each request's
+    outputs in order, and how many outputs the after_launch hooks were handed."""
+    hooked: list = []
+    handed = 0
+    if llm.engine.overlap_outputs:
+        llm.engine.after_launch = hooked.extend
+    for r in requests:
+        llm.add_request(r)
+    got: dict[str, list] = {r.request_id: [] for r in requests}
+    steps = 0
+    while llm.has_unfinished():
+        if steps == abort_at:
+            out = llm.abort(abort_id)
+            if out is not None:
+                got[out.request_id].append(out)
+        outs = llm.step()
+        assert outs[:len(hooked)] == hooked  # the hook's outputs lead the step's
+        handed += len(hooked)
+        hooked.clear()
+        for out in outs:
+            got[out.request_id].append(out)
+        steps += 1
+    return got, handed
+
+
+def test_overlapped_outputs_equal_immediate_ones(model_dir):
+    """``overlap_outputs`` (a step's outputs built in the next step, as on CUDA) gives every
+    request the same outputs, deltas and ends: EOS, a stop string, max_tokens, a grammar's end,
+    logprobs, seeded sampling, and an abort (whose final output then carries the last token)."""
+    llm = load(model_dir, max_num_seqs=8)
+    probe = llm.generate([Request(prompt="hello", sampling=SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True))])[0]
+    eos = probe.token_ids[6]
+    stop = probe.text[len(llm.tokenizer.decode(probe.token_ids[:3])):][:2]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    def requests():
+        sp = dict(temperature=0, max_tokens=24)
+        return [
+            Request(request_id="eos", prompt="hello", sampling=SamplingParams(**sp)),
+            Request(request_id="stop", prompt="hello", sampling=SamplingParams(**sp, ignore_eos=True, stop=[stop])),
+            Request(request_id="length", prompt="hi there", sampling=SamplingParams(
+                temperature=0.9, seed=5, max_tokens=9, ignore_eos=True, logprobs=2)),
+            Request(request_id="json", messages=CHAT, sampling=SamplingParams(
+                temperature=0, max_tokens=40, response_format={"type": "json_schema",
+                                                               "json_schema": {"name": "a", "schema": schema}})),
+            Request(request_id="abort", messages=CHAT, sampling=SamplingParams(**sp, ignore_eos=True)),
+        ]
+
+    runs = []
+    for overlap in (False, True):
+        llm = load(model_dir, max_num_seqs=8)
+        llm.engine.eos_token_ids = frozenset({eos})
+        llm.engine.overlap_outputs = overlap
+        runs.append(_drive(llm, requests(), "abort", abort_at=5))
+    (plain, none_handed), (overlapped, handed) = runs
+    assert none_handed == 0 and handed > 20  # built inside the next step
+    assert [o[-1].finish_reason for o in plain.values()] == ["stop", "stop", "length", "stop", "abort"]
+    for rid in plain:
+        a, b = plain[rid], overlapped[rid]
+        assert [o.finished for o in b].count(True) == 1 and b[-1].finished
+        assert "".join(o.text_delta for o in b) == b[-1].text == a[-1].text
+        assert (b[-1].token_ids, b[-1].finish_reason, b[-1].logprobs) == \
+               (a[-1].token_ids, a[-1].finish_reason, a[-1].logprobs)
+        if rid != "abort":
+            assert [(o.text_delta, o.token_ids) for o in b] == [(o.text_delta, o.token_ids) for o in a]

@@ -271,16 +271,12 @@ def test_pushes_with_shared_wakeups_wake_each_loop_once_when_told():
     assert len(calls) == 1 and not wakeups
 
 
-def test_deferred_wakeups_end_every_stream(model_dir, monkeypatch):
-    """With the CUDA ordering forced on the CPU (outputs woken at the next step's launch, or
-    when the engine goes idle), concurrent streams all finish with the tokens of a service that
-    wakes at once."""
-    def run(defer: bool) -> list[list[int]]:
-        if defer:
-            def hook(self, llm):
-                llm.engine.after_launch = self._wake
-                return True
-            monkeypatch.setattr(EngineService, "_hook_after_launch", hook)
+def test_overlapped_outputs_end_every_stream(model_dir, monkeypatch):
+    """With the CUDA ordering forced on the CPU (a step's outputs built, routed and woken at
+    the next step's launch, or when the engine goes idle), concurrent streams all finish with
+    the tokens and text of a service that builds and wakes them at once."""
+    def run(defer: bool) -> list[tuple[list[int], str, str]]:
+        monkeypatch.setattr(EngineService, "_device_async", staticmethod(lambda llm: defer))
         svc = EngineService(lambda: LLM.load(str(model_dir), device="cpu",
                                              kv_cache_memory=1 << 22)).start()
         try:
@@ -288,7 +284,9 @@ def test_deferred_wakeups_end_every_stream(model_dir, monkeypatch):
 
             async def consume(i):
                 msgs = [{"role": "user", "content": f"count {i} {i + 1}"}]
-                return [o async for o in svc.chat(msgs, GREEDY)][-1].token_ids
+                outs = [o async for o in svc.chat(msgs, GREEDY)]
+                assert "".join(o.text_delta for o in outs) == outs[-1].text
+                return outs[-1].token_ids, outs[-1].text, outs[-1].finish_reason
 
             async def all_of():
                 return await asyncio.wait_for(asyncio.gather(*(consume(i) for i in range(4))), 60)

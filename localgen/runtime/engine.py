@@ -95,9 +95,17 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self.metrics = Metrics(kv_blocks_total=self.block_manager.num_blocks)
+        # Overlapped outputs: a step's outputs (detokenization, RequestOutputs) are built in the
+        # next step, once its model work is queued, so on a device that computes asynchronously
+        # (CUDA) that host work runs while the device does and not between two steps. Only the
+        # token-level bookkeeping (EOS, limits, a grammar's end) stays in the step; a request
+        # with stop strings is decoded at once, since its text decides whether it ends.
+        self.overlap_outputs = False
+        self._pending: dict[str, tuple[Sequence, bool]] = {}  # id -> (seq, ended on EOS)
         # called in each step once the runner has queued the model's work and before sampling
-        # waits for its logits: on CUDA, host work done there overlaps the GPU's
-        self.after_launch: Callable[[], None] | None = None
+        # waits for its logits, with the outputs built there (the previous step's, when
+        # overlapping; they also lead the step's return value)
+        self.after_launch: Callable[[list[RequestOutput]], None] | None = None
 
     # -- limits ---------------------------------------------------------------------------
     @property
@@ -188,13 +196,17 @@ class Engine:
             f"to at least {_mib(need)}", need, have)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its blocks; returns its final output, if it was known."""
+        """Stop a request now and free its blocks; returns its final output, if it was known
+        (None too for a request that has already ended, its final output not yet built)."""
         seq = self.seqs.get(request_id)
-        if seq is None:
+        if seq is None or seq.finish_reason is not None:
             return None
+        # an output still to be built: its text goes out with this final one
+        delta = self.detoks[request_id].update(seq.output_ids)[0] \
+            if self._pending.pop(request_id, None) else ""
         self.scheduler.finish(seq, "abort")
         self._update_gauges()  # the panels read these: freed blocks show at once
-        return self._output(seq, "")
+        return self._output(seq, delta)
 
     def warm_decode_graphs(self) -> int:
         """Capture the decode graphs of every batch bucket now rather than at first use
@@ -204,32 +216,37 @@ class Engine:
         return capture() if capture is not None else 0
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests still running or waiting, or outputs not yet built (``overlap_outputs``)."""
+        return self.scheduler.has_unfinished() or bool(self._pending)
 
     # -- one iteration --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One scheduled model step; the outputs it built, the overlapped outputs of the
+        previous step first."""
         batch = self.scheduler.schedule()
         if batch is None:
             if self.scheduler.has_unfinished():  # a bug, never a state to wait out
                 raise RuntimeError(f"the scheduler found no work for {len(self.scheduler.waiting)} "
                                    f"waiting and {len(self.scheduler.running)} running requests")
-            return []
+            return self._settle()  # the last step's outputs, with no next step to hide them
         self.metrics.num_preemptions += len(batch.preempted)
-        outputs = [self._finish(seq, "length") for seq in batch.out_of_memory]
-        if batch.seqs:
-            outputs += self._run(batch)
+        ended = [self._finish(seq, "length") for seq in batch.out_of_memory]
+        settled, outputs = self._run(batch) if batch.seqs else (self._settle(), [])
         self._update_gauges()
-        return outputs
+        return settled + ended + outputs
 
-    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
+    def _run(self, batch: ScheduledBatch) -> tuple[list[RequestOutput], list[RequestOutput]]:
+        """Run and sample ``batch``: (the previous step's outputs built meanwhile, this step's
+        outputs built now)."""
         t0 = time.perf_counter()
         seqs = batch.seqs
         if batch.is_prefill:
             self.metrics.prompt_tokens += sum(s.num_tokens - s.num_computed for s in seqs)
             self.metrics.cached_prompt_tokens += sum(s.num_computed for s in seqs)
         logits = self.runner.run(seqs, batch.is_prefill)
-        if self.after_launch is not None:  # the model's work is queued; sampling waits for it
-            self.after_launch()
+        settled = self._settle()  # the model's work is queued; sampling waits for it
+        if self.after_launch is not None:
+            self.after_launch(settled)
         params = [s.sampling for s in seqs]
         masked = mask_logits(logits, [s.grammar for s in seqs])  # response_format rows
         tokens = sample(masked, params, [s.token_ids for s in seqs], [s.generator for s in seqs],
@@ -245,9 +262,12 @@ class Engine:
             self.metrics.decode_tokens += len(seqs)
             self.metrics.decode_step_seconds.append(now - t0)
         self.metrics.generation_tokens += len(seqs)
-        return [self._advance(seq, tok, now) for seq, tok in zip(seqs, tokens)]
+        advanced = (self._advance(seq, tok, now) for seq, tok in zip(seqs, tokens))
+        return settled, [out for out in advanced if out is not None]
 
-    def _advance(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+    def _advance(self, seq: Sequence, token: int, now: float) -> RequestOutput | None:
+        """Append ``token`` and end the sequence if it must; its output, or None when that
+        waits for the next step (``overlap_outputs``)."""
         seq.token_ids.append(token)
         if seq.grammar is not None:
             seq.grammar.accept(token)
@@ -255,21 +275,65 @@ class Engine:
         if seq.first_token_time is None:
             seq.first_token_time = now
             self.metrics.ttft_seconds.append(now - seq.arrival_time)
-        sp, detok = seq.sampling, self.detoks[seq.request_id]
+        sp = seq.sampling
         if token in self.eos_token_ids and not sp.ignore_eos:
-            return self._finish(seq, "stop", detok.update(seq.output_ids[:-1], final=True)[0])
-        delta, hit_stop = detok.update(seq.output_ids)
-        if hit_stop:
-            return self._finish(seq, "stop", delta)
+            return self._end(seq, "stop", eos=True)
+        delta = ""
+        if sp.stop:  # text decides whether the sequence ends: decoded now
+            delta, hit_stop = self.detoks[seq.request_id].update(seq.output_ids)
+            if hit_stop:
+                return self._finish(seq, "stop", delta)
         if seq.grammar is not None and seq.grammar.complete:  # nothing but EOS could follow
-            return self._finish(seq, "stop", delta + detok.update(seq.output_ids, final=True)[0])
-        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.token_limit:
-            return self._finish(seq, "length", delta + detok.update(seq.output_ids, final=True)[0])
-        return self._output(seq, delta)
+            reason = "stop"
+        elif seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.token_limit:
+            reason = "length"
+        else:
+            return self._output(seq, delta) if sp.stop else self._defer(seq, False)
+        if sp.stop:
+            return self._finish(seq, reason, delta + self._final_text(seq, False))
+        return self._end(seq, reason)
+
+    def _end(self, seq: Sequence, reason: str, eos: bool = False) -> RequestOutput | None:
+        """Finish ``seq`` (its blocks are free at once); its final output now, or in the next
+        step when overlapping. ``eos``: the last token is the end-of-sequence token, whose
+        text is not part of the output."""
+        if self.overlap_outputs:
+            self.scheduler.finish(seq, reason)
+            self.metrics.requests_finished += 1
+            return self._defer(seq, eos)
+        return self._finish(seq, reason, self._final_text(seq, eos))
+
+    def _defer(self, seq: Sequence, eos: bool) -> RequestOutput | None:
+        """``seq``'s output now, or None with it left for the next step's ``_settle``."""
+        if self.overlap_outputs:
+            self._pending[seq.request_id] = (seq, eos)
+            return None
+        return self._output(seq, self.detoks[seq.request_id].update(seq.output_ids)[0])
+
+    def _settle(self) -> list[RequestOutput]:
+        """Build the outputs the last step left pending (``overlap_outputs``)."""
+        if not self._pending:
+            return []
+        pending, self._pending = self._pending, {}
+        out = []
+        for seq, eos in pending.values():
+            if seq.finish_reason is None:
+                delta = self.detoks[seq.request_id].update(seq.output_ids)[0]
+            else:
+                delta = self._final_text(seq, eos)
+            out.append(self._output(seq, delta))
+        return out
+
+    def _final_text(self, seq: Sequence, eos: bool) -> str:
+        ids = seq.output_ids
+        return self.detoks[seq.request_id].update(ids[:-1] if eos else ids, final=True)[0]
 
     def _finish(self, seq: Sequence, reason: str, delta: str | None = None) -> RequestOutput:
+        """End ``seq`` now with its final output; an output of it still pending is folded in
+        (the final text covers its tokens)."""
+        self._pending.pop(seq.request_id, None)
         if delta is None:
-            delta = self.detoks[seq.request_id].update(seq.output_ids, final=True)[0]
+            delta = self._final_text(seq, False)
         self.scheduler.finish(seq, reason)
         self.metrics.requests_finished += 1
         return self._output(seq, delta)

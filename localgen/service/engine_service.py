@@ -82,6 +82,7 @@ class EngineService:
         # the next step's GPU work is queued (``_defer_wakeups``)
         self._wakeups: Wakeups = {}
         self._defer_wakeups = False
+        self._early: list[RequestOutput] = []  # outputs routed inside the step (_after_launch)
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> "EngineService":
@@ -211,16 +212,32 @@ class EngineService:
         return True
 
     def _hook_after_launch(self, llm: ServedLLM) -> bool:
-        """On CUDA, wake the readers of a step's outputs once the next step's GPU work is
-        queued (``Engine.after_launch``), not before its host work: the readers' threads (the
-        server's event loop encoding and sending each token) then run while the GPU computes
-        instead of contending for the GIL with the launch. On the CPU the model's work is the
-        host's, so outputs are woken at once. True when deferred."""
+        """Where the device computes asynchronously (CUDA), overlap a step's host work with the
+        next step's device work: the engine builds a step's outputs once the next step is
+        queued (``Engine.overlap_outputs``), and they are routed and their readers woken there
+        (``Engine.after_launch``). The readers' threads (the server's event loop encoding and
+        sending each token) then run while the device computes instead of contending for the
+        GIL with the launch. On the CPU the model's work is the host's, so outputs are built
+        and woken at once. True when overlapped."""
         engine = getattr(llm, "engine", None)
-        if engine is None or not hasattr(engine, "after_launch") or llm.device.type != "cuda":
+        if engine is None or not hasattr(engine, "after_launch") or not self._device_async(llm):
             return False
-        engine.after_launch = self._wake
+        engine.overlap_outputs = True
+        engine.after_launch = self._after_launch
         return True
+
+    @staticmethod
+    def _device_async(llm: ServedLLM) -> bool:
+        return llm.device.type == "cuda"
+
+    def _after_launch(self, outs: list[RequestOutput]) -> None:
+        """The previous step's outputs, built while this step's device work runs: routed and
+        woken now (``_step`` routes the rest of the step's outputs)."""
+        self._early = outs
+        if outs:
+            self._publish(force=any(o.finished for o in outs))  # counted before a stream ends
+            self._route(outs)
+        self._wake()
 
     def _wake(self) -> None:
         wake(self._wakeups)
@@ -289,9 +306,11 @@ class EngineService:
 
     def _step(self) -> list[RequestOutput]:
         outs = self._llm.step()
+        early, self._early = self._early, []
         self._tracker.after_step(self._llm.metrics, outs, self.model_info, time.perf_counter())
-        self._publish(force=any(o.finished for o in outs))  # counted before a stream ends
-        self._route(outs)
+        late = outs[len(early):]  # the step's outputs lead with those routed inside it
+        self._publish(force=any(o.finished for o in late))  # counted before a stream ends
+        self._route(late)
         return outs
 
     def _route(self, outs: list[RequestOutput]) -> None:
