@@ -16,6 +16,8 @@ sink term joins the denominator at the end.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -94,10 +96,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             *, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
                             num_stages: int = 2, out: torch.Tensor | None = None,
                             sliding_window: int | None = None, logit_softcap: float | None = None,
-                            sinks: torch.Tensor | None = None) -> torch.Tensor:
+                            sinks: torch.Tensor | None = None,
+                            lens: "PrefillLens | None" = None) -> torch.Tensor:
     """q ``[sum(query_lens), num_heads, head_dim]``; caches ``[num_blocks, block_size,
     num_kv_heads, head_dim]``; ``context_lens``/``query_lens`` lists of ints (or 1-D tensors).
-    Returns ``[sum(query_lens), num_heads, head_dim]`` in q's dtype.
+    Returns ``[sum(query_lens), num_heads, head_dim]`` in q's dtype. ``lens``: the same lengths
+    already on q's device (``prefill_lens``), for a caller that runs several layers on them: no
+    host-to-device copy here then, which a CUDA graph could not capture.
 
     Features (None: off; each compiles its own kernel): ``sliding_window``, a query at p sees
     keys ``p - sliding_window + 1 .. p``; ``logit_softcap`` c, scores ``c * tanh(s / c)``;
@@ -121,11 +126,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out = torch.empty_like(q)
     if not ql or total == 0:
         return out
-    cu = [0]
-    for n in ql:
-        cu.append(cu[-1] + n)
-    cu_t = torch.tensor(cu, dtype=torch.int32).to(q.device, non_blocking=True)
-    cl_t = torch.tensor(cl, dtype=torch.int32).to(q.device, non_blocking=True)
+    cu_t, cl_t = lens if lens is not None else prefill_lens(cl, ql, q.device)
     bt = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     block_m = min(block_m, pow2(max(ql)))
     grid = (len(ql), num_heads, triton.cdiv(max(ql), block_m))
@@ -138,6 +139,24 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         IEEE=ieee_dots(q.dtype), **features.constexprs(),
         num_warps=num_warps, num_stages=num_stages)
     return out
+
+
+class PrefillLens(NamedTuple):
+    """A prefill's lengths on the device, int32: ``cu_query`` ``[num_seqs + 1]`` (the packed
+    rows' offsets) and ``context`` ``[num_seqs]``."""
+
+    cu_query: torch.Tensor
+    context: torch.Tensor
+
+
+def prefill_lens(context_lens, query_lens, device) -> PrefillLens:
+    """``context_lens`` and ``query_lens`` (lists of ints) as ``PrefillLens`` on ``device``."""
+    cu = [0]
+    for n in query_lens:
+        cu.append(cu[-1] + int(n))
+    cl = [int(x) for x in context_lens]
+    return PrefillLens(torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True),
+                       torch.tensor(cl, dtype=torch.int32).to(device, non_blocking=True))
 
 
 def fresh_rows(query_lens, device) -> torch.Tensor:
@@ -169,4 +188,5 @@ def fresh_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
                                    **features)
 
 
-__all__ = ["fresh_prefill_attention", "fresh_rows", "paged_prefill_attention"]
+__all__ = ["PrefillLens", "fresh_prefill_attention", "fresh_rows", "paged_prefill_attention",
+           "prefill_lens"]

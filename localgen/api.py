@@ -78,7 +78,7 @@ class LLM:
              enable_prefix_caching: bool = True, max_model_len: int | None = None,
              policy=None, offload_dir: str | None = None, gpu_memory: int | None = None,
              cpu_memory: int | None = None, gguf_native: bool = True,
-             cpu_int4: bool = True, prefill_copies: bool = False,
+             cpu_int4: bool = True, prefill_copies: bool = False, prefill_graphs: bool = True,
              progress: Callable[[str], None] | None = None) -> "LLM":
         """Load ``model`` (None: the embedded default; a GGUF path; a Hugging Face directory; a
         hub id from the local cache; a ``ModelSource`` already resolved). Raises FileNotFoundError / UnsupportedModelError with the
@@ -105,7 +105,10 @@ class LLM:
         to the policy's block size ``gbs * num_gpu_batches``. ``gpu_memory`` (bytes) caps CUDA
         allocations to emulate a smaller GPU; ``cpu_memory`` (bytes) is checked against the host
         bytes the placement needs (ValueError when exceeded). ``gguf_native``: with 4-bit weights,
-        keep a GGUF's Q4_1 tensors bit-exact in their 32-groups instead of re-quantizing."""
+        keep a GGUF's Q4_1 tensors bit-exact in their 32-groups instead of re-quantizing.
+
+        ``prefill_graphs``: on CUDA, replay one prompt's whole prefill as a CUDA graph
+        (``EngineConfig.prefill_graphs``, ``localgen.runtime.cuda_graphs``)."""
         from localgen.models.load_progress import LoadProgress
         from localgen.models.sources import resolve_model
 
@@ -132,7 +135,8 @@ class LLM:
         cfg = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens,
                            enable_prefix_caching=enable_prefix_caching,
-                           kv_cache_memory=kv_cache_memory, max_model_len=max_model_len)
+                           kv_cache_memory=kv_cache_memory, max_model_len=max_model_len,
+                           prefill_graphs=prefill_graphs)
         # the tokenizer (its import of transformers, mostly) is read on a thread while the
         # weights load: the two overlap on a machine with a second core
         pool = ThreadPoolExecutor(1, thread_name_prefix="localgen-tokenizer")

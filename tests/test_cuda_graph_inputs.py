@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from localgen.runtime.cuda_graphs import GraphedModelRunner, _Graph
+from localgen.runtime.cuda_graphs import GraphedModelRunner, _Graph, _PrefillGraph
 from localgen.runtime.request import Priority, SamplingParams
 from localgen.runtime.sequence import Sequence
 
@@ -95,3 +95,66 @@ def test_capture_batches_makes_every_batch_buckets_graph_once_and_steps_use_them
     assert llm.warm_decode_graphs() == 0  # each bucket once
     assert greedy(llm) == eager
     assert sorted(runner.graphs) == [(1, 64), (2, 64), (3, 64)]
+
+
+def test_fill_prefill_pads_the_prompt_into_the_scratch_block():
+    runner = object.__new__(GraphedModelRunner)
+    runner.kv = SimpleNamespace(block_size=4, scratch_block=9)
+    L, width = 16, 5
+    staging_t = torch.full((2 * L + 1 + width,), -7, dtype=torch.long)  # poisoned
+    g = _PrefillGraph(None, L, width, torch.zeros_like(staging_t), staging_t.numpy(), staging_t,
+                      None)
+    s = _seq(list(range(100, 110)), [3, 7, 1])  # 10 tokens: blocks 3, 7 and 2 slots of 1
+    s.num_prompt_tokens = 10
+    runner._fill_prefill(g, s)
+    got = g.device_inputs.tolist()
+    assert got[:L] == list(range(100, 110)) + [0] * 6
+    assert got[L:2 * L] == ([3 * 4 + i for i in range(4)] + [7 * 4 + i for i in range(4)]
+                            + [1 * 4, 1 * 4 + 1] + [9 * 4 + p % 4 for p in range(10, 16)])
+    assert got[2 * L] == 9  # the prompt's last row
+    assert got[2 * L + 1:] == [3, 7, 1, 9, 9]
+
+
+def test_prefill_graphs_give_the_eager_runners_tokens():
+    """Single prompts of several lengths (padded to their buckets, one bucket reused) prefilled
+    through the prefill graphs (the CPU stand-in, ``capture=False``), among decode steps of
+    other sequences: the same greedy tokens and first-token logits as the eager runner."""
+    from localgen.api import LLM, Request
+    from tests.fixtures.families.make_fixtures import HERE
+
+    def load() -> LLM:
+        return LLM.load(str(HERE / "qwen3"), device="cpu", dtype="float32", block_size=4,
+                        kv_cache_memory=1 << 22, max_num_seqs=3, max_model_len=64)
+
+    def greedy(llm: LLM) -> dict[str, tuple[list[int], list]]:
+        g = torch.Generator().manual_seed(11)
+        out: dict[str, tuple[list[int], list]] = {}
+        for i, n in enumerate((9, 16, 13, 5, 30)):  # buckets 16, 16, 16, 16, 32
+            ids = torch.randint(3, 100, (n,), generator=g).tolist()
+            llm.add_request(Request(prompt_token_ids=ids, request_id=f"r{i}",
+                                    sampling=SamplingParams(max_tokens=6, temperature=0.0,
+                                                            ignore_eos=True, logprobs=3)))
+            for _ in range(2):  # the earlier prompts decode between the arrivals
+                for o in llm.step():
+                    out[o.request_id] = (list(o.token_ids), o.logprobs)
+        while llm.has_unfinished():
+            for o in llm.step():
+                out[o.request_id] = (list(o.token_ids), o.logprobs)
+        return out
+
+    eager = greedy(load())
+    llm = load()
+    eng = llm.engine
+    runner = GraphedModelRunner(eng.model, eng.kv_cache, 3, eng.max_model_len, capture=False,
+                                prefill_graphs=True)
+    eng.runner = runner
+    got = greedy(llm)
+    assert sorted(runner.prefill_graphs) == [16, 32]
+    for rid, (tokens, logprobs) in eager.items():
+        assert got[rid][0] == tokens
+        first, want = got[rid][1][0], logprobs[0]  # the prefill's own logits
+        assert first.token_id == want.token_id
+        assert [t for t, _ in first.top] == [t for t, _ in want.top]
+        # float32 products over 16 or 32 rows instead of the prompt's: rounding only
+        assert abs(first.logprob - want.logprob) < 1e-4
+        assert max(abs(a - b) for (_, a), (_, b) in zip(first.top, want.top)) < 1e-4

@@ -38,6 +38,9 @@ class AttentionBackend(ABC):
     name = "abstract"
     # whether ``decode`` may follow a fused CPU layer that wrote K/V into ``LayerKV.pair`` itself
     decodes_fused_writes = False
+    # whether a whole-prompt ``prefill`` may be captured in a CUDA graph: it reads the step's
+    # host-side lengths only through ``AttentionMetadata.plan`` (built by the eager warm-up)
+    graphs_prefill = False
 
     def __init__(self, observer: ScoreObserver | None = None):
         self.observer = observer

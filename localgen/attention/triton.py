@@ -49,6 +49,7 @@ class TritonPagedBackend(AttentionBackend):
     RuntimeError when the Triton kernels do not import."""
 
     name = "paged Triton"
+    graphs_prefill = True
 
     def __init__(self, observer: ScoreObserver | None = None,
                  async_softmax: tuple[float, tuple[float, float] | None] | None = None):
@@ -72,9 +73,14 @@ class TritonPagedBackend(AttentionBackend):
         self.write_mod.write_kv(kv.k_cache, kv.v_cache, k, v, meta.slot_mapping)  # K and V, one launch
 
     def prefill(self, kv: LayerKV, q, k, v, meta: AttentionMetadata, spec: AttentionSpec):
-        return self.prefill_mod.paged_prefill_attention(q, kv.k_cache, kv.v_cache, meta.block_tables,
-                                                        meta.context_lens_list, meta.query_lens,
-                                                        spec.scale, **_features(spec))
+        # the lengths reach the GPU once a step, not once a layer (and so a captured prefill
+        # replays them: the plan is built by its eager warm-up)
+        mod = self.prefill_mod
+        lens = meta.plan(mod.PrefillLens, lambda: mod.prefill_lens(
+            meta.context_lens_list, meta.query_lens, q.device))
+        return mod.paged_prefill_attention(q, kv.k_cache, kv.v_cache, meta.block_tables,
+                                           meta.context_lens_list, meta.query_lens, spec.scale,
+                                           lens=lens, **_features(spec))
 
     def fresh_prefill(self, q, k, v, meta: AttentionMetadata, spec: AttentionSpec):
         rows = meta.plan(FreshRows, lambda: FreshRows(

@@ -273,18 +273,21 @@ def load_models(spec: str, device: torch.device, dtype: torch.dtype, max_num_seq
 
 
 def load_localgen(spec: str, device: torch.device, dtype: torch.dtype, max_num_seqs: int,
-                  max_model_len: int):
-    """(localgen LLM, a function that builds the transformers peer on the same weights)."""
+                  max_model_len: int, prefill_graphs: bool = True):
+    """(localgen LLM, a function that builds the transformers peer on the same weights);
+    ``prefill_graphs``: ``EngineConfig.prefill_graphs``."""
     from localgen.api import LLM
     from localgen.runtime.engine import EngineConfig
 
     # a cache just big enough for the largest batch, so the transformers peer fits beside it
     ecfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                        max_num_batched_tokens=max(8192, max_model_len))
+                        max_num_batched_tokens=max(8192, max_model_len),
+                        prefill_graphs=prefill_graphs)
     if spec.lower() in {"embedded", "default"} or "/" in spec or spec.endswith(".gguf"):
         llm = LLM.load(None if spec.lower() in {"embedded", "default"} else spec, device=str(device),
                        dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                       kv_cache_memory=_kv_budget(None, max_num_seqs, max_model_len, dtype, spec))
+                       kv_cache_memory=_kv_budget(None, max_num_seqs, max_model_len, dtype, spec),
+                       prefill_graphs=prefill_graphs)
         return llm, lambda: _hf_from_source(llm, device, dtype)
     from localgen.models.dummy import DummyStore
     from localgen.models.model import family_of
@@ -357,17 +360,18 @@ def llama_cpp_tool_runs(gguf: str, batches: list[int], prompt_len: int, gen_len:
 
 def bench(spec: str, batches: list[int], prompt_len: int, gen_len: int, *, device: str | None,
           dtype: str, with_hf: bool = True, log=print, repeat: int = 1,
-          llama_cpp_bin: str | None = None) -> dict:
+          llama_cpp_bin: str | None = None, prefill_graphs: bool = True) -> dict:
     """Every engine, every batch size; with ``repeat`` > 1 each engine's times are medians of
     that many measured runs (localgen's later runs use other prompts of the same length, so the
     prefix cache serves none of them). On a GGUF the llama.cpp peer runs through its own tools
     (``llama-bench``, ``llama-batched-bench``) when ``llama_cpp_bin`` or ``$LLAMA_CPP_BIN``
     finds them, on this device (all layers on the GPU there); else through llama-cpp-python on
-    the CPU where it is installed."""
+    the CPU where it is installed. ``prefill_graphs``: ``EngineConfig.prefill_graphs``."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}[dtype]
-    llm, make_hf = load_localgen(spec, dev, dt, max(batches), prompt_len + gen_len + 16)
+    llm, make_hf = load_localgen(spec, dev, dt, max(batches), prompt_len + gen_len + 16,
+                                 prefill_graphs)
     bw = copy_bandwidth(dev)
     wbytes = llm.engine.model.weight_bytes()
     kv_tok = llm.config.kv_bytes_per_token(torch.tensor([], dtype=dt).element_size())
@@ -422,7 +426,7 @@ def bench(spec: str, batches: list[int], prompt_len: int, gen_len: int, *, devic
     # the file's name, not this machine's path: results are kept beside the docs
     return {"model": Path(spec).name, "device": str(dev), "dtype": str(dt), "copy_bandwidth": bw,
             "weight_bytes": wbytes, "threads": torch.get_num_threads(), "repeat": repeat,
-            "runs": [asdict(r) for r in runs], "ratios": ratios, "table": table}
+            "prefill_graphs": prefill_graphs, "runs": [asdict(r) for r in runs], "ratios": ratios, "table": table}
 
 
 def llama_cpp_peer_tools(where: str | None) -> bool:
@@ -491,12 +495,14 @@ def main(argv=None) -> int:
                     help="folder of llama.cpp's llama-bench / llama-batched-bench (default: $LLAMA_CPP_BIN, PATH)")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads for torch and llama.cpp (default: torch's)")
+    ap.add_argument("--no-prefill-graphs", action="store_true",
+                    help="prefill one prompt eagerly on CUDA instead of replaying its graph")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     res = bench(a.model, [int(x) for x in a.batches.split(",")], a.prompt_len, a.gen_len,
                 device=a.device, dtype=a.dtype, with_hf=not a.no_hf, repeat=a.repeat,
-                llama_cpp_bin=a.llama_cpp_bin)
+                llama_cpp_bin=a.llama_cpp_bin, prefill_graphs=not a.no_prefill_graphs)
     if a.out:
         atomic_write_json(a.out, res)
     return 0

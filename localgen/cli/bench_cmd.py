@@ -202,6 +202,8 @@ def decode(
         None, "--llama-cpp-bin", help="Folder of llama.cpp's llama-bench and llama-batched-bench.",
         show_default="$LLAMA_CPP_BIN, then PATH"),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here."),
+    prefill_graphs: bool = typer.Option(True, "--prefill-graphs/--no-prefill-graphs",
+                                        help="On CUDA, replay one prompt's prefill as a CUDA graph."),
 ) -> None:
     """Decode throughput and latency vs transformers `generate`, llama.cpp's own tools on the same
     GGUF (CPU or GPU, when found) and the HBM roofline; resident weight bytes of each. The same benchmark runs without typer as
@@ -219,7 +221,8 @@ def decode(
         torch.set_num_threads(threads)
     res = decode_bench.bench(model, [int(b) for b in batches.split(",")], prompt_len, gen_len,
                              device=device, dtype=dtype, with_hf=peer, repeat=repeat,
-                             log=lambda m: typer.echo(m), llama_cpp_bin=llama_cpp_bin)
+                             log=lambda m: typer.echo(m), llama_cpp_bin=llama_cpp_bin,
+                             prefill_graphs=prefill_graphs)
     if out:
         atomic_write_json(out, res)
 

@@ -1,11 +1,18 @@
-"""Decode steps replayed as CUDA graphs.
+"""Decode steps, and one prompt's whole prefill, replayed as CUDA graphs.
 
 A decode step of ``n`` sequences runs the graph captured for the smallest batch bucket ``>= n``
 and the smallest context bucket ``>=`` the longest context; inputs are copied into the graph's
 static buffers, padded rows write their K/V into the cache's scratch block and attend to it alone,
 and their logits are ignored. Graph replays remove the per-kernel launch cost that dominates
-small-batch decode (vLLM and gpt-fast do the same). Prefill stays eager here; the offload
-runtime replays its whole-prompt 4-bit prefill blocks too (``runtime.offload.prefill_graphs``).
+small-batch decode (vLLM and gpt-fast do the same).
+
+A prefill of one prompt with nothing cached (``prefill_graphs``) runs the graph of the smallest
+prefill bucket ``>=`` its length: the prompt's tokens first, then padding tokens that write
+their K/V into the scratch block; causal attention keeps the prompt's rows from seeing them, and
+the logits are read at the prompt's last row. A single prompt's eager prefill launches a few
+hundred kernels from Python for little GPU work, so the host is its bound. Prefills of several
+prompts or onto a cached prefix stay eager (their GPU work hides the launches); the offload
+runtime replays its whole-prompt 4-bit prefill blocks (``runtime.offload.prefill_graphs``).
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from localgen.runtime.sequence import Sequence
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 COLUMNS = 6  # [batch] columns of a graph's flat input buffer before the block table
+# prompt lengths (tokens) of the prefill graphs; a longer prompt's GPU work hides its launches
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
 def context_buckets(max_model_len: int, smallest: int = 512) -> list[int]:
@@ -58,6 +67,18 @@ class _Graph:
     logits: torch.Tensor
 
 
+@dataclass
+class _PrefillGraph:
+    graph: "torch.cuda.CUDAGraph | EagerGraph"
+    length: int  # the bucket: prompt tokens plus padding
+    width: int  # block table entries
+    # flat: ids [length], slots [length], the prompt's last row [1], block table [width]
+    device_inputs: torch.Tensor
+    staging: np.ndarray
+    staging_t: torch.Tensor
+    logits: torch.Tensor  # [1, vocab]
+
+
 class EagerGraph:
     """A stand-in for a captured graph that runs the same static-shape step eagerly (``capture``
     off: CPU tests of everything but the capture itself)."""
@@ -78,15 +99,20 @@ class GraphedModelRunner(ModelRunner):
     are computed per sequence from host-side lengths) decodes eagerly, and so does a sequence of
     several KV groups (``localgen.kv.groups``: the graphs' inputs hold one block table per
     sequence; such a model has a windowed layer anyway). ``capture=False`` runs the static steps
-    without capturing them."""
+    without capturing them. ``prefill_graphs``: replay one prompt's whole prefill too (module
+    docstring), where the attention backend's prefill allows capture
+    (``AttentionBackend.graphs_prefill``)."""
 
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, max_num_seqs: int,
-                 max_model_len: int, capture: bool = True):
+                 max_model_len: int, capture: bool = True, prefill_graphs: bool = False):
         super().__init__(model, kv_cache)
         self.replays = all(spec.plain for spec in layer_specs(model.cfg))
         self.batch_buckets = [b for b in BATCH_BUCKETS if b < max_num_seqs] + [max_num_seqs]
         self.ctx_buckets = context_buckets(max_model_len)
         self.graphs: dict[tuple[int, int], _Graph] = {}
+        prefills = prefill_graphs and self.replays and (self.attention.graphs_prefill or not capture)
+        self.prefill_buckets = [b for b in PREFILL_BUCKETS if b <= max_model_len] if prefills else []
+        self.prefill_graphs: dict[int, _PrefillGraph] = {}
         self.pool = None  # one memory pool shared by all graphs
         self.capture = capture
         recent = getattr(kv_cache, "recent", None)
@@ -94,8 +120,76 @@ class GraphedModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
-        out = None if is_prefill else self.decode(seqs)
+        out = self.prefill(seqs) if is_prefill else self.decode(seqs)
         return out if out is not None else super().run(seqs, is_prefill)
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """float32 logits ``[1, vocab]`` of one whole prompt's prefill replayed from the graph of
+        its bucket (captured on first use: its eager warm-up is this step's result); None
+        (eager) for several prompts, a cached prefix, several KV groups or a prompt past the
+        largest bucket."""
+        if len(seqs) != 1 or not self.prefill_buckets:
+            return None
+        s = seqs[0]
+        if s.num_computed or s.group_tables:
+            return None
+        i = bisect.bisect_left(self.prefill_buckets, s.num_tokens)
+        if i == len(self.prefill_buckets):
+            return None
+        length = self.prefill_buckets[i]
+        if len(s.block_table) > -(-length // self.kv.block_size) + 1:
+            return None  # more blocks than the bucket's table holds (not the block manager's way)
+        g = self.prefill_graphs.get(length)
+        if g is None:
+            return self._capture_prefill(length, s)
+        self._fill_prefill(g, s)
+        g.graph.replay()
+        return g.logits
+
+    def _fill_prefill(self, g: _PrefillGraph, s: Sequence) -> None:
+        """Stage ``s``'s prompt and its padding (module docstring), then one asynchronous copy."""
+        n, L, bs, st = s.num_tokens, g.length, self.kv.block_size, g.staging
+        scratch = self.kv.scratch_block
+        ids, slots, table = st[:L], st[L:2 * L], st[2 * L + 1:]
+        ids[:n], ids[n:] = s.token_ids, 0
+        pos = np.arange(L)
+        blocks = np.asarray(s.block_table)
+        slots[:n] = blocks[pos[:n] // bs] * bs + pos[:n] % bs
+        slots[n:] = scratch * bs + pos[n:] % bs
+        st[2 * L] = n - 1
+        table[:len(blocks)], table[len(blocks):] = blocks, scratch
+        g.device_inputs.copy_(g.staging_t, non_blocking=True)
+
+    def _capture_prefill(self, length: int, s: Sequence) -> torch.Tensor:
+        """Capture the prefill graph of bucket ``length`` around ``s``'s prefill; ``s``'s logits
+        (the warm-up's)."""
+        dev, bs = self.device, self.kv.block_size
+        width = -(-length // bs) + 1
+        inputs = torch.zeros(2 * length + 1 + width, dtype=torch.long, device=dev)
+        ids, slots = inputs[:length], inputs[length:2 * length]
+        last, table = inputs[2 * length:2 * length + 1], inputs[2 * length + 1:].view(1, width)
+        positions = torch.arange(length, device=dev)
+        meta = AttentionMetadata(
+            is_prefill=True, slot_mapping=slots, block_tables=table,
+            context_lens=torch.tensor([length], device=dev), query_lens=[length],
+            context_lens_list=[length])
+
+        def forward():
+            hidden = self.model.forward(ids, positions, self.kv.views, meta)
+            return self.model.logits(hidden.index_select(0, last))
+
+        staging_t = inputs.cpu().pin_memory() if self.capture else inputs.clone()
+        g = _PrefillGraph(None, length, width, inputs, staging_t.numpy(), staging_t, None)
+        self._fill_prefill(g, s)
+        if self.capture:
+            g.graph, g.logits, out = record_graph(forward, dev, self.pool)
+            self.pool = g.graph.pool()
+        else:
+            out = g.logits = forward()
+            g.graph = EagerGraph(forward, g.logits)
+        self.prefill_graphs[length] = g
+        return out
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor | None:

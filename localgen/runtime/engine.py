@@ -45,7 +45,8 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     max_model_len: int | None = None
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs on CUDA devices
-    # with cuda_graphs, also replay an all-GPU 4-bit offload policy's whole-prompt prefill blocks
+    # with cuda_graphs, also replay one prompt's whole prefill (runtime/cuda_graphs.py) and an
+    # all-GPU 4-bit offload policy's whole-prompt prefill blocks
     prefill_graphs: bool = True
 
 
@@ -80,7 +81,8 @@ class Engine:
             graphs = config.cuda_graphs and getattr(mcfg, "moe", None) is None
             if model.device.type == "cuda" and graphs:
                 self.runner = GraphedModelRunner(model, self.kv_cache, config.max_num_seqs,
-                                                 self.max_model_len)
+                                                 self.max_model_len,
+                                                 prefill_graphs=config.prefill_graphs)
             else:
                 self.runner = ModelRunner(model, self.kv_cache)
         # one pool per KV group; a sliding group gives back the blocks behind its window
