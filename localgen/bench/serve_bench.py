@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from localgen.bench.llama_cpp_peer import find_tool
+from localgen.omp_env import peer_environ
 
 _LOCALGEN = "import sys; from localgen.cli.main import app; sys.exit(app(prog_name='localgen'))"
 LEVELS = (1, 4, 16, 64)
@@ -197,7 +198,9 @@ class ServerProcess:
         import httpx
 
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        # each server with its own defaults (localgen sets its OpenMP spin count itself)
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=peer_environ())
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
