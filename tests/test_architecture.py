@@ -24,7 +24,7 @@ SOURCES = {"localgen": "localgen", "kernels": "localgen.kernels", "tui": "localg
 
 # Lowest first. A package may import packages of its own layer and of any layer below.
 LAYERS: list[set[str]] = [
-    {"localgen", "version", "omp_env", "fileio", "hostmem", "profile_files"},  # no localgen imports but these
+    {"localgen", "version", "fileio", "hostmem", "profile_files"},  # no localgen imports but these
     {"kernels"},  # Triton and C kernels with their torch reference twins
     {"quant", "kv", "attention", "hub"},  # packed weights, the paged KV cache, downloads
     {"models"},  # configs, weight sources, the layer math

@@ -18,8 +18,6 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from localgen.omp_env import peer_environ
-
 BIN_ENV = "LLAMA_CPP_BIN"
 
 
@@ -62,12 +60,10 @@ def _executable(p: Path) -> bool:
 
 
 def run_tool(cmd: list[str], timeout: float, *, stderr: bool = False) -> str:
-    """A tool's stdout (with its stderr after it when ``stderr``), run with its own defaults
-    (``omp_env.peer_environ``). Raises PeerError when it fails or runs past ``timeout``
-    seconds, with the last lines it printed."""
+    """A tool's stdout (with its stderr after it when ``stderr``). Raises PeerError when it
+    fails or runs past ``timeout`` seconds, with the last lines it printed."""
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              env=peer_environ())
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         raise PeerError(f"{Path(cmd[0]).name} ran past {timeout:.0f} s") from e
     if proc.returncode != 0:

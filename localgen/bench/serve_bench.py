@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Callable
 
 from localgen.bench.llama_cpp_peer import find_tool
-from localgen.omp_env import peer_environ
 
 _LOCALGEN = "import sys; from localgen.cli.main import app; sys.exit(app(prog_name='localgen'))"
 LEVELS = (1, 4, 16, 64)
@@ -198,9 +197,7 @@ class ServerProcess:
         import httpx
 
         self._log = open(self.log_path, "wb")
-        # each server with its own defaults (localgen sets its OpenMP spin count itself)
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=peer_environ())
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Callable
 
 from localgen.bench.llama_cpp_peer import find_tool
-from localgen.omp_env import peer_environ
 
 TARGET_FIRST_TOKEN_S = 3.0
 TARGET_PEAK_RSS = 600 * 10**6  # bytes
@@ -201,8 +200,7 @@ def run(model: str | None, gguf: Path | None, prompt: str = "hi", repeat: int = 
             res.localgen.append(time_process(localgen_cmd(model, prompt), env))
             if simple is not None:
                 log(f"run {i + 1}/{repeat}: llama-simple…")
-                res.llama_simple.append(time_process([str(simple), "-m", str(gguf), "-n", "1", prompt],
-                                                     peer_environ()))
+                res.llama_simple.append(time_process([str(simple), "-m", str(gguf), "-n", "1", prompt]))
             if chat:
                 log(f"run {i + 1}/{repeat}: localgen chat…")
                 res.chat.append(time_chat(chat_cmd(model), env))
