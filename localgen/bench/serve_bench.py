@@ -73,6 +73,7 @@ class ServeBenchResult:
     llama_server: list[LevelResult] = field(default_factory=list)
     llama_server_path: str | None = None
     dtype: str | None = None  # localgen serve's --dtype; None: its default
+    prefill_graphs: bool = True  # localgen serve's --prefill-graphs
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -223,10 +224,11 @@ class ServerProcess:
 
 
 def localgen_cmd(model: str | None, port: int, max_num_seqs: int,
-                 dtype: str | None = None) -> list[str]:
+                 dtype: str | None = None, prefill_graphs: bool = True) -> list[str]:
     cmd = [sys.executable, "-c", _LOCALGEN, "serve", "--port", str(port), "--max-num-seqs",
            str(max_num_seqs), "--max-pending", str(max(256, 4 * max_num_seqs)),
            "--served-model-name", "bench", "--log-level", "warning"]
+    cmd += [] if prefill_graphs else ["--no-prefill-graphs"]
     return cmd + (["--model", model] if model else []) + (["--dtype", dtype] if dtype else [])
 
 
@@ -260,23 +262,25 @@ def _level(base_url: str, name: str, c: int, requests: int, prompt_words: int, m
 def run(model: str | None, gguf: Path | None, *, levels=LEVELS, prompt_words: int = 128,
         max_tokens: int = 64, requests_per_level: int | None = None,
         llama_server: str | None = None, log: Callable[[str], None] = lambda m: None,
-        dtype: str | None = None, peer_ctx: int | None = None) -> ServeBenchResult:
+        dtype: str | None = None, peer_ctx: int | None = None,
+        prefill_graphs: bool = True) -> ServeBenchResult:
     """Both servers at each level; ``requests_per_level`` None: 2 x C, at least 8. ``gguf``:
     the file llama-server loads (None: the peer is skipped); ``dtype``: localgen serve's
     ``--dtype`` (None: its default); ``peer_ctx``: llama-server's tokens per slot (None: room
-    for a prompt of about two tokens a word and the output). Where CUDA is present (localgen
-    serve's device then), llama-server runs with every layer on the GPU."""
+    for a prompt of about two tokens a word and the output); ``prefill_graphs``: localgen serve's
+    ``--prefill-graphs``. Where CUDA is present (localgen serve's device then), llama-server runs
+    with every layer on the GPU."""
     levels = tuple(sorted(levels))
     # file and tool names, not this machine's paths: the result is kept beside the docs
     res = ServeBenchResult(model or "embedded", gguf.name if gguf else None, prompt_words,
-                           max_tokens, levels, dtype=dtype)
+                           max_tokens, levels, dtype=dtype, prefill_graphs=prefill_graphs)
     binary = find_tool("llama-server", llama_server) if gguf is not None else None
     res.llama_server_path = binary.name if binary else None
     count = (lambda c: requests_per_level) if requests_per_level else (lambda c: max(8, 2 * c))
     with tempfile.TemporaryDirectory(prefix="localgen-bench-serve-") as tmp:
         port = free_port()
         log(f"localgen serve (port {port})…")
-        with ServerProcess(localgen_cmd(model, port, max(64, max(levels)), dtype), port,
+        with ServerProcess(localgen_cmd(model, port, max(64, max(levels)), dtype, prefill_graphs), port,
                            Path(tmp) / "localgen.log") as srv:
             for c in levels:
                 res.localgen.append(_level(srv.base_url, "localgen", c, count(c), prompt_words,

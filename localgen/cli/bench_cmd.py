@@ -294,6 +294,7 @@ def serve(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="localgen serve's --dtype (e.g. float32: the CPU block path).", show_default="serve's default"),
     peer_ctx: Optional[int] = typer.Option(None, "--peer-ctx", min=16, help="llama-server's context per slot, in tokens (a tokenizer that splits words finely needs more).", show_default="2 x words + max tokens + 64"),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the result as JSON here."),
+    prefill_graphs: bool = typer.Option(True, "--prefill-graphs/--no-prefill-graphs", help="localgen serve's --prefill-graphs."),
 ) -> None:
     """`localgen serve` under C concurrent streaming clients (TTFT and inter-token latency p50/p99, output tokens/s) beside llama.cpp's llama-server (--parallel C) on the same GGUF.
 
@@ -316,7 +317,7 @@ def serve(
     res = serve_bench.run(model, gguf, levels=levels, prompt_words=prompt_words,
                           max_tokens=max_tokens, requests_per_level=requests,
                           llama_server=llama_server, log=lambda m: typer.echo(m, err=True),
-                          dtype=dtype, peer_ctx=peer_ctx)
+                          dtype=dtype, peer_ctx=peer_ctx, prefill_graphs=prefill_graphs)
     _print_and_save(serve_bench.report(res), res, out)
 
 

@@ -51,6 +51,8 @@ def serve(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype, e.g. float32, bfloat16."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ...", show_default="best available"),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level."),
+    prefill_graphs: bool = typer.Option(True, "--prefill-graphs/--no-prefill-graphs",
+                                        help="On CUDA, replay a lone prompt's prefill as a CUDA graph."),
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), /health and
     /metrics, all requests sharing one engine through the continuous batch.
@@ -79,7 +81,7 @@ def serve(
     def load() -> LLM:
         llm = LLM.load(model, kv_cache_memory=kv, max_num_seqs=max_num_seqs,
                        max_model_len=max_model_len, dtype=dtype, device=device,
-                       prefill_copies=dtype is None)
+                       prefill_copies=dtype is None, prefill_graphs=prefill_graphs)
         # every batch size's decode graph before the first request, not inside the steps of
         # the requests that first reach it
         llm.warm_decode_graphs()
