@@ -185,10 +185,11 @@ class LLM:
                                  f"weights and KV, over the --cpu-memory cap of {cpu_memory / 2**30:.2f} GiB")
         return cls(engine, name, source, policy)
 
-    def warm_decode_graphs(self) -> int:
-        """The engine's decode graphs of every batch bucket, captured now (a server's load);
-        how many (``Engine.warm_decode_graphs``)."""
-        return self.engine.warm_decode_graphs()
+    def warm_graphs(self) -> int:
+        """The engine's decode graphs of every batch bucket and prefill graphs of every
+        prompt-length bucket, captured now (a server's load); how many
+        (``Engine.warm_graphs``)."""
+        return self.engine.warm_graphs()
 
     def memory_by_tier(self) -> dict[str, int]:
         """Actual bytes held per tier (gpu = the compute device, cpu, disk): weights, staging

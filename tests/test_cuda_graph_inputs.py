@@ -90,9 +90,9 @@ def test_capture_batches_makes_every_batch_buckets_graph_once_and_steps_use_them
     eng = llm.engine
     runner = GraphedModelRunner(eng.model, eng.kv_cache, 3, eng.max_model_len, capture=False)
     eng.runner = runner
-    assert llm.warm_decode_graphs() == 3  # batch buckets 1, 2, 3; one context bucket (64)
+    assert llm.warm_graphs() == 3  # batch buckets 1, 2, 3; one context bucket (64)
     assert sorted(runner.graphs) == [(1, 64), (2, 64), (3, 64)]
-    assert llm.warm_decode_graphs() == 0  # each bucket once
+    assert llm.warm_graphs() == 0  # each bucket once
     assert greedy(llm) == eager
     assert sorted(runner.graphs) == [(1, 64), (2, 64), (3, 64)]
 
@@ -150,6 +150,17 @@ def test_prefill_graphs_give_the_eager_runners_tokens():
     eng.runner = runner
     got = greedy(llm)
     assert sorted(runner.prefill_graphs) == [16, 32]
+    # captured at load instead (a server's way), around stand-in prompts: the same tokens
+    llm = load()
+    eng = llm.engine
+    runner = GraphedModelRunner(eng.model, eng.kv_cache, 3, eng.max_model_len, capture=False,
+                                prefill_graphs=True)
+    eng.runner = runner
+    free = eng.block_manager.num_free_blocks
+    assert runner.capture_prefills() == 3 and sorted(runner.prefill_graphs) == [16, 32, 64]
+    assert runner.capture_prefills() == 0 and eng.block_manager.num_free_blocks == free
+    warmed = greedy(llm)
+    assert warmed == got
     for rid, (tokens, logprobs) in eager.items():
         assert got[rid][0] == tokens
         first, want = got[rid][1][0], logprobs[0]  # the prefill's own logits

@@ -84,7 +84,7 @@ def serve(
                        prefill_copies=dtype is None, prefill_graphs=prefill_graphs)
         # every batch size's decode graph before the first request, not inside the steps of
         # the requests that first reach it
-        llm.warm_decode_graphs()
+        llm.warm_graphs()
         return llm
 
     service = EngineService(load).start()

@@ -28,6 +28,7 @@ from localgen.kv.attention import AttentionMetadata, pool_slot
 from localgen.kv.cache import PagedKVCache
 from localgen.models.model import CausalLM
 from localgen.runtime.model_runner import ModelRunner
+from localgen.runtime.request import Priority, SamplingParams
 from localgen.runtime.sequence import Sequence
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -146,6 +147,20 @@ class GraphedModelRunner(ModelRunner):
         self._fill_prefill(g, s)
         g.graph.replay()
         return g.logits
+
+    @torch.inference_mode()
+    def capture_prefills(self) -> int:
+        """Capture the prefill graph of every prompt-length bucket not captured yet, around a
+        stand-in prompt whose K/V go to the scratch block; returns how many. A server calls it
+        at load: a bucket's first prompt otherwise pays its kernels' compilation and the
+        capture inside its step, which stalls the running batch."""
+        bs, scratch = self.kv.block_size, self.kv.scratch_block
+        todo = [L for L in self.prefill_buckets if L not in self.prefill_graphs]
+        for L in todo:
+            stand_in = Sequence("prefill-graph", [0] * L, L, SamplingParams(), Priority.BATCH,
+                                None, block_table=[scratch] * -(-L // bs))
+            self._capture_prefill(L, stand_in)
+        return len(todo)
 
     def _fill_prefill(self, g: _PrefillGraph, s: Sequence) -> None:
         """Stage ``s``'s prompt and its padding (module docstring), then one asynchronous copy."""

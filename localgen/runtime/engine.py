@@ -210,12 +210,14 @@ class Engine:
         self._update_gauges()  # the panels read these: freed blocks show at once
         return self._output(seq, delta)
 
-    def warm_decode_graphs(self) -> int:
-        """Capture the decode graphs of every batch bucket now rather than at first use
-        (``GraphedModelRunner.capture_batches``); how many were captured, 0 for a runner
+    def warm_graphs(self) -> int:
+        """Capture the decode graphs of every batch bucket and the prefill graphs of every
+        prompt-length bucket now rather than at first use (``GraphedModelRunner``'s
+        ``capture_batches``, ``capture_prefills``); how many were captured, 0 for a runner
         without graphs."""
-        capture = getattr(self.runner, "capture_batches", None)
-        return capture() if capture is not None else 0
+        runner = self.runner
+        return sum(getattr(runner, name)() for name in ("capture_batches", "capture_prefills")
+                   if hasattr(runner, name))
 
     def has_unfinished(self) -> bool:
         """Requests still running or waiting, or outputs not yet built (``overlap_outputs``)."""
