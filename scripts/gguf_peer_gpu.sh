@@ -41,11 +41,14 @@ export PYTHONUNBUFFERED=1
 [ -e localgen/profiles ] || ln -s ../profiles localgen/profiles
 [ -f "$work/sweep.json" ] && export LOCALGEN_GGUF_DECODE_CONFIGS="$work/sweep.json"
 gpu() { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader; }
-# until llama.cpp's tools and the 7B file are there (the build call may end before they are)
+# until llama.cpp's tools and the 7B file are there (the build call may end before they are); the
+# background jobs are known by the pids they left in RUN (a name search would also find any shell
+# whose command line names them, the caller's included)
+running() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 wait_build() {
   for _ in $(seq 110); do
     [ -x "$work/llama.cpp/build/bin/llama-batched-bench" ] && [ -x "$work/llama.cpp/build/bin/llama-server" ] \
-      && ! pgrep -f build-llama-cpp.sh >/dev/null && ! pgrep -f random_gguf.py >/dev/null && return 0
+      && [ -f "$work/m7b.gguf" ] && ! running "$work/build.pid" && ! running "$work/m7b.pid" && return 0
     sleep 5
   done
 }
@@ -54,9 +57,11 @@ case "$cmd" in
     gpu
     if [ ! -x "$work/llama.cpp/build/bin/llama-batched-bench" ]; then
       setsid nohup nice -n 19 bash "$work/build-llama-cpp.sh" build "$work" --cuda >"$work/build.log" 2>&1 </dev/null &
+      echo $! >"$work/build.pid"
     fi
     if [ ! -f "$work/m7b.gguf" ]; then
       setsid nohup nice -n 10 python3 scripts/random_gguf.py 7b "$work/m7b.gguf" >"$work/m7b.log" 2>&1 </dev/null &
+      echo $! >"$work/m7b.pid"
     fi
     if [ "${SWEEP_S:-300}" -gt 0 ]; then
       python3 -m localgen.bench.gguf_gemm_bench --sweep --budget-s "${SWEEP_S:-300}" --out "$work/sweep.json" \
