@@ -1,19 +1,23 @@
-"""Where a decode step's time goes on CUDA (issue 7), for a dummy-weight preset.
+"""Where a decode step's time goes on CUDA (issue 7), for a dummy-weight preset or a model file.
 
-Builds the model as ``localgen bench decode`` does (dummy weights of a real shape), prefills
-``--batch`` prompts, runs decode steps through the engine, then reports:
+Builds the model as ``localgen bench decode`` does (dummy weights of a real shape, or the file:
+a GGUF, a Hugging Face folder), prefills ``--batch`` prompts, runs decode steps through the
+engine, then reports:
 
 * the host-side phases of one engine step (schedule, input fill, graph replay launch, sampling
   with its device sync, advance), in µs, median of ``--steps`` steps;
 * the GPU kernels of one decode-graph replay from ``torch.profiler`` (CUPTI sees the kernels
-  inside a graph), grouped by kernel name, with the µs per step and the share of the step.
+  inside a graph), grouped by kernel name, with the µs per step and the share of the step,
+  beside the replay's own time (CUDA events): the difference is the GPU's time between kernels.
 
     python3 scripts/decode_profile.py --model llama-2-7b --batch 1 --out prof.txt
+    python3 scripts/decode_profile.py --model m7b.gguf --batch 16 --json prof.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -27,6 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def build(spec: str, batch: int, max_model_len: int):
     from localgen.api import LLM
+
+    if Path(spec).exists():
+        return LLM.load(spec, device="cuda", max_num_seqs=max(batch, 1), max_model_len=max_model_len)
     from localgen.models.dummy import DummyStore
     from localgen.models.model import family_of
     from localgen.policy.presets import preset_config
@@ -103,16 +110,18 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--json", default=None, help="the replay time and the kernel table, as JSON")
     a = ap.parse_args()
     llm = build(a.model, a.batch, a.prompt_len + 2 * a.steps + 64)
     g = torch.Generator().manual_seed(0)
+    top = min(30000, llm.config.vocab_size)  # random prompt ids of any vocabulary
     sp = SamplingParams(temperature=0.0, max_tokens=2 * a.steps + 40, ignore_eos=True)
     # warm-up generation (captures the graph bucket), then a fresh batch left mid-decode
-    llm.generate([Request(prompt_token_ids=torch.randint(10, 30000, (a.prompt_len,), generator=g).tolist(),
+    llm.generate([Request(prompt_token_ids=torch.randint(10, top, (a.prompt_len,), generator=g).tolist(),
                           sampling=SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
                   for _ in range(a.batch)])
     for _ in range(a.batch):
-        llm.engine.add_request(Request(prompt_token_ids=torch.randint(10, 30000, (a.prompt_len,),
+        llm.engine.add_request(Request(prompt_token_ids=torch.randint(10, top, (a.prompt_len,),
                                                                       generator=g).tolist(), sampling=sp))
     while not any(s.num_output_tokens >= 2 for s in llm.engine.seqs.values()):
         llm.engine.step()
@@ -120,15 +129,24 @@ def main() -> None:
     ph = host_phases(llm, a.steps)
     lines.append("host phases of one decode step (median µs): " +
                  ", ".join(f"{k} {v:.1f}" for k, v in ph.items()))
+    from localgen.bench.decode_bench import graph_replay_ms
+
+    replay_us = graph_replay_ms(llm) * 1e3
     rows = kernel_table(llm, 10)
     total = sum(r[1] for r in rows)
-    lines.append(f"GPU kernels of one replay: {total:.1f} µs in {sum(r[2] for r in rows)} launches")
+    lines.append(f"GPU kernels of one replay: {total:.1f} µs in {sum(r[2] for r in rows)} launches; "
+                 f"the replay {replay_us:.1f} µs")
     for name, us, n in rows[:25]:
         lines.append(f"{us:9.1f} us {100 * us / total:5.1f}%  x{n:<4d} {name}")
     text = "\n".join(lines)
     print(text)
     if a.out:
         Path(a.out).write_text(text + "\n")
+    if a.json:
+        Path(a.json).write_text(json.dumps({
+            "model": Path(a.model).name, "batch": a.batch, "host_phases_us": ph,
+            "replay_us": replay_us, "kernels_us": total,
+            "kernels": [{"name": n, "us": us, "launches": c} for n, us, c in rows]}, indent=1))
 
 
 if __name__ == "__main__":
