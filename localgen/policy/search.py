@@ -7,7 +7,9 @@ the peak-memory rows <= capacity and ``T_pre >= each prefill term``, ``T_gen >= 
 with ``scipy.optimize.linprog(method="highs")``. Among policies of equal predicted time a second LP
 keeps weights nearest the GPU, then the cache, then activations (FlexGen leaves ties to the solver).
 ``tiers="fewest"`` runs the enumeration level by level (GPU; GPU and CPU; all three), the fractions of
-the tiers left out held at 0, and stops at the first level where a policy fits (FlexGen's tuning rule).
+the tiers left out held at 0, and stops at the first level where a policy fits (FlexGen's tuning rule);
+``tiers="any"`` runs that first level and every tier, and keeps the best of both. The candidates are
+ranked by ``CostModel.predict`` once finished (the tie-break LP), as the runtime would run them.
 """
 
 from __future__ import annotations
@@ -191,7 +193,8 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
     1/12 of the bytes for OPT), as FlexGen's runtime places weights; "none": any fraction.
     ``runtime``: whose runtime the policy is for (``CostModel``): "flexgen" reproduces the paper,
     "localgen" (what ``localgen tune`` plans for) reads a pinned CPU-held cache in place.
-    ``tiers``: "any" searches every tier at once; "fewest" is the rule FlexGen's authors tuned their
+    ``tiers``: "any" searches every tier at once (beside the first level that fits, so it never
+    predicts less than "fewest"); "fewest" is the rule FlexGen's authors tuned their
     benchmark policies by (FlexGen benchmark/batch_size_table.md: "Find a level of memory hierarchy
     that can hold all tensors for generation. Avoid unnecessary offloading to slower storage", then
     the largest batch): the fastest policy of the first level of ``tier_levels`` where one fits. It
@@ -215,15 +218,19 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
     bounds = (cm.min_gpu_weight_share() if tensor else 0.0, cm.min_offload_weight_share() if tensor else 0.0)
     levels = tier_levels(hw.has_gpu)
     counter = [0]
-    tried = levels if tiers == "fewest" else levels[-1:]
-    for li, allowed in enumerate(tried):
+    found: list = []
+    for li, allowed in enumerate(levels):
+        if found and (tiers == "fewest" or li < len(levels) - 1):
+            # "fewest" stops at the first level that fits. "any" goes on to every tier, keeping
+            # that level's policies too: each shape's LP sees only time per layer, and its
+            # placement over every tier can rank below the same shape held to fewer tiers once
+            # predicted as the runtime runs it (``_as_run``)
+            continue
         excluded = tuple(i for t, fr in _TIER_FRACTIONS.items() if t not in allowed for i in fr)
         report = None if progress is None else (
-            lambda f, what, _li=li: progress((_li + f) / len(tried), what))
-        found = _enumerate(cm, compression, gbs_choices, nb_seq, early_stop, latency_bound, bounds,
-                           excluded, counter, report)
-        if found:
-            break
+            lambda f, what, _li=li: progress((_li + f) / len(levels), what))
+        found += _enumerate(cm, compression, gbs_choices, nb_seq, early_stop, latency_bound,
+                            bounds, excluded, counter, report)
     if not found:
         fr = cm.mem_fraction
         raise NoFeasiblePolicyError(
@@ -231,6 +238,8 @@ def search(cfg: ModelConfig, hw: HardwareProfile, wl: Workload, *, compression: 
             f"CPU x {fr['cpu']}, disk x {fr['disk']})" + (f" within {latency_bound} s" if latency_bound else ""))
     found.sort(key=lambda f: -f[0])
     cands = _distinct_candidates(found, num_alternatives, latency_bound, cm)
+    # finishing (the tie-break LP) can move a placement and its prediction: the best finished
+    cands.sort(key=lambda c: -c.throughput)
     return SearchResult(cands[0], cands[1:], counter[0])
 
 
