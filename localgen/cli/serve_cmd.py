@@ -82,8 +82,8 @@ def serve(
         llm = LLM.load(model, kv_cache_memory=kv, max_num_seqs=max_num_seqs,
                        max_model_len=max_model_len, dtype=dtype, device=device,
                        prefill_copies=dtype is None, prefill_graphs=prefill_graphs)
-        # every batch size's decode graph before the first request, not inside the steps of
-        # the requests that first reach it
+        # every batch size's decode graph and every prompt length's prefill graph before the
+        # first request, not inside the steps of the requests that first reach them
         llm.warm_graphs()
         return llm
 
