@@ -61,7 +61,7 @@ def _install_trace(trace: list[dict], emulate_ms: float | None) -> None:
                 out[:, 1000 + len(trace) % 64] = 1.0
             else:
                 out = run(seqs, is_prefill)
-            cur["run_end"] = cur["launched"] = time.perf_counter()
+            cur["run_end"] = time.perf_counter()
             cur["batch"], cur["prefill"] = len(seqs), is_prefill
             return out
 
@@ -70,7 +70,7 @@ def _install_trace(trace: list[dict], emulate_ms: float | None) -> None:
     def sample(*a, **k):
         out = real_sample(*a, **k)
         if emulate_ms is not None:  # the stand-in's argmax ran on the host: due after it
-            due = cur["launched"] + emulate_ms / 1000
+            due = cur["run_end"] + emulate_ms / 1000
             time.sleep(max(0.0, due - time.perf_counter()))
         cur["sample_end"] = time.perf_counter()
         return out

@@ -27,7 +27,7 @@ from localgen.attention.spec import layer_specs
 from localgen.kv.attention import AttentionMetadata, pool_slot
 from localgen.kv.cache import PagedKVCache
 from localgen.models.model import CausalLM
-from localgen.runtime.model_runner import ModelRunner
+from localgen.runtime.model_runner import ModelRunner, _slots
 from localgen.runtime.request import Priority, SamplingParams
 from localgen.runtime.sequence import Sequence
 
@@ -139,7 +139,7 @@ class GraphedModelRunner(ModelRunner):
         if i == len(self.prefill_buckets):
             return None
         length = self.prefill_buckets[i]
-        if len(s.block_table) > -(-length // self.kv.block_size) + 1:
+        if len(s.block_table) > self._prefill_width(length):
             return None  # more blocks than the bucket's table holds (not the block manager's way)
         g = self.prefill_graphs.get(length)
         if g is None:
@@ -162,25 +162,28 @@ class GraphedModelRunner(ModelRunner):
             self._capture_prefill(L, stand_in)
         return len(todo)
 
+    def _prefill_width(self, length: int) -> int:
+        """Block table entries of the prefill graph of bucket ``length``: its blocks and one
+        more (a block manager that allocates the first generated token's slot with the prompt)."""
+        return -(-length // self.kv.block_size) + 1
+
     def _fill_prefill(self, g: _PrefillGraph, s: Sequence) -> None:
         """Stage ``s``'s prompt and its padding (module docstring), then one asynchronous copy."""
         n, L, bs, st = s.num_tokens, g.length, self.kv.block_size, g.staging
         scratch = self.kv.scratch_block
         ids, slots, table = st[:L], st[L:2 * L], st[2 * L + 1:]
         ids[:n], ids[n:] = s.token_ids, 0
-        pos = np.arange(L)
-        blocks = np.asarray(s.block_table)
-        slots[:n] = blocks[pos[:n] // bs] * bs + pos[:n] % bs
-        slots[n:] = scratch * bs + pos[n:] % bs
+        slots[:n] = _slots(s.block_table, 0, n, bs)
+        slots[n:] = scratch * bs + np.arange(n, L) % bs
         st[2 * L] = n - 1
-        table[:len(blocks)], table[len(blocks):] = blocks, scratch
+        nb = len(s.block_table)
+        table[:nb], table[nb:] = s.block_table, scratch
         g.device_inputs.copy_(g.staging_t, non_blocking=True)
 
     def _capture_prefill(self, length: int, s: Sequence) -> torch.Tensor:
         """Capture the prefill graph of bucket ``length`` around ``s``'s prefill; ``s``'s logits
         (the warm-up's)."""
-        dev, bs = self.device, self.kv.block_size
-        width = -(-length // bs) + 1
+        dev, width = self.device, self._prefill_width(length)
         inputs = torch.zeros(2 * length + 1 + width, dtype=torch.long, device=dev)
         ids, slots = inputs[:length], inputs[length:2 * length]
         last, table = inputs[2 * length:2 * length + 1], inputs[2 * length + 1:].view(1, width)
@@ -194,15 +197,10 @@ class GraphedModelRunner(ModelRunner):
             hidden = self.model.forward(ids, positions, self.kv.views, meta)
             return self.model.logits(hidden.index_select(0, last))
 
-        staging_t = inputs.cpu().pin_memory() if self.capture else inputs.clone()
+        staging_t = self._staging(inputs)
         g = _PrefillGraph(None, length, width, inputs, staging_t.numpy(), staging_t, None)
         self._fill_prefill(g, s)
-        if self.capture:
-            g.graph, g.logits, out = record_graph(forward, dev, self.pool)
-            self.pool = g.graph.pool()
-        else:
-            out = g.logits = forward()
-            g.graph = EagerGraph(forward, g.logits)
+        g.graph, g.logits, out = self._graph_of(forward)
         self.prefill_graphs[length] = g
         return out
 
@@ -299,21 +297,27 @@ class GraphedModelRunner(ModelRunner):
         def forward():
             return self.model.logits(self.model.forward(cols[0], cols[1], self.kv.views, meta))
 
-        if self.capture:
-            staging_t = inputs.cpu().pin_memory()
-            graph, logits = self._record(forward)
-        else:
-            staging_t = inputs.clone()
-            logits = forward()
-            graph = EagerGraph(forward, logits)
+        staging_t = self._staging(inputs)
+        graph, logits, _ = self._graph_of(forward)
         g = _Graph(graph, batch, max_context, inputs, staging_t.numpy(), staging_t, meta, logits)
         self.graphs[(batch, max_context)] = g
         return g
 
-    def _record(self, forward) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        graph, logits, _ = record_graph(forward, self.device, self.pool)
+    def _staging(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The host twin of a graph's device inputs: pinned when capturing (asynchronous
+        copies), a plain copy for the eager stand-in."""
+        return inputs.cpu().pin_memory() if self.capture else inputs.clone()
+
+    def _graph_of(self, forward):
+        """(graph, its static output, the first run's output) of ``forward``: captured around
+        an eager warm-up (``record_graph``, in the pool all this runner's graphs share), or,
+        with ``capture`` off, the eager stand-in whose first run is its static output."""
+        if not self.capture:
+            out = forward()
+            return EagerGraph(forward, out), out, out
+        graph, static, warm = record_graph(forward, self.device, self.pool)
         self.pool = graph.pool()
-        return graph, logits
+        return graph, static, warm
 
 
 def record_graph(forward, device: torch.device, pool=None, release_cache: bool = False):

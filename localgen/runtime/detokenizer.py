@@ -12,18 +12,19 @@ first token and the thousandth. Other tokenizers re-decode the whole output each
 from __future__ import annotations
 
 
-def _stream_backend(tokenizer):
-    """The ``tokenizers.Tokenizer`` behind a transformers fast tokenizer whose ``decode`` adds
-    nothing after the backend's own decoder (no ``clean_up_tokenization_spaces``); None when
+def _decode_stream(tokenizer):
+    """``(backend, DecodeStream)`` for a transformers fast tokenizer whose ``decode`` adds
+    nothing after the backend's own decoder (no ``clean_up_tokenization_spaces``): the
+    ``tokenizers.Tokenizer`` and a fresh stream over it that skips special tokens. None when
     the output must come from ``tokenizer.decode`` itself."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return None
     try:
-        from tokenizers.decoders import DecodeStream  # noqa: F401 - tokenizers >= 0.21
+        from tokenizers.decoders import DecodeStream  # tokenizers >= 0.21
     except ImportError:
         return None
-    return backend
+    return backend, DecodeStream(skip_special_tokens=True)
 
 
 class IncrementalDetokenizer:
@@ -37,15 +38,10 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.stop = stop
         self.emitted = ""
-        self._backend = _stream_backend(tokenizer) if tokenizer is not None else None
-        self._stream = None
+        self._backend, self._stream = _decode_stream(tokenizer) or (None, None)
         self._decoded = ""  # the stream path: text of the tokens fed so far, whole characters
         self._fed = 0  # tokens fed to the stream
         self._open = 0  # fed tokens whose text is not whole yet (a split UTF-8 character)
-        if self._backend is not None:
-            from tokenizers.decoders import DecodeStream
-
-            self._stream = DecodeStream(skip_special_tokens=True)
 
     def _holdback(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""

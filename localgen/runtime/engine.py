@@ -282,51 +282,49 @@ class Engine:
         sp = seq.sampling
         if token in self.eos_token_ids and not sp.ignore_eos:
             return self._end(seq, "stop", eos=True)
-        delta = ""
-        if sp.stop:  # text decides whether the sequence ends: decoded now
-            delta, hit_stop = self.detoks[seq.request_id].update(seq.output_ids)
-            if hit_stop:
-                return self._finish(seq, "stop", delta)
         if seq.grammar is not None and seq.grammar.complete:  # nothing but EOS could follow
             reason = "stop"
         elif seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.token_limit:
             reason = "length"
         else:
-            return self._output(seq, delta) if sp.stop else self._defer(seq, False)
-        if sp.stop:
-            return self._finish(seq, reason, delta + self._final_text(seq, False))
-        return self._end(seq, reason)
+            reason = None
+        if not sp.stop:
+            return self._defer(seq, False) if reason is None else self._end(seq, reason)
+        # text decides whether the sequence ends: decoded, and its output built, now
+        delta, hit_stop = self.detoks[seq.request_id].update(seq.output_ids)
+        if hit_stop:
+            return self._finish(seq, "stop", delta)
+        if reason is None:
+            return self._output(seq, delta)
+        return self._finish(seq, reason, delta + self._final_text(seq, False))
 
     def _end(self, seq: Sequence, reason: str, eos: bool = False) -> RequestOutput | None:
         """Finish ``seq`` (its blocks are free at once); its final output now, or in the next
         step when overlapping. ``eos``: the last token is the end-of-sequence token, whose
         text is not part of the output."""
-        if self.overlap_outputs:
-            self.scheduler.finish(seq, reason)
-            self.metrics.requests_finished += 1
-            return self._defer(seq, eos)
-        return self._finish(seq, reason, self._final_text(seq, eos))
+        self.scheduler.finish(seq, reason)
+        self.metrics.requests_finished += 1
+        return self._defer(seq, eos)
 
     def _defer(self, seq: Sequence, eos: bool) -> RequestOutput | None:
         """``seq``'s output now, or None with it left for the next step's ``_settle``."""
         if self.overlap_outputs:
             self._pending[seq.request_id] = (seq, eos)
             return None
-        return self._output(seq, self.detoks[seq.request_id].update(seq.output_ids)[0])
+        return self._built(seq, eos)
 
     def _settle(self) -> list[RequestOutput]:
         """Build the outputs the last step left pending (``overlap_outputs``)."""
-        if not self._pending:
+        if not self._pending:  # every step asks, overlapping or not
             return []
         pending, self._pending = self._pending, {}
-        out = []
-        for seq, eos in pending.values():
-            if seq.finish_reason is None:
-                delta = self.detoks[seq.request_id].update(seq.output_ids)[0]
-            else:
-                delta = self._final_text(seq, eos)
-            out.append(self._output(seq, delta))
-        return out
+        return [self._built(seq, eos) for seq, eos in pending.values()]
+
+    def _built(self, seq: Sequence, eos: bool) -> RequestOutput:
+        """``seq``'s output with the text its tokens added (all of it once it has ended)."""
+        if seq.finish_reason is None:
+            return self._output(seq, self.detoks[seq.request_id].update(seq.output_ids)[0])
+        return self._output(seq, self._final_text(seq, eos))
 
     def _final_text(self, seq: Sequence, eos: bool) -> str:
         ids = seq.output_ids
