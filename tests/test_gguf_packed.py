@@ -176,6 +176,18 @@ def test_rows_move_as_raw_bytes():
     assert w.nbytes == 32 * 2 * 144 and w.to("cpu").qtype == Q.Q4_K
 
 
+@pytest.mark.parametrize("heads,head_dim,width,chunk", [(4, 8, 144, 1 << 20), (6, 4, 10, 100),
+                                                         (3, 2, 5, 1)])
+def test_unpermute_in_place_equals_the_permuted_copy(heads, head_dim, width, chunk, monkeypatch):
+    """The in-place undo of llama.cpp's Q/K permutation, one head or several a chunk (the
+    chunk size forced small), equals ``unpermute_qk``'s copy row for row."""
+    monkeypatch.setattr(gb, "UNPERMUTE_CHUNK_BYTES", chunk)
+    w = torch.randint(0, 256, (heads * head_dim, width), dtype=torch.uint8)
+    want = unpermute_qk(w, heads).contiguous()
+    assert gb.unpermute_qk_(w, heads) is w
+    assert torch.equal(w, want)
+
+
 # ---- GGUF files of random blocks, loaded through localgen ----------------------------------
 
 HIDDEN, INTER, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2  # in_features multiples of 256

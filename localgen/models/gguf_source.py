@@ -24,7 +24,7 @@ from localgen.models.gguf_reader import gguf_field
 from localgen.models.gguf_tensors import (dequantize_tensor, empty_rows, read_tensor_rows,
                                           release_mapped)
 from localgen.models.weights import WeightStore
-from localgen.quant.gguf_blocks import unpermute_qk
+from localgen.quant.gguf_blocks import unpermute_qk, unpermute_qk_
 
 
 class GGUFStore(WeightStore):
@@ -144,15 +144,14 @@ class GGUFStore(WeightStore):
 
     def _read_rows(self, name: str, t, out: torch.Tensor) -> bool:
         """`name`'s rows read from the file into ``out`` in HF order (llama.cpp's Q/K
-        permutation undone as the rows land); False where the tensor has no file behind it."""
+        permutation undone in place once they land); False where the tensor has no file
+        behind it."""
+        if not read_tensor_rows(t, out):
+            return False
         heads = self.qk_heads(name)
-        dest = None
         if heads is not None:
-            src = unpermute_qk(torch.arange(out.shape[0]), heads)  # HF row j <- file row src[j]
-            dest = torch.empty_like(src)
-            dest[src] = torch.arange(out.shape[0])
-            dest = dest.tolist()
-        return read_tensor_rows(t, out, dest)
+            unpermute_qk_(out, heads)
+        return True
 
     def _unpermuted(self, name: str, w: torch.Tensor) -> torch.Tensor:
         heads = self.qk_heads(name)

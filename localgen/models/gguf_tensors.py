@@ -15,29 +15,79 @@ import torch
 
 
 POPULATE_MIN_BYTES = 1 << 20  # smaller buffers come from the allocator's pool
+POPULATE_CHUNK_BYTES = 16 << 20  # the least one thread faults in (thread start-up stays small)
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14 (madvise(2))
 
 
 def empty_rows(rows: int, width: int) -> torch.Tensor:
     """Uninitialised ``[rows, width]`` uint8 host memory for a tensor's file bytes. From
-    ``POPULATE_MIN_BYTES`` up it is an anonymous private map made with ``MAP_POPULATE``, so the
-    kernel faults all of its pages in at once instead of one page fault a 4 KiB page inside the
-    ``preadv`` that then fills it (the copy into fresh pages is what a load spends its time on);
-    the tensor keeps the map alive. Elsewhere (no ``MAP_POPULATE``) a plain ``torch.empty``."""
+    ``POPULATE_MIN_BYTES`` up it is an anonymous private map whose pages are faulted in before
+    the ``preadv`` that fills it, split across the machine's cores (``populate``): first-touch
+    faults, not the copy, are what a load spends its time on, and one thread faulting a page at
+    a time inside the copy leaves the other cores idle. The tensor keeps the map alive.
+    Elsewhere (no anonymous maps) a plain ``torch.empty``."""
     n = rows * width
-    flags = getattr(mmap, "MAP_POPULATE", None)
-    if n < POPULATE_MIN_BYTES or flags is None:
+    if n < POPULATE_MIN_BYTES or not hasattr(mmap, "MAP_ANONYMOUS"):
         return torch.empty(rows, width, dtype=torch.uint8)
-    mm = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | flags)
+    mm = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if not populate(mm, n) and hasattr(mmap, "MAP_POPULATE"):  # a kernel before 5.14
+        mm = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
     return torch.frombuffer(mm, dtype=torch.uint8).view(rows, width)
 
 
-def read_tensor_rows(t, out: torch.Tensor, dest_rows: list[int] | None = None) -> bool:
-    """Read GGUF tensor ``t``'s rows, in file order, into the rows of ``out`` (``[rows,
-    row_bytes]`` uint8, contiguous): file row ``i`` into ``out[dest_rows[i]]``, or all
-    of them in order when ``dest_rows`` is None. One ``preadv`` takes many rows, so the kernel
-    copies from the page cache straight into place: no page fault a page as copying out of the
-    memory map takes, and a row permutation (llama.cpp's Q/K) costs no second copy. False where
-    ``t.data`` names no file.
+def populate(mm: mmap.mmap, n: int) -> bool:
+    """Fault in the first ``n`` bytes of writable map ``mm`` with ``madvise(MADV_POPULATE_WRITE)``
+    in page-aligned chunks of at least ``POPULATE_CHUNK_BYTES``, one thread a core (ctypes drops
+    the GIL for the call). False, with nothing done, where the kernel or libc lacks the advice."""
+    libc = _libc_madvise()
+    if libc is None:
+        return False
+    import ctypes
+    import os
+    import threading
+
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    page = mmap.PAGESIZE
+    parts = max(1, min(os.cpu_count() or 1, n // POPULATE_CHUNK_BYTES))
+    step = -(-n // parts // page) * page
+    spans = [(base + lo, min(step, n - lo)) for lo in range(0, n, step)]
+    errs: list[int] = []
+
+    def advise(addr: int, length: int) -> None:
+        if libc(addr, length, MADV_POPULATE_WRITE) != 0:
+            errs.append(ctypes.get_errno())
+
+    helpers = [threading.Thread(target=advise, args=span) for span in spans[1:]]
+    for t in helpers:
+        t.start()
+    advise(*spans[0])
+    for t in helpers:
+        t.join()
+    return not errs  # EINVAL: no such advice here (the pages a failed call touched stay usable)
+
+
+@lru_cache(maxsize=1)
+def _libc_madvise():
+    """libc's ``madvise`` through ctypes (it releases the GIL), or None off Linux."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def read_tensor_rows(t, out: torch.Tensor) -> bool:
+    """Read GGUF tensor ``t``'s rows, in file order, into ``out`` (``[rows, row_bytes]`` uint8,
+    contiguous) with ``preadv``: the kernel copies from the page cache straight into place, with
+    none of the page faults that copying out of the memory map takes. False where ``t.data``
+    names no file.
 
     Raises ValueError when ``out`` does not hold ``t.n_bytes`` bytes in whole rows,
     CorruptModelError naming the file, the tensor and the missing bytes when the file ends
@@ -50,36 +100,28 @@ def read_tensor_rows(t, out: torch.Tensor, dest_rows: list[int] | None = None) -
     n = int(t.n_bytes)
     if out.dtype != torch.uint8 or out.numel() != n or out.dim() != 2 or not out.is_contiguous():
         raise ValueError(f"tensor {t.name}: out must be {n} contiguous uint8 bytes in rows")
-    flat, width = memoryview(out.numpy().reshape(-1)), out.shape[-1]
-    views = [flat] if dest_rows is None else [flat[r * width:(r + 1) * width] for r in dest_rows]
     fd = os.open(path, os.O_RDONLY)
     try:
-        _preadv_all(fd, views, int(t.data_offset), path, t.name, n)
+        _preadv_all(fd, memoryview(out.numpy().reshape(-1)), int(t.data_offset), path, t.name)
     finally:
         os.close(fd)
     return True
 
 
-def _preadv_all(fd: int, views: list, offset: int, path, name: str, n: int) -> None:
-    """Fill ``views`` in order from ``offset``, at most ``IOV_MAX`` buffers a call (one read
-    returns at most about 2 GiB on Linux, so a short read resumes where it stopped)."""
+def _preadv_all(fd: int, view: memoryview, offset: int, path, name: str) -> None:
+    """Fill ``view`` from ``offset`` (one read returns at most about 2 GiB on Linux, so a short
+    read resumes where it stopped)."""
     import os
 
     from localgen.models.config import CorruptModelError
 
-    most = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-    done, i = 0, 0
-    while i < len(views):
-        got = os.preadv(fd, views[i:i + most], offset + done)
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
         if got == 0:
-            raise CorruptModelError(f"{path}: tensor {name} ends {n - done} bytes past the end "
-                                    f"of the file")
+            raise CorruptModelError(f"{path}: tensor {name} ends {len(view) - done} bytes past "
+                                    f"the end of the file")
         done += got
-        while i < len(views) and got >= len(views[i]):  # skip the buffers filled whole
-            got -= len(views[i])
-            i += 1
-        if got:
-            views[i] = views[i][got:]
 
 
 def release_mapped(reader, offset: int, nbytes: int) -> None:
