@@ -45,7 +45,12 @@ class Q8Activations(NamedTuple):
     xs: torch.Tensor
 
 
-@triton.jit
+# M (the rows) follows the batch: specialized, M = 1 and multiples of 16 would each compile
+# their own kernel, the first time a step reaches them (an eager prefill past a cached prefix).
+QUANTIZE_PER_BATCH_ARGS = ["M"]
+
+
+@triton.jit(do_not_specialize=QUANTIZE_PER_BATCH_ARGS)
 def _quantize_x8(x_ptr, xq_ptr, xd_ptr, xs_ptr, M, stride_xm, M_PAD: tl.constexpr):
     """Program (t, m) of ``M_PAD`` rows: the 256 activations of tile t of row m as int8 per
     32-group, ``q = round(x / d)`` with ``d = max|x| / 127`` (llama.cpp's ``block_q8_1``

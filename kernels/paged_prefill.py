@@ -26,7 +26,15 @@ from .score_features import ScoreFeatures, sinks_arg, soft_capped, window_start,
 from .triton_common import LOG2E, dot, dot_dtype, ieee_dots, pow2, token_rows
 
 
-@triton.jit
+# The block table's address and row stride follow the batch: the graphs' tables are rows of a
+# static one at any 8-byte offset, an eager prefill's a fresh tensor, and the stride is the
+# table's width (1, 16, any other). Specialized (16-byte alignment, stride class), each would
+# compile its own kernel in the first step that reaches it, as an eager prefill past a cached
+# prefix does; the kernel reads the table a scalar a KV block, so alignment buys nothing.
+PER_BATCH_ARGS = ["bt_ptr", "stride_btb"]
+
+
+@triton.jit(do_not_specialize=PER_BATCH_ARGS)
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, cl_ptr, out_ptr, sinks_ptr,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb,
                     stride_ot, stride_oh, qk_scale,

@@ -582,3 +582,23 @@ def test_write_kv_int4_kernel_validates(seed):
     with pytest.raises(ValueError, match="bf16/fp16/fp32"):
         write_kv_int4(kc, vc, k.double(), v.double(), slots)
     write_kv_int4(kc, vc, k[:0], v[:0], slots[:0])  # no tokens: no launch
+
+
+@pytest.mark.parametrize("module,kernel,names", [
+    ("paged_prefill", "_prefill_kernel", "PER_BATCH_ARGS"),
+    ("gguf_q8", "_quantize_x8", "QUANTIZE_PER_BATCH_ARGS")])
+def test_arguments_that_follow_the_batch_are_not_specialized(module, kernel, names):
+    """The prefill attention's block table (address, width) and the activation rounding's row
+    count change with each batch; compiled, Triton would specialize them (16-byte alignment,
+    value 1 or a multiple of 16) and compile a new kernel in the first step that reaches a new
+    class, one the graphs captured at load did not (an eager prefill past a cached prefix). They
+    name real arguments, and a compiled kernel keeps them unspecialized."""
+    import importlib
+
+    mod = importlib.import_module(f"localgen.kernels.{module}")
+    fn, wanted = getattr(mod, kernel), getattr(mod, names)
+    params = getattr(fn, "params", None)
+    if params is None:  # the interpreter's wrapper keeps the names only
+        assert set(wanted) <= set(fn.arg_names)
+    else:
+        assert {p.name for p in params if p.do_not_specialize} == set(wanted)
