@@ -1129,6 +1129,7 @@ static void sweep_x8(int t, const uint8_t *w, int64_t ws, int64_t n, const uint8
 #ifdef LG_AVX2
     const int direct = !f32 && !scalar;
     const x8_rows_fn rows8 = x8_kernel(t);
+    const x8_rows2_fn rows8x2 = x8_kernel2(t);
 #else
     const int direct = 0; /* activation tiles serve the 8-row kernel only */
     (void)m_tile;
@@ -1140,12 +1141,20 @@ static void sweep_x8(int t, const uint8_t *w, int64_t ws, int64_t n, const uint8
 #ifdef LG_AVX2
             for (int64_t i0 = 0; i0 < m; i0 += m_tile) {
                 const int64_t i1 = i0 + m_tile < m ? i0 + m_tile : m;
-                for (int64_t g = r0; g < r1; g += X8_ROWS)
-                    for (int64_t i = i0; i < i1; i++) {
+                for (int64_t g = r0; g < r1; g += X8_ROWS) {
+                    int64_t i = i0;
+                    for (; i + 2 <= i1; i += 2) { /* two activation rows a visit: codes unpacked once */
+                        float out0[X8_ROWS], out1[X8_ROWS];
+                        rows8x2(w + g * ws, xa + i * xs, xa + (i + 1) * xs, k, out0, out1);
+                        memcpy(y + i * ldy + g, out0, sizeof out0);
+                        memcpy(y + (i + 1) * ldy + g, out1, sizeof out1);
+                    }
+                    for (; i < i1; i++) {
                         float out[X8_ROWS];
                         rows8(w + g * ws, xa + i * xs, k, out);
                         memcpy(y + i * ldy + g, out, sizeof out);
                     }
+                }
             }
 #endif
             continue;

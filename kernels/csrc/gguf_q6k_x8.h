@@ -117,4 +117,57 @@ static void q6x8_rows(const uint8_t *w, const uint8_t *x, int64_t k, float *y) {
     }
     _mm256_storeu_ps(y, acc);
 }
+
+/* q6x8_quarter for two activation rows (isum[r] against xq[r], bs[r]): the codes are built
+ * once for both; each row's sums are q6x8_quarter's own, in its order. */
+AI void q6x8_quarter2(__m256i isum[2], const uint8_t *g, const uint8_t *const xq[2],
+                      const int16_t *const bs[2], const int h, const int half) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256i d[2][4];
+    for (int r = 0; r < 2; r++)
+        for (int s = 0; s < 4; s++) d[r][s] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int q = 4 * half; q < 4 * half + 4; q++) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(g + Q6X8_QH(h, q)));
+        const __m256i c0 = _mm256_loadu_si256((const __m256i *)(g + Q6X8_QL(2 * h, q)));
+        const __m256i c1 = _mm256_loadu_si256((const __m256i *)(g + Q6X8_QL(2 * h + 1, q)));
+        const __m256i code[4] = {
+            _mm256_or_si256(_mm256_and_si256(c0, m4), q6x8_high(qh, 0)),
+            _mm256_or_si256(_mm256_and_si256(c1, m4), q6x8_high(qh, 1)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c0, 4), m4), q6x8_high(qh, 2)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c1, 4), m4), q6x8_high(qh, 3))};
+        for (int r = 0; r < 2; r++)
+            for (int s = 0; s < 4; s++)
+                d[r][s] = dot_u8s8_acc(d[r][s], code[s], _mm256_set1_epi32((int)rd32(xq[r] + 32 * (4 * h + s) + 4 * q)));
+    }
+    for (int r = 0; r < 2; r++)
+        for (int s = 0; s < 4; s++) isum[r] = q6x8_scaled(isum[r], d[r][s], g, bs[r], 2 * (4 * h + s) + half);
+}
+
+/* q6x8_rows for two activation rows x0 and x1 at once (y0, y1), each output that kernel's
+ * bit for bit. */
+static void q6x8_rows2(const uint8_t *w, const uint8_t *x0, const uint8_t *x1, int64_t k,
+                       float *y0, float *y1) {
+    const int64_t nb = k / 256;
+    const uint8_t *xs[2] = {x0, x1};
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *g = w + b * Q6X8_GROUP_BYTES;
+        const uint8_t *const xq[2] = {x0 + 256 * b, x1 + 256 * b};
+        const int16_t *const bs[2] = {(const int16_t *)(x0 + k + 4 * nb) + 16 * b,
+                                      (const int16_t *)(x1 + k + 4 * nb) + 16 * b};
+        __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        q6x8_quarter2(isum, g, xq, bs, 0, 0);
+        q6x8_quarter2(isum, g, xq, bs, 0, 1);
+        q6x8_quarter2(isum, g, xq, bs, 1, 0);
+        q6x8_quarter2(isum, g, xq, bs, 1, 1);
+        const __m256 dh = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
+        for (int r = 0; r < 2; r++) {
+            const __m256 d = _mm256_mul_ps(dh, _mm256_set1_ps(((const float *)(xs[r] + k))[b]));
+            acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum[r]), acc[r]);
+        }
+    }
+    _mm256_storeu_ps(y0, acc[0]);
+    _mm256_storeu_ps(y1, acc[1]);
+}
 #endif

@@ -43,4 +43,10 @@ static void x8_unpack_row(int t, const uint8_t *w, int64_t ws, int64_t r, int64_
 typedef void (*x8_rows_fn)(const uint8_t *w, const uint8_t *x, int64_t k, float *y);
 
 static x8_rows_fn x8_kernel(int t) { return t == T_Q4_K_X8 ? q4x8_rows : q6x8_rows; }
+
+/* Two activation rows a visit (x0, x1 -> y0, y1), each output x8_kernel's bit for bit. */
+typedef void (*x8_rows2_fn)(const uint8_t *w, const uint8_t *x0, const uint8_t *x1, int64_t k,
+                            float *y0, float *y1);
+
+static x8_rows2_fn x8_kernel2(int t) { return t == T_Q4_K_X8 ? q4x8_rows2 : q6x8_rows2; }
 #endif
