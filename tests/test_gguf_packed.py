@@ -181,10 +181,12 @@ def test_rows_move_as_raw_bytes():
 def test_unpermute_in_place_equals_the_permuted_copy(heads, head_dim, width, chunk, monkeypatch):
     """The in-place undo of llama.cpp's Q/K permutation, one head or several a chunk (the
     chunk size forced small), equals ``unpermute_qk``'s copy row for row."""
-    monkeypatch.setattr(gb, "UNPERMUTE_CHUNK_BYTES", chunk)
+    from localgen.models import gguf_tensors
+
+    monkeypatch.setattr(gguf_tensors, "UNPERMUTE_CHUNK_BYTES", chunk)
     w = torch.randint(0, 256, (heads * head_dim, width), dtype=torch.uint8)
     want = unpermute_qk(w, heads).contiguous()
-    assert gb.unpermute_qk_(w, heads) is w
+    assert gguf_tensors.unpermute_qk_(w, heads) is w
     assert torch.equal(w, want)
 
 

@@ -22,9 +22,9 @@ from localgen.models.gguf_names import gguf_to_hf_name
 from localgen.models.gguf_open import open_gguf
 from localgen.models.gguf_reader import gguf_field
 from localgen.models.gguf_tensors import (dequantize_tensor, empty_rows, read_tensor_rows,
-                                          release_mapped)
+                                          release_mapped, unpermute_qk_)
 from localgen.models.weights import WeightStore
-from localgen.quant.gguf_blocks import unpermute_qk, unpermute_qk_
+from localgen.quant.gguf_blocks import unpermute_qk
 
 
 class GGUFStore(WeightStore):

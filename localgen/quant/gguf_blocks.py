@@ -16,7 +16,6 @@ moves raw bytes and changes no value.
 from __future__ import annotations
 
 import os
-import threading
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -47,39 +46,6 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """
     half = w.shape[0] // n_head // 2
     return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-UNPERMUTE_CHUNK_BYTES = 1 << 20  # a chunk's copy stays in cache; a big one costs fresh pages
-_scratch_local = threading.local()
-
-
-def _scratch(nbytes: int) -> torch.Tensor:
-    """This thread's reusable uint8 scratch of at least ``nbytes`` (8-byte aligned), kept
-    between calls: a fresh buffer a tensor would fault its pages in every time."""
-    buf = getattr(_scratch_local, "buf", None)
-    if buf is None or buf.numel() < nbytes:
-        buf = _scratch_local.buf = torch.empty(-(-nbytes // 8), dtype=torch.int64)
-    return buf.view(torch.uint8)[:nbytes]
-
-
-def unpermute_qk_(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """``unpermute_qk`` in place on contiguous ``w`` (``[rows, ...]``), a few heads at a time
-    through one scratch copy of at most about ``UNPERMUTE_CHUNK_BYTES``, so undoing the
-    permutation needs no second buffer of the tensor's size. Returns ``w``."""
-    rows = w.shape[0]
-    per_head = rows // n_head
-    flat = w.view(rows, -1)
-    if (flat.shape[1] * w.element_size()) % 8 == 0:  # whole rows move: copy them 8 bytes a step
-        flat = flat.view(torch.uint8).view(torch.int64)
-    step = max(1, UNPERMUTE_CHUNK_BYTES // max(1, per_head * flat[0].nbytes))
-    scratch = _scratch(min(step, n_head) * per_head * flat[0].nbytes).view(flat.dtype)
-    scratch = scratch.view(-1, flat.shape[1])
-    for h in range(0, n_head, step):
-        part = flat[h * per_head:min(n_head, h + step) * per_head]
-        tmp = scratch[:part.shape[0]].copy_(part)
-        g = part.shape[0] // per_head
-        part.view(g, 2, per_head // 2, -1).copy_(tmp.view(g, per_head // 2, 2, -1).transpose(1, 2))
-    return w
 
 
 def block_size(qtype: int) -> int:
