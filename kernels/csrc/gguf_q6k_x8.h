@@ -72,23 +72,29 @@ AI __m256i q6x8_scaled(__m256i acc, __m256i d, const uint8_t *g, const int16_t *
     return _mm256_add_epi32(acc, _mm256_mullo_epi32(_mm256_sub_epi32(d, _mm256_set1_epi32(32 * bs[j])), sc));
 }
 
+/* The codes 0..63 of 4-value group q of the 32-value groups 4h .. 4h+3 (code[s]: group 4h + s),
+ * from ql bytes 64 h + 32 (s % 2) (nibble s / 2) and qh bytes 32 h (bits 2 s): one qh load and
+ * two ql loads serve the 4 groups. */
+AI void q6x8_codes(const uint8_t *g, const int h, const int q, __m256i code[4]) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(g + Q6X8_QH(h, q)));
+    const __m256i c0 = _mm256_loadu_si256((const __m256i *)(g + Q6X8_QL(2 * h, q)));
+    const __m256i c1 = _mm256_loadu_si256((const __m256i *)(g + Q6X8_QL(2 * h + 1, q)));
+    code[0] = _mm256_or_si256(_mm256_and_si256(c0, m4), q6x8_high(qh, 0));
+    code[1] = _mm256_or_si256(_mm256_and_si256(c1, m4), q6x8_high(qh, 1));
+    code[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c0, 4), m4), q6x8_high(qh, 2));
+    code[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c1, 4), m4), q6x8_high(qh, 3));
+}
+
 /* isum + the quarter (h, half) of a block: values 16 half .. 16 half + 15 of the 32-value groups
- * 4h .. 4h+3, each group's codes from ql bytes 64 h + 32 (s % 2) (nibble s / 2) and qh bytes
- * 32 h (bits 2 s); one qh load and two ql loads serve 4 groups, 4 independent sums. */
+ * 4h .. 4h+3 (q6x8_codes), 4 independent sums. */
 AI __m256i q6x8_quarter(__m256i isum, const uint8_t *g, const uint8_t *xq, const int16_t *bs,
                         const int h, const int half) {
-    const __m256i m4 = _mm256_set1_epi8(15);
     __m256i d[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
 #pragma GCC unroll 4
     for (int q = 4 * half; q < 4 * half + 4; q++) {
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(g + Q6X8_QH(h, q)));
-        const __m256i c0 = _mm256_loadu_si256((const __m256i *)(g + Q6X8_QL(2 * h, q)));
-        const __m256i c1 = _mm256_loadu_si256((const __m256i *)(g + Q6X8_QL(2 * h + 1, q)));
-        const __m256i code[4] = {
-            _mm256_or_si256(_mm256_and_si256(c0, m4), q6x8_high(qh, 0)),
-            _mm256_or_si256(_mm256_and_si256(c1, m4), q6x8_high(qh, 1)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c0, 4), m4), q6x8_high(qh, 2)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c1, 4), m4), q6x8_high(qh, 3))};
+        __m256i code[4];
+        q6x8_codes(g, h, q, code);
         for (int s = 0; s < 4; s++)
             d[s] = dot_u8s8_acc(d[s], code[s], _mm256_set1_epi32((int)rd32(xq + 32 * (4 * h + s) + 4 * q)));
     }
@@ -122,20 +128,13 @@ static void q6x8_rows(const uint8_t *w, const uint8_t *x, int64_t k, float *y) {
  * once for both; each row's sums are q6x8_quarter's own, in its order. */
 AI void q6x8_quarter2(__m256i isum[2], const uint8_t *g, const uint8_t *const xq[2],
                       const int16_t *const bs[2], const int h, const int half) {
-    const __m256i m4 = _mm256_set1_epi8(15);
     __m256i d[2][4];
     for (int r = 0; r < 2; r++)
         for (int s = 0; s < 4; s++) d[r][s] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int q = 4 * half; q < 4 * half + 4; q++) {
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(g + Q6X8_QH(h, q)));
-        const __m256i c0 = _mm256_loadu_si256((const __m256i *)(g + Q6X8_QL(2 * h, q)));
-        const __m256i c1 = _mm256_loadu_si256((const __m256i *)(g + Q6X8_QL(2 * h + 1, q)));
-        const __m256i code[4] = {
-            _mm256_or_si256(_mm256_and_si256(c0, m4), q6x8_high(qh, 0)),
-            _mm256_or_si256(_mm256_and_si256(c1, m4), q6x8_high(qh, 1)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c0, 4), m4), q6x8_high(qh, 2)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c1, 4), m4), q6x8_high(qh, 3))};
+        __m256i code[4];
+        q6x8_codes(g, h, q, code);
         for (int r = 0; r < 2; r++)
             for (int s = 0; s < 4; s++)
                 d[r][s] = dot_u8s8_acc(d[r][s], code[s], _mm256_set1_epi32((int)rd32(xq[r] + 32 * (4 * h + s) + 4 * q)));
