@@ -1143,6 +1143,16 @@ static void sweep_x8(int t, const uint8_t *w, int64_t ws, int64_t n, const uint8
                 const int64_t i1 = i0 + m_tile < m ? i0 + m_tile : m;
                 for (int64_t g = r0; g < r1; g += X8_ROWS) {
                     int64_t i = i0;
+#ifdef __AVX512VL__
+                    if (t == T_Q4_K_X8) /* four activation rows a visit */
+                        for (; i + 4 <= i1; i += 4) {
+                            const uint8_t *const x4[4] = {xa + i * xs, xa + (i + 1) * xs, xa + (i + 2) * xs, xa + (i + 3) * xs};
+                            float out[4][X8_ROWS];
+                            float *const y4[4] = {out[0], out[1], out[2], out[3]};
+                            q4x8_rows4(w + g * ws, x4, k, y4);
+                            for (int r = 0; r < 4; r++) memcpy(y + (i + r) * ldy + g, out[r], sizeof out[r]);
+                        }
+#endif
                     for (; i + 2 <= i1; i += 2) { /* two activation rows a visit: codes unpacked once */
                         float out0[X8_ROWS], out1[X8_ROWS];
                         rows8x2(w + g * ws, xa + i * xs, xa + (i + 1) * xs, k, out0, out1);

@@ -133,36 +133,33 @@ static void q4x8_rows(const uint8_t *w, const uint8_t *x, int64_t k, float *y) {
     _mm256_storeu_ps(y, _mm256_sub_ps(acc, accm));
 }
 
-/* q4x8_rows for two activation rows x0 and x1 (same layout) at once: y0[0..7], y1[0..7]. A
- * group's scales are decoded and each code vector is split into its nibbles once for both rows,
- * which a batched step otherwise repeats per row; the sums are q4x8_rows' own, in its order,
- * so each output equals that kernel's bit for bit. */
-static void q4x8_rows2(const uint8_t *w, const uint8_t *x0, const uint8_t *x1, int64_t k,
-                       float *y0, float *y1) {
+/* q4x8_rows for R (2 or 4) activation rows x[0..R-1] (same layout) at once: y[r][0..7]. A
+ * group's scales are decoded and each code vector is split into its nibbles once for all R
+ * rows, which a batched step otherwise repeats per row; the sums are q4x8_rows' own, in its
+ * order, so each output equals that kernel's bit for bit. */
+AI void q4x8_rows_r(const uint8_t *w, const uint8_t *const x[4], int64_t k, float *const y[4],
+                    const int R) {
     const int64_t nb = k / 256;
-    const uint8_t *xs[2] = {x0, x1};
-    const float *dxs[2] = {(const float *)(x0 + k), (const float *)(x1 + k)};
-    const int16_t *bsum[2] = {(const int16_t *)(x0 + k + 4 * nb), (const int16_t *)(x1 + k + 4 * nb)};
     const __m256i m4 = _mm256_set1_epi8(15);
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    __m256 accm[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc[4], accm[4];
+    for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *g = w + b * Q4X8_GROUP_BYTES;
         uint8_t sc[64], mn[64];
         q4x8_scales(g, sc, mn);
-        __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        __m256i isum[4];
+        for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
         for (int p = 0; p < 4; p++) {
-            __m256i e0[2], e1[2], o0[2], o1[2];
-            for (int r = 0; r < 2; r++)
-                e0[r] = e1[r] = o0[r] = o1[r] = _mm256_setzero_si256();
+            __m256i e0[4], e1[4], o0[4], o1[4];
+            for (int r = 0; r < R; r++) e0[r] = e1[r] = o0[r] = o1[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
             for (int q = 0; q < 8; q += 2) {
                 const __m256i c = _mm256_loadu_si256((const __m256i *)(g + 128 + 256 * p + 32 * q));
                 const __m256i n = _mm256_loadu_si256((const __m256i *)(g + 128 + 256 * p + 32 * q + 32));
                 const __m256i cl = _mm256_and_si256(c, m4), ch = _mm256_and_si256(_mm256_srli_epi16(c, 4), m4);
                 const __m256i nl = _mm256_and_si256(n, m4), nh = _mm256_and_si256(_mm256_srli_epi16(n, 4), m4);
-                for (int r = 0; r < 2; r++) {
-                    const uint8_t *xp = xs[r] + 256 * b + 64 * p + 4 * q;
+                for (int r = 0; r < R; r++) {
+                    const uint8_t *xp = x[r] + 256 * b + 64 * p + 4 * q;
                     e0[r] = dot_u8s8_acc(e0[r], cl, _mm256_set1_epi32((int)rd32(xp)));
                     e1[r] = dot_u8s8_acc(e1[r], ch, _mm256_set1_epi32((int)rd32(xp + 32)));
                     o0[r] = dot_u8s8_acc(o0[r], nl, _mm256_set1_epi32((int)rd32(xp + 4)));
@@ -171,25 +168,36 @@ static void q4x8_rows2(const uint8_t *w, const uint8_t *x0, const uint8_t *x1, i
             }
             const __m256i s0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 16 * p)));
             const __m256i s1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 16 * p + 8)));
-            for (int r = 0; r < 2; r++) {
+            for (int r = 0; r < R; r++) {
                 isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(_mm256_add_epi32(e0[r], o0[r]), s0));
                 isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(_mm256_add_epi32(e1[r], o1[r]), s1));
             }
         }
         const __m256 dh = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
         const __m256 dmh = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));
-        for (int r = 0; r < 2; r++) {
-            const int16_t *bs = bsum[r] + 16 * b;
+        for (int r = 0; r < R; r++) {
+            const int16_t *bs = (const int16_t *)(x[r] + k + 4 * nb) + 16 * b;
             __m256i msum = _mm256_setzero_si256();
             for (int j = 0; j < 8; j++)
                 msum = _mm256_add_epi32(msum, _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn + 8 * j))),
                                                                  _mm256_set1_epi32(bs[2 * j] + bs[2 * j + 1])));
-            const __m256 dx = _mm256_set1_ps(dxs[r][b]);
+            const __m256 dx = _mm256_set1_ps(((const float *)(x[r] + k))[b]);
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dh, dx), _mm256_cvtepi32_ps(isum[r]), acc[r]);
             accm[r] = _mm256_fmadd_ps(_mm256_mul_ps(dmh, dx), _mm256_cvtepi32_ps(msum), accm[r]);
         }
     }
-    _mm256_storeu_ps(y0, _mm256_sub_ps(acc[0], accm[0]));
-    _mm256_storeu_ps(y1, _mm256_sub_ps(acc[1], accm[1]));
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(y[r], _mm256_sub_ps(acc[r], accm[r]));
+}
+
+static void q4x8_rows2(const uint8_t *w, const uint8_t *x0, const uint8_t *x1, int64_t k,
+                       float *y0, float *y1) {
+    const uint8_t *const x[4] = {x0, x1, NULL, NULL};
+    float *const y[4] = {y0, y1, NULL, NULL};
+    q4x8_rows_r(w, x, k, y, 2);
+}
+
+/* Four rows a visit: 16 accumulators, which only AVX-512's 32 vector registers hold. */
+static void q4x8_rows4(const uint8_t *w, const uint8_t *const x[4], int64_t k, float *const y[4]) {
+    q4x8_rows_r(w, x, k, y, 4);
 }
 #endif
