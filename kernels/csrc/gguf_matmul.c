@@ -1118,7 +1118,7 @@ static int check_matrix(int qtype, int64_t k, int64_t w_stride, int64_t n) {
 }
 
 /* sweep() for a matrix of repacked type t (n a multiple of 8): chunks of whole 8-row groups;
- * each quantized activation row of a tile meets a group's 8 rows in one visit (x8_kernel: the
+ * a tile's quantized activation rows meet a group's 8 rows up to 4 at a visit (x8_group_rows: the
  * group's bytes stay in cache across the tile); float activations and the scalar path unpack
  * each row to the file's blocks in a stack buffer and take the file type's kernels. */
 static void sweep_x8(int t, const uint8_t *w, int64_t ws, int64_t n, const uint8_t *xa, size_t xs,
@@ -1128,8 +1128,6 @@ static void sweep_x8(int t, const uint8_t *w, int64_t ws, int64_t n, const uint8
     const int ft = x8_file_type(t);
 #ifdef LG_AVX2
     const int direct = !f32 && !scalar;
-    const x8_rows_fn rows8 = x8_kernel(t);
-    const x8_rows2_fn rows8x2 = x8_kernel2(t);
 #else
     const int direct = 0; /* activation tiles serve the 8-row kernel only */
     (void)m_tile;
@@ -1141,30 +1139,8 @@ static void sweep_x8(int t, const uint8_t *w, int64_t ws, int64_t n, const uint8
 #ifdef LG_AVX2
             for (int64_t i0 = 0; i0 < m; i0 += m_tile) {
                 const int64_t i1 = i0 + m_tile < m ? i0 + m_tile : m;
-                for (int64_t g = r0; g < r1; g += X8_ROWS) {
-                    int64_t i = i0;
-#ifdef __AVX512VL__
-                    if (t == T_Q4_K_X8) /* four activation rows a visit */
-                        for (; i + 4 <= i1; i += 4) {
-                            const uint8_t *const x4[4] = {xa + i * xs, xa + (i + 1) * xs, xa + (i + 2) * xs, xa + (i + 3) * xs};
-                            float out[4][X8_ROWS];
-                            float *const y4[4] = {out[0], out[1], out[2], out[3]};
-                            q4x8_rows4(w + g * ws, x4, k, y4);
-                            for (int r = 0; r < 4; r++) memcpy(y + (i + r) * ldy + g, out[r], sizeof out[r]);
-                        }
-#endif
-                    for (; i + 2 <= i1; i += 2) { /* two activation rows a visit: codes unpacked once */
-                        float out0[X8_ROWS], out1[X8_ROWS];
-                        rows8x2(w + g * ws, xa + i * xs, xa + (i + 1) * xs, k, out0, out1);
-                        memcpy(y + i * ldy + g, out0, sizeof out0);
-                        memcpy(y + (i + 1) * ldy + g, out1, sizeof out1);
-                    }
-                    for (; i < i1; i++) {
-                        float out[X8_ROWS];
-                        rows8(w + g * ws, xa + i * xs, k, out);
-                        memcpy(y + i * ldy + g, out, sizeof out);
-                    }
-                }
+                for (int64_t g = r0; g < r1; g += X8_ROWS)
+                    x8_group_rows(t, w + g * ws, xa, xs, i0, i1, k, y + g, ldy);
             }
 #endif
             continue;

@@ -86,57 +86,13 @@ AI void q4x8_scales(const uint8_t *g, uint8_t sc[64], uint8_t mn[64]) {
                                                               _mm256_and_si256(_mm256_srli_epi16(h, 2), m30)));
 }
 
-/* 8 repacked rows (group row w, its groups 1152 bytes apart) against one activation row x of
- * 256-value blocks: y[0..7]. Per block, each row's sum of scale x (codes . q) and of
- * min x (sum of q per 32) are exact int32 in its lane, then scaled by d dx and dmin dx. */
-static void q4x8_rows(const uint8_t *w, const uint8_t *x, int64_t k, float *y) {
-    const int64_t nb = k / 256;
-    const float *dxs = (const float *)(x + k);
-    const int16_t *bsum = (const int16_t *)(x + k + 4 * nb);
-    const __m256i m4 = _mm256_set1_epi8(15);
-    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *g = w + b * Q4X8_GROUP_BYTES;
-        const int8_t *xq = (const int8_t *)x + 256 * b;
-        const int16_t *bs = bsum + 16 * b;
-        uint8_t sc[64], mn[64];
-        q4x8_scales(g, sc, mn);
-        __m256i isum = _mm256_setzero_si256(), msum = _mm256_setzero_si256();
-        for (int p = 0; p < 4; p++) {
-            /* two sums per sub-block (even and odd q), added at the end: four independent
-             * dot-product chains of 4 instead of two of 8, so their latency overlaps */
-            __m256i e0 = _mm256_setzero_si256(), e1 = _mm256_setzero_si256();
-            __m256i o0 = _mm256_setzero_si256(), o1 = _mm256_setzero_si256();
-#pragma GCC unroll 4
-            for (int q = 0; q < 8; q += 2) {
-                const __m256i c = _mm256_loadu_si256((const __m256i *)(g + 128 + 256 * p + 32 * q));
-                const __m256i n = _mm256_loadu_si256((const __m256i *)(g + 128 + 256 * p + 32 * q + 32));
-                const uint8_t *xp = (const uint8_t *)xq + 64 * p + 4 * q;
-                e0 = dot_u8s8_acc(e0, _mm256_and_si256(c, m4), _mm256_set1_epi32((int)rd32(xp)));
-                e1 = dot_u8s8_acc(e1, _mm256_and_si256(_mm256_srli_epi16(c, 4), m4), _mm256_set1_epi32((int)rd32(xp + 32)));
-                o0 = dot_u8s8_acc(o0, _mm256_and_si256(n, m4), _mm256_set1_epi32((int)rd32(xp + 4)));
-                o1 = dot_u8s8_acc(o1, _mm256_and_si256(_mm256_srli_epi16(n, 4), m4), _mm256_set1_epi32((int)rd32(xp + 36)));
-            }
-            const __m256i d0 = _mm256_add_epi32(e0, o0), d1 = _mm256_add_epi32(e1, o1);
-            isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(d0, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 16 * p)))));
-            isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(d1, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 16 * p + 8)))));
-        }
-        for (int j = 0; j < 8; j++)
-            msum = _mm256_add_epi32(msum, _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn + 8 * j))),
-                                                             _mm256_set1_epi32(bs[2 * j] + bs[2 * j + 1])));
-        const __m256 dx = _mm256_set1_ps(dxs[b]);
-        const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g)), dx);
-        const __m256 dm = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16))), dx);
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), acc);
-        accm = _mm256_fmadd_ps(dm, _mm256_cvtepi32_ps(msum), accm);
-    }
-    _mm256_storeu_ps(y, _mm256_sub_ps(acc, accm));
-}
-
-/* q4x8_rows for R (2 or 4) activation rows x[0..R-1] (same layout) at once: y[r][0..7]. A
- * group's scales are decoded and each code vector is split into its nibbles once for all R
- * rows, which a batched step otherwise repeats per row; the sums are q4x8_rows' own, in its
- * order, so each output equals that kernel's bit for bit. */
+/* 8 repacked rows (group row w, its groups 1152 bytes apart) against R (1, 2 or 4) activation
+ * rows x[0..R-1] of 256-value blocks: y[r][0..7]. Per block, each row's sum of scale x
+ * (codes . q) and of min x (sum of q per 32) are exact int32 in its lane, then scaled by d dx
+ * and dmin dx. A group's scales are decoded and each code vector split into its nibbles once for
+ * all R rows, and each row's sums run in the same order whatever R is, so a row's output is the
+ * same bits at every R. Each sub-block sums in two chains (even and odd code vectors), added at
+ * the end, so four dot-product chains per row overlap their latency. */
 AI void q4x8_rows_r(const uint8_t *w, const uint8_t *const x[4], int64_t k, float *const y[4],
                     const int R) {
     const int64_t nb = k / 256;
@@ -189,15 +145,18 @@ AI void q4x8_rows_r(const uint8_t *w, const uint8_t *const x[4], int64_t k, floa
     for (int r = 0; r < R; r++) _mm256_storeu_ps(y[r], _mm256_sub_ps(acc[r], accm[r]));
 }
 
-static void q4x8_rows2(const uint8_t *w, const uint8_t *x0, const uint8_t *x1, int64_t k,
-                       float *y0, float *y1) {
-    const uint8_t *const x[4] = {x0, x1, NULL, NULL};
-    float *const y[4] = {y0, y1, NULL, NULL};
+static void q4x8_rows1(const uint8_t *w, const uint8_t *const x[4], int64_t k, float *const y[4]) {
+    q4x8_rows_r(w, x, k, y, 1);
+}
+
+static void q4x8_rows2(const uint8_t *w, const uint8_t *const x[4], int64_t k, float *const y[4]) {
     q4x8_rows_r(w, x, k, y, 2);
 }
 
+#ifdef __AVX512VL__
 /* Four rows a visit: 16 accumulators, which only AVX-512's 32 vector registers hold. */
 static void q4x8_rows4(const uint8_t *w, const uint8_t *const x[4], int64_t k, float *const y[4]) {
     q4x8_rows_r(w, x, k, y, 4);
 }
+#endif
 #endif

@@ -86,87 +86,64 @@ AI void q6x8_codes(const uint8_t *g, const int h, const int q, __m256i code[4]) 
     code[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c1, 4), m4), q6x8_high(qh, 3));
 }
 
-/* isum + the quarter (h, half) of a block: values 16 half .. 16 half + 15 of the 32-value groups
- * 4h .. 4h+3 (q6x8_codes), 4 independent sums. */
-AI __m256i q6x8_quarter(__m256i isum, const uint8_t *g, const uint8_t *xq, const int16_t *bs,
-                        const int h, const int half) {
-    __m256i d[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
-#pragma GCC unroll 4
-    for (int q = 4 * half; q < 4 * half + 4; q++) {
-        __m256i code[4];
-        q6x8_codes(g, h, q, code);
-        for (int s = 0; s < 4; s++)
-            d[s] = dot_u8s8_acc(d[s], code[s], _mm256_set1_epi32((int)rd32(xq + 32 * (4 * h + s) + 4 * q)));
-    }
-    for (int s = 0; s < 4; s++) isum = q6x8_scaled(isum, d[s], g, bs, 2 * (4 * h + s) + half);
-    return isum;
-}
-
-/* 8 repacked rows (group row w, its groups 1680 bytes apart) against one activation row x of
- * 256-value blocks: y[0..7]. Per block, each row's sum over its 16 scales of
- * scale x (codes . q - 32 sum q) is exact int32 in its lane (below 16 x 128 x 16 x 32 x 127 in
- * magnitude), then scaled by d dx. Codes 0..63 keep maddubs' int16 pairs below 2 x 63 x 127. */
-static void q6x8_rows(const uint8_t *w, const uint8_t *x, int64_t k, float *y) {
-    const int64_t nb = k / 256;
-    const float *dxs = (const float *)(x + k);
-    const int16_t *bsum = (const int16_t *)(x + k + 4 * nb);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *g = w + b * Q6X8_GROUP_BYTES, *xq = x + 256 * b;
-        const int16_t *bs = bsum + 16 * b;
-        __m256i isum = q6x8_quarter(_mm256_setzero_si256(), g, xq, bs, 0, 0);
-        isum = q6x8_quarter(isum, g, xq, bs, 0, 1);
-        isum = q6x8_quarter(isum, g, xq, bs, 1, 0);
-        isum = q6x8_quarter(isum, g, xq, bs, 1, 1);
-        const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g)), _mm256_set1_ps(dxs[b]));
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), acc);
-    }
-    _mm256_storeu_ps(y, acc);
-}
-
-/* q6x8_quarter for two activation rows (isum[r] against xq[r], bs[r]): the codes are built
- * once for both; each row's sums are q6x8_quarter's own, in its order. */
-AI void q6x8_quarter2(__m256i isum[2], const uint8_t *g, const uint8_t *const xq[2],
-                      const int16_t *const bs[2], const int h, const int half) {
-    __m256i d[2][4];
-    for (int r = 0; r < 2; r++)
+/* isum[r] + the quarter (h, half) of a block against activation row r (its bytes xq[r], its
+ * sums per 16 bs[r]), r < R: values 16 half .. 16 half + 15 of the 32-value groups 4h .. 4h+3
+ * (q6x8_codes, built once for all R rows), 4 independent sums a row. */
+AI void q6x8_quarter(__m256i isum[4], const uint8_t *g, const uint8_t *const xq[4],
+                     const int16_t *const bs[4], const int h, const int half, const int R) {
+    __m256i d[4][4];
+    for (int r = 0; r < R; r++)
         for (int s = 0; s < 4; s++) d[r][s] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int q = 4 * half; q < 4 * half + 4; q++) {
         __m256i code[4];
         q6x8_codes(g, h, q, code);
-        for (int r = 0; r < 2; r++)
+        for (int r = 0; r < R; r++)
             for (int s = 0; s < 4; s++)
                 d[r][s] = dot_u8s8_acc(d[r][s], code[s], _mm256_set1_epi32((int)rd32(xq[r] + 32 * (4 * h + s) + 4 * q)));
     }
-    for (int r = 0; r < 2; r++)
+    for (int r = 0; r < R; r++)
         for (int s = 0; s < 4; s++) isum[r] = q6x8_scaled(isum[r], d[r][s], g, bs[r], 2 * (4 * h + s) + half);
 }
 
-/* q6x8_rows for two activation rows x0 and x1 at once (y0, y1), each output that kernel's
- * bit for bit. */
-static void q6x8_rows2(const uint8_t *w, const uint8_t *x0, const uint8_t *x1, int64_t k,
-                       float *y0, float *y1) {
+/* 8 repacked rows (group row w, its groups 1680 bytes apart) against R (1 or 2) activation rows
+ * x[0..R-1] of 256-value blocks: y[r][0..7]. Per block, each row's sum over its 16 scales of
+ * scale x (codes . q - 32 sum q) is exact int32 in its lane (below 16 x 128 x 16 x 32 x 127 in
+ * magnitude), then scaled by d dx; a row's sums run in the same order whatever R is. Codes
+ * 0..63 keep maddubs' int16 pairs below 2 x 63 x 127. */
+AI void q6x8_rows_r(const uint8_t *w, const uint8_t *const x[4], int64_t k, float *const y[4],
+                    const int R) {
     const int64_t nb = k / 256;
-    const uint8_t *xs[2] = {x0, x1};
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *g = w + b * Q6X8_GROUP_BYTES;
-        const uint8_t *const xq[2] = {x0 + 256 * b, x1 + 256 * b};
-        const int16_t *const bs[2] = {(const int16_t *)(x0 + k + 4 * nb) + 16 * b,
-                                      (const int16_t *)(x1 + k + 4 * nb) + 16 * b};
-        __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-        q6x8_quarter2(isum, g, xq, bs, 0, 0);
-        q6x8_quarter2(isum, g, xq, bs, 0, 1);
-        q6x8_quarter2(isum, g, xq, bs, 1, 0);
-        q6x8_quarter2(isum, g, xq, bs, 1, 1);
+        const uint8_t *xq[4];
+        const int16_t *bs[4];
+        __m256i isum[4];
+        for (int r = 0; r < R; r++) {
+            xq[r] = x[r] + 256 * b;
+            bs[r] = (const int16_t *)(x[r] + k + 4 * nb) + 16 * b;
+            isum[r] = _mm256_setzero_si256();
+        }
+        q6x8_quarter(isum, g, xq, bs, 0, 0, R);
+        q6x8_quarter(isum, g, xq, bs, 0, 1, R);
+        q6x8_quarter(isum, g, xq, bs, 1, 0, R);
+        q6x8_quarter(isum, g, xq, bs, 1, 1, R);
         const __m256 dh = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
-        for (int r = 0; r < 2; r++) {
-            const __m256 d = _mm256_mul_ps(dh, _mm256_set1_ps(((const float *)(xs[r] + k))[b]));
+        for (int r = 0; r < R; r++) {
+            const __m256 d = _mm256_mul_ps(dh, _mm256_set1_ps(((const float *)(x[r] + k))[b]));
             acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum[r]), acc[r]);
         }
     }
-    _mm256_storeu_ps(y0, acc[0]);
-    _mm256_storeu_ps(y1, acc[1]);
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(y[r], acc[r]);
+}
+
+static void q6x8_rows1(const uint8_t *w, const uint8_t *const x[4], int64_t k, float *const y[4]) {
+    q6x8_rows_r(w, x, k, y, 1);
+}
+
+static void q6x8_rows2(const uint8_t *w, const uint8_t *const x[4], int64_t k, float *const y[4]) {
+    q6x8_rows_r(w, x, k, y, 2);
 }
 #endif

@@ -40,13 +40,38 @@ static void x8_unpack_row(int t, const uint8_t *w, int64_t ws, int64_t r, int64_
 
 #ifdef LG_AVX2
 /* 8 repacked rows (group row w) against one quantized activation row x: y[0..7]. */
-typedef void (*x8_rows_fn)(const uint8_t *w, const uint8_t *x, int64_t k, float *y);
+typedef void (*x8_rows_fn)(const uint8_t *w, const uint8_t *const x[4], int64_t k, float *const y[4]);
 
-static x8_rows_fn x8_kernel(int t) { return t == T_Q4_K_X8 ? q4x8_rows : q6x8_rows; }
+/* Type t's kernel for R activation rows a visit (each output the same bits at every R), or NULL
+ * where t has none for R: Q4_K takes 1, 2 and, with AVX-512's 32 vector registers, 4; Q6_K 1
+ * and 2. */
+static x8_rows_fn x8_kernel(int t, int R) {
+    const int q4 = t == T_Q4_K_X8;
+    switch (R) {
+    case 1: return q4 ? q4x8_rows1 : q6x8_rows1;
+    case 2: return q4 ? q4x8_rows2 : q6x8_rows2;
+#ifdef __AVX512VL__
+    case 4: return q4 ? q4x8_rows4 : NULL;
+#endif
+    default: return NULL;
+    }
+}
 
-/* Two activation rows a visit (x0, x1 -> y0, y1), each output x8_kernel's bit for bit. */
-typedef void (*x8_rows2_fn)(const uint8_t *w, const uint8_t *x0, const uint8_t *x1, int64_t k,
-                            float *y0, float *y1);
-
-static x8_rows2_fn x8_kernel2(int t) { return t == T_Q4_K_X8 ? q4x8_rows2 : q6x8_rows2; }
+/* Activation rows i0 .. i1-1 (row i at xa + i * xs) against the 8 repacked rows of group row wg
+ * of type t, as many rows a visit as a kernel takes (4, then 2, then 1): codes unpacked once a
+ * visit. Output row i's 8 values at y + i * ldy. */
+static void x8_group_rows(int t, const uint8_t *wg, const uint8_t *xa, size_t xs, int64_t i0,
+                          int64_t i1, int64_t k, float *y, int64_t ldy) {
+    int64_t i = i0;
+    for (int R = 4; R >= 1; R /= 2) {
+        const x8_rows_fn fn = x8_kernel(t, R);
+        for (; fn && i + R <= i1; i += R) {
+            const uint8_t *x[4] = {NULL, NULL, NULL, NULL};
+            float out[4][X8_ROWS], *yr[4] = {out[0], out[1], out[2], out[3]};
+            for (int r = 0; r < R; r++) x[r] = xa + (i + r) * xs;
+            fn(wg, x, k, yr);
+            for (int r = 0; r < R; r++) memcpy(y + (i + r) * ldy, out[r], sizeof out[r]);
+        }
+    }
+}
 #endif
