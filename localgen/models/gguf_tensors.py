@@ -1,4 +1,6 @@
-"""One GGUF tensor's data as a torch tensor, and the map's pages given back once it is copied.
+"""One GGUF tensor's data as a torch tensor: the host buffer a tensor's blocks are read into
+(its pages faulted in first), the read itself, llama.cpp's Q/K row permutation undone in place,
+and the map's pages given back once a tensor is copied out of it.
 
 A tensor here is a `gguf.ReaderTensor` (its ``data`` a view into the reader's memory map). Float
 types are copied as they are stored; every quantized type that ``gguf.quants`` dequantizes is
@@ -13,6 +15,8 @@ from functools import lru_cache
 
 import numpy as np
 import torch
+
+from localgen.quant.gguf_blocks import unpermuted_heads
 
 
 POPULATE_MIN_BYTES = 1 << 20  # smaller buffers come from the allocator's pool
@@ -45,7 +49,6 @@ def populate(mm: mmap.mmap, n: int) -> bool:
         return False
     import ctypes
     import os
-    import threading
 
     base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
     page = mmap.PAGESIZE
@@ -155,7 +158,7 @@ def unpermute_qk_(w: torch.Tensor, n_head: int) -> torch.Tensor:
         part = flat[h * per_head:min(n_head, h + step) * per_head]
         tmp = scratch[:part.shape[0]].copy_(part)
         g = part.shape[0] // per_head
-        part.view(g, 2, per_head // 2, -1).copy_(tmp.view(g, per_head // 2, 2, -1).transpose(1, 2))
+        part.view(g, 2, per_head // 2, -1).copy_(unpermuted_heads(tmp, g))
     return w
 
 

@@ -44,8 +44,14 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     rows hold (num_kv_heads for K). Rows move whole, so it applies to float rows and to rows of
     blocks alike.
     """
+    return unpermuted_heads(w, n_head).reshape(w.shape)
+
+
+def unpermuted_heads(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """``w``'s rows as ``[n_head, 2, head_dim/2, ...]`` in HF order: a view (no copy) whose rows,
+    read in order, are ``unpermute_qk(w, n_head)``'s."""
     half = w.shape[0] // n_head // 2
-    return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2)
 
 
 def block_size(qtype: int) -> int:
