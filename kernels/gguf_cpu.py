@@ -66,6 +66,7 @@ ACTIVATIONS = ("q8", "f32")
 # step gets many chunks to balance, large enough that a chunk's rows stream sequentially.
 X_TILE_BYTES = 160 * 1024
 W_CHUNK_BYTES = 48 * 1024
+CHUNKS_PER_THREAD = 4  # the dynamic schedule's slack for a thread that starts late
 # Weight bytes x rows below which one thread beats entering a parallel region.
 MIN_PARALLEL_WORK = 64 * 1024
 
@@ -136,11 +137,15 @@ def _layout(qtype: int, k: int) -> tuple[int, int]:
 
 def _plan(m: int, n: int, k: int, qtype: int, wrow: int, xrow: int) -> tuple[int, int, int]:
     """(threads, m_tile, n_chunk) for one call: tiles of m in multiples of 4 (the kernel's
-    rows per weight unpack) of ``xrow``-byte activation rows, chunks of n sized by
-    W_CHUNK_BYTES, at least 4 per thread."""
+    rows per weight unpack) of ``xrow``-byte activation rows, CHUNKS_PER_THREAD chunks of n.
+    Where m spans several tiles, each tile reads a chunk again, so a chunk is also at most
+    W_CHUNK_BYTES (it stays in cache between tiles); with one tile each weight is read once,
+    and a thread's chunk is one long run of memory, which the hardware prefetcher streams best."""
     threads = torch.get_num_threads() if n * wrow * m >= MIN_PARALLEL_WORK else 1
     m_tile = max(4, X_TILE_BYTES // xrow // 4 * 4)
-    n_chunk = max(1, min(W_CHUNK_BYTES // wrow, -(-n // (4 * threads))))
+    n_chunk = max(1, -(-n // (CHUNKS_PER_THREAD * threads)))
+    if m > m_tile:
+        n_chunk = max(1, min(W_CHUNK_BYTES // wrow, n_chunk))
     return threads, m_tile, n_chunk
 
 

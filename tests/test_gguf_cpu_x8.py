@@ -103,6 +103,8 @@ def test_bits_whatever_the_split(qtype, m, seed, monkeypatch):
     want = gguf_cpu.matmul(x, x8, X8, 768)
     monkeypatch.setattr(gguf_cpu, "W_CHUNK_BYTES", 1)
     monkeypatch.setattr(gguf_cpu, "X_TILE_BYTES", 1)
+    monkeypatch.setattr(gguf_cpu, "CHUNKS_PER_THREAD", x8.shape[0])
+    assert gguf_cpu._plan(m, x8.shape[0], 768, X8, x8.shape[1], 1024)[2] == 1
     assert torch.equal(gguf_cpu.matmul(x, x8, X8, 768), want)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert torch.equal(gguf_cpu.matmul(x, x8, X8, 768), want)

@@ -168,6 +168,48 @@ def test_empty_rows_faults_its_pages_in_before_they_are_written():
     assert int(buf[:: 997].sum()) == 0
 
 
+def _mapping_fields(addr: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds address addr."""
+    fields, inside = {}, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                if inside:
+                    break
+                inside = lo <= addr < hi
+            elif inside:
+                key, _, value = line.partition(":")
+                fields[key] = value.strip()
+    return fields
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
+
+
+@pytest.mark.skipif(_thp_mode() == "never", reason="no transparent huge pages here")
+def test_empty_rows_asks_for_huge_pages_from_a_huge_page_boundary(monkeypatch):
+    """A weight buffer of a few huge pages starts on a 2 MiB boundary and its mapping may take
+    transparent huge pages (smaps' THPeligible); with LOCALGEN_HUGE_PAGES=0 it is not advised."""
+    from localgen.models import gguf_tensors
+    from localgen.models.gguf_tensors import HUGE_PAGE_BYTES, empty_rows
+
+    buf = empty_rows(3 * HUGE_PAGE_BYTES // 4096, 4096)
+    assert buf.data_ptr() % HUGE_PAGE_BYTES == 0
+    fields = _mapping_fields(buf.data_ptr())
+    assert fields.get("THPeligible") == "1", fields
+    if _thp_mode() == "madvise":  # where every anonymous map is eligible, there is no contrast
+        monkeypatch.setenv(gguf_tensors.HUGE_PAGES_ENV, "0")
+        plain = empty_rows(3 * HUGE_PAGE_BYTES // 4096, 4096)
+        assert _mapping_fields(plain.data_ptr()).get("THPeligible") == "0"
+
+
 @pytest.mark.parametrize("rows,width", [(3, 144), (1024, 1040)])  # below and above 1 MiB
 def test_empty_rows_is_writable_row_memory_that_outlives_its_views(rows, width):
     """A tensor's byte buffer: ``[rows, width]`` contiguous uint8, writable; a row view keeps

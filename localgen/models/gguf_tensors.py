@@ -22,6 +22,8 @@ from localgen.quant.gguf_blocks import unpermuted_heads
 POPULATE_MIN_BYTES = 1 << 20  # smaller buffers come from the allocator's pool
 POPULATE_CHUNK_BYTES = 16 << 20  # the least one thread faults in (thread start-up stays small)
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14 (madvise(2))
+HUGE_PAGE_BYTES = 2 << 20  # x86-64's and arm64's (4 KiB granule) transparent huge page
+HUGE_PAGES_ENV = "LOCALGEN_HUGE_PAGES"  # "0": weight buffers in base pages only
 
 
 def empty_rows(rows: int, width: int) -> torch.Tensor:
@@ -30,27 +32,63 @@ def empty_rows(rows: int, width: int) -> torch.Tensor:
     the ``preadv`` that fills it, split across the machine's cores (``populate``): first-touch
     faults, not the copy, are what a load spends its time on, and one thread faulting a page at
     a time inside the copy leaves the other cores idle. The tensor keeps the map alive.
-    Elsewhere (no anonymous maps) a plain ``torch.empty``."""
+    Elsewhere (no anonymous maps) a plain ``torch.empty``.
+
+    A buffer of at least ``HUGE_PAGE_BYTES`` starts on a huge-page boundary and asks for
+    transparent huge pages (``madvise(MADV_HUGEPAGE)``, the kernel's
+    admin-guide/mm/transhuge), unless ``LOCALGEN_HUGE_PAGES`` is 0: a decode step streams every
+    weight once, and with 4 KiB pages each page costs a TLB miss and stops the hardware
+    prefetcher at its edge. Only whole 2 MiB spans inside the buffer become huge pages, so it
+    holds no memory beyond its bytes; the alignment slack in front is never touched."""
     n = rows * width
     if n < POPULATE_MIN_BYTES or not hasattr(mmap, "MAP_ANONYMOUS"):
         return torch.empty(rows, width, dtype=torch.uint8)
-    mm = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if not populate(mm, n) and hasattr(mmap, "MAP_POPULATE"):  # a kernel before 5.14
+    huge = _huge_pages_wanted(n)
+    slack = HUGE_PAGE_BYTES - mmap.PAGESIZE if huge else 0
+    mm = mmap.mmap(-1, n + slack, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = _huge_aligned_start(mm, n) if huge else 0
+    if not populate(mm, n, start) and hasattr(mmap, "MAP_POPULATE"):  # a kernel before 5.14
         mm = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
-    return torch.frombuffer(mm, dtype=torch.uint8).view(rows, width)
+        start = 0
+    return torch.frombuffer(mm, dtype=torch.uint8, offset=start, count=n).view(rows, width)
 
 
-def populate(mm: mmap.mmap, n: int) -> bool:
-    """Fault in the first ``n`` bytes of writable map ``mm`` with ``madvise(MADV_POPULATE_WRITE)``
-    in page-aligned chunks of at least ``POPULATE_CHUNK_BYTES``, one thread a core (ctypes drops
-    the GIL for the call). False, with nothing done, where the kernel or libc lacks the advice."""
+def _huge_pages_wanted(n: int) -> bool:
+    """Whether a buffer of n bytes asks for transparent huge pages: one fits in it, the platform
+    has the advice and ``LOCALGEN_HUGE_PAGES`` is not 0."""
+    import os
+
+    return (n >= HUGE_PAGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE")
+            and os.environ.get(HUGE_PAGES_ENV, "1") != "0")
+
+
+def _huge_aligned_start(mm: mmap.mmap, n: int) -> int:
+    """The offset in ``mm`` of its first huge-page boundary, the n bytes from there advised
+    ``MADV_HUGEPAGE`` (a kernel without transparent huge pages refuses the advice: the bytes
+    then stay in base pages)."""
+    import ctypes
+
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    start = -base % HUGE_PAGE_BYTES
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE, start, n)
+    except OSError:
+        pass
+    return start
+
+
+def populate(mm: mmap.mmap, n: int, start: int = 0) -> bool:
+    """Fault in the ``n`` bytes of writable map ``mm`` from offset ``start`` (page-aligned) with
+    ``madvise(MADV_POPULATE_WRITE)`` in page-aligned chunks of at least ``POPULATE_CHUNK_BYTES``,
+    one thread a core (ctypes drops the GIL for the call). False, with nothing done, where the
+    kernel or libc lacks the advice."""
     libc = _libc_madvise()
     if libc is None:
         return False
     import ctypes
     import os
 
-    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm)) + start
     page = mmap.PAGESIZE
     parts = max(1, min(os.cpu_count() or 1, n // POPULATE_CHUNK_BYTES))
     step = -(-n // parts // page) * page
