@@ -66,7 +66,7 @@ ACTIVATIONS = ("q8", "f32")
 # step gets many chunks to balance, large enough that a chunk's rows stream sequentially.
 X_TILE_BYTES = 160 * 1024
 W_CHUNK_BYTES = 48 * 1024
-CHUNKS_PER_THREAD = 4  # the dynamic schedule's slack for a thread that starts late
+CHUNKS_PER_THREAD = 4  # the schedule's slack for a thread that starts late
 # Weight bytes x rows below which one thread beats entering a parallel region.
 MIN_PARALLEL_WORK = 64 * 1024
 
@@ -137,15 +137,14 @@ def _layout(qtype: int, k: int) -> tuple[int, int]:
 
 def _plan(m: int, n: int, k: int, qtype: int, wrow: int, xrow: int) -> tuple[int, int, int]:
     """(threads, m_tile, n_chunk) for one call: tiles of m in multiples of 4 (the kernel's
-    rows per weight unpack) of ``xrow``-byte activation rows, CHUNKS_PER_THREAD chunks of n.
-    Where m spans several tiles, each tile reads a chunk again, so a chunk is also at most
-    W_CHUNK_BYTES (it stays in cache between tiles); with one tile each weight is read once,
-    and a thread's chunk is one long run of memory, which the hardware prefetcher streams best."""
+    rows per weight unpack) of ``xrow``-byte activation rows, chunks of n of at most
+    W_CHUNK_BYTES (a chunk stays in cache while each tile reads it), at least
+    CHUNKS_PER_THREAD a thread. The C hands the chunks out guided (OpenMP's ``schedule(guided)``):
+    a thread's first take is a long run of consecutive chunks, which the hardware prefetcher
+    streams, and the last takes are single chunks, so the threads finish together."""
     threads = torch.get_num_threads() if n * wrow * m >= MIN_PARALLEL_WORK else 1
     m_tile = max(4, X_TILE_BYTES // xrow // 4 * 4)
-    n_chunk = max(1, -(-n // (CHUNKS_PER_THREAD * threads)))
-    if m > m_tile:
-        n_chunk = max(1, min(W_CHUNK_BYTES // wrow, n_chunk))
+    n_chunk = max(1, min(W_CHUNK_BYTES // wrow, -(-n // (CHUNKS_PER_THREAD * threads))))
     return threads, m_tile, n_chunk
 
 

@@ -95,8 +95,9 @@ def test_q6_k_extreme_codes_and_scales(seed):
 @by_type
 @pytest.mark.parametrize("m", [1, 9])
 def test_bits_whatever_the_split(qtype, m, seed, monkeypatch):
-    """Outputs do not depend on the thread split (chunks round up to whole 8-row groups) or the
-    activation tiles."""
+    """Outputs do not depend on the thread split (chunks round up to whole 8-row groups), the
+    activation tiles or how many activation rows a kernel takes a visit (4, 2, 1 at m = 9; each
+    row alone takes the one-row kernel)."""
     raw, x8 = pair(seed, qtype, k=768)
     X8 = gguf_cpu.REPACKED[qtype]
     x = torch.randn(m, 768)
@@ -108,6 +109,8 @@ def test_bits_whatever_the_split(qtype, m, seed, monkeypatch):
     assert torch.equal(gguf_cpu.matmul(x, x8, X8, 768), want)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert torch.equal(gguf_cpu.matmul(x, x8, X8, 768), want)
+    for i in range(m):
+        assert torch.equal(gguf_cpu.matmul(x[i:i + 1], x8, X8, 768), want[i:i + 1])
 
 
 @pytest.mark.parametrize("m", [1, 5])

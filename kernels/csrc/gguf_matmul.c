@@ -11,7 +11,8 @@
  * once per block. Weight offsets and minimums are applied through the activation sums, so the
  * unsigned weight codes go into maddubs as they are.
  *
- * Threads take chunks of output rows (dynamic, so a core slowed by another process does less);
+ * Threads take chunks of output rows, guided: long runs of consecutive chunks first, which the
+ * hardware prefetcher streams, then single chunks, so a core slowed by another process does less;
  * each weight row is read from memory once per call: it meets up to 4 activation rows per
  * unpack, and the activation rows come in tiles that stay in L2 while the chunk's weights do.
  * A single activation row (a decode step) meets four weight rows a call, each read front to back,
@@ -1132,7 +1133,7 @@ static void sweep_x8(int t, const uint8_t *w, int64_t ws, int64_t n, const uint8
     const int direct = 0; /* activation tiles serve the 8-row kernel only */
     (void)m_tile;
 #endif
-#pragma omp for schedule(dynamic, 1) nowait
+#pragma omp for schedule(guided, 1) nowait
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t r0 = c * chunk, r1 = r0 + chunk < n ? r0 + chunk : n;
         if (direct) {
@@ -1159,7 +1160,7 @@ static void sweep_x8(int t, const uint8_t *w, int64_t ws, int64_t n, const uint8
 
 /* The shared work split, run inside a parallel region (its loop is an orphaned omp for, nowait:
  * the caller's region ends in a barrier, and consecutive sweeps write apart): threads take
- * chunks of n_chunk output rows; within a chunk, activation rows go m_tile at a time, 4 per
+ * chunks of n_chunk output rows, guided; within a chunk, activation rows go m_tile at a time, 4 per
  * weight-row visit. Activation row i is at xa + i * xs bytes: quantized rows for rows(), float32
  * rows (xs = 4 k) for rowsf() when f32. Output row i starts at y + i * ldy. */
 static void sweep(int qtype, const uint8_t *w, int64_t w_stride, int64_t n, const uint8_t *xa,
@@ -1173,7 +1174,7 @@ static void sweep(int qtype, const uint8_t *w, int64_t w_stride, int64_t n, cons
 #ifdef LG_AVX2
     const w4_fn w4 = m == 1 && !f32 && !scalar ? w4_kernel(qtype) : NULL;
 #endif
-#pragma omp for schedule(dynamic, 1) nowait
+#pragma omp for schedule(guided, 1) nowait
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t r0 = c * n_chunk, r1 = r0 + n_chunk < n ? r0 + n_chunk : n;
         int64_t r4 = r0;

@@ -106,7 +106,7 @@ AI void q6x8_quarter(__m256i isum[4], const uint8_t *g, const uint8_t *const xq[
         for (int s = 0; s < 4; s++) isum[r] = q6x8_scaled(isum[r], d[r][s], g, bs[r], 2 * (4 * h + s) + half);
 }
 
-/* 8 repacked rows (group row w, its groups 1680 bytes apart) against R (1 or 2) activation rows
+/* 8 repacked rows (group row w, its groups 1680 bytes apart) against R (1, 2 or 4) activation rows
  * x[0..R-1] of 256-value blocks: y[r][0..7]. Per block, each row's sum over its 16 scales of
  * scale x (codes . q - 32 sum q) is exact int32 in its lane (below 16 x 128 x 16 x 32 x 127 in
  * magnitude), then scaled by d dx; a row's sums run in the same order whatever R is. Codes
@@ -146,4 +146,11 @@ static void q6x8_rows1(const uint8_t *w, const uint8_t *const x[4], int64_t k, f
 static void q6x8_rows2(const uint8_t *w, const uint8_t *const x[4], int64_t k, float *const y[4]) {
     q6x8_rows_r(w, x, k, y, 2);
 }
+
+#ifdef __AVX512VL__
+/* Four rows a visit: 16 dot-product accumulators, which only AVX-512's 32 vector registers hold. */
+static void q6x8_rows4(const uint8_t *w, const uint8_t *const x[4], int64_t k, float *const y[4]) {
+    q6x8_rows_r(w, x, k, y, 4);
+}
+#endif
 #endif

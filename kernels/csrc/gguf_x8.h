@@ -43,15 +43,14 @@ static void x8_unpack_row(int t, const uint8_t *w, int64_t ws, int64_t r, int64_
 typedef void (*x8_rows_fn)(const uint8_t *w, const uint8_t *const x[4], int64_t k, float *const y[4]);
 
 /* Type t's kernel for R activation rows a visit (each output the same bits at every R), or NULL
- * where t has none for R: Q4_K takes 1, 2 and, with AVX-512's 32 vector registers, 4; Q6_K 1
- * and 2. */
+ * where t has none for R: 1, 2 and, with AVX-512's 32 vector registers, 4. */
 static x8_rows_fn x8_kernel(int t, int R) {
     const int q4 = t == T_Q4_K_X8;
     switch (R) {
     case 1: return q4 ? q4x8_rows1 : q6x8_rows1;
     case 2: return q4 ? q4x8_rows2 : q6x8_rows2;
 #ifdef __AVX512VL__
-    case 4: return q4 ? q4x8_rows4 : NULL;
+    case 4: return q4 ? q4x8_rows4 : q6x8_rows4;
 #endif
     default: return NULL;
     }
