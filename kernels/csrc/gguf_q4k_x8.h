@@ -131,12 +131,17 @@ AI void q4x8_rows_r(const uint8_t *w, const uint8_t *const x[4], int64_t k, floa
         }
         const __m256 dh = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
         const __m256 dmh = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));
+        __m256i mn2[8]; /* sub-block j's mins, each in both int16 halves of its row's lane */
+        for (int j = 0; j < 8; j++) {
+            const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn + 8 * j)));
+            mn2[j] = _mm256_or_si256(m, _mm256_slli_epi32(m, 16));
+        }
         for (int r = 0; r < R; r++) {
-            const int16_t *bs = (const int16_t *)(x[r] + k + 4 * nb) + 16 * b;
+            /* sum over j of min j x (the activation sums of its two 16-value halves): one
+             * int16 pair product a sub-block, the halves' sums read as one 32-bit word */
+            const uint8_t *bs = x[r] + k + 4 * nb + 32 * b;
             __m256i msum = _mm256_setzero_si256();
-            for (int j = 0; j < 8; j++)
-                msum = _mm256_add_epi32(msum, _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn + 8 * j))),
-                                                                 _mm256_set1_epi32(bs[2 * j] + bs[2 * j + 1])));
+            for (int j = 0; j < 8; j++) msum = madd_acc(msum, mn2[j], _mm256_set1_epi32((int)rd32(bs + 4 * j)));
             const __m256 dx = _mm256_set1_ps(((const float *)(x[r] + k))[b]);
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dh, dx), _mm256_cvtepi32_ps(isum[r]), acc[r]);
             accm[r] = _mm256_fmadd_ps(_mm256_mul_ps(dmh, dx), _mm256_cvtepi32_ps(msum), accm[r]);

@@ -65,11 +65,28 @@ AI __m256i q6x8_high(__m256i qh, const int s) {
     }
 }
 
-/* acc + scale j's 8 lanes times (d - 32 * the activation sum of its 16 values): the codes'
- * offset of 32 comes off through the activations' sums per 16. */
-AI __m256i q6x8_scaled(__m256i acc, __m256i d, const uint8_t *g, const int16_t *bs, const int j) {
+/* acc + scale j's 8 lanes times d. */
+AI __m256i q6x8_scaled(__m256i acc, __m256i d, const uint8_t *g, const int j) {
     const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(g + 16 + 8 * j)));
-    return _mm256_add_epi32(acc, _mm256_mullo_epi32(_mm256_sub_epi32(d, _mm256_set1_epi32(32 * bs[j])), sc));
+    return _mm256_add_epi32(acc, _mm256_mullo_epi32(d, sc));
+}
+
+/* Scales 2i and 2i+1 of each row as an int16 pair in its lane, i = 0..7. */
+AI void q6x8_scale_pairs(const uint8_t *g, __m256i sc2[8]) {
+    for (int i = 0; i < 8; i++) {
+        const __m256i a = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(g + 16 + 16 * i)));
+        const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(g + 24 + 16 * i)));
+        sc2[i] = _mm256_blend_epi16(a, _mm256_slli_epi32(b, 16), 0xAA);
+    }
+}
+
+/* acc - 32 x the sum over the 16 scales of scale x the activation sum of its 16 values (bs,
+ * which the block's 16 int16 sums hold in order): the codes' offset of 32, one int16 pair
+ * product per two scales. */
+AI __m256i q6x8_offset(__m256i acc, const __m256i sc2[8], const int16_t *bs) {
+    __m256i c = _mm256_setzero_si256();
+    for (int i = 0; i < 8; i++) c = madd_acc(c, sc2[i], _mm256_set1_epi32((int)rd32((const uint8_t *)(bs + 2 * i))));
+    return _mm256_sub_epi32(acc, _mm256_slli_epi32(c, 5));
 }
 
 /* The codes 0..63 of 4-value group q of the 32-value groups 4h .. 4h+3 (code[s]: group 4h + s),
@@ -86,11 +103,12 @@ AI void q6x8_codes(const uint8_t *g, const int h, const int q, __m256i code[4]) 
     code[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c1, 4), m4), q6x8_high(qh, 3));
 }
 
-/* isum[r] + the quarter (h, half) of a block against activation row r (its bytes xq[r], its
- * sums per 16 bs[r]), r < R: values 16 half .. 16 half + 15 of the 32-value groups 4h .. 4h+3
- * (q6x8_codes, built once for all R rows), 4 independent sums a row. */
-AI void q6x8_quarter(__m256i isum[4], const uint8_t *g, const uint8_t *const xq[4],
-                     const int16_t *const bs[4], const int h, const int half, const int R) {
+/* isum[r] + the quarter (h, half) of a block against activation row r (its bytes xq[r]), r < R,
+ * each 16 values' sum times its scale: values 16 half .. 16 half + 15 of the 32-value groups
+ * 4h .. 4h+3 (q6x8_codes, built once for all R rows), 4 independent sums a row. The codes'
+ * offset of 32 comes off once a block (q6x8_offset). */
+AI void q6x8_quarter(__m256i isum[4], const uint8_t *g, const uint8_t *const xq[4], const int h,
+                     const int half, const int R) {
     __m256i d[4][4];
     for (int r = 0; r < R; r++)
         for (int s = 0; s < 4; s++) d[r][s] = _mm256_setzero_si256();
@@ -103,7 +121,7 @@ AI void q6x8_quarter(__m256i isum[4], const uint8_t *g, const uint8_t *const xq[
                 d[r][s] = dot_u8s8_acc(d[r][s], code[s], _mm256_set1_epi32((int)rd32(xq[r] + 32 * (4 * h + s) + 4 * q)));
     }
     for (int r = 0; r < R; r++)
-        for (int s = 0; s < 4; s++) isum[r] = q6x8_scaled(isum[r], d[r][s], g, bs[r], 2 * (4 * h + s) + half);
+        for (int s = 0; s < 4; s++) isum[r] = q6x8_scaled(isum[r], d[r][s], g, 2 * (4 * h + s) + half);
 }
 
 /* 8 repacked rows (group row w, its groups 1680 bytes apart) against R (1, 2 or 4) activation rows
@@ -126,12 +144,15 @@ AI void q6x8_rows_r(const uint8_t *w, const uint8_t *const x[4], int64_t k, floa
             bs[r] = (const int16_t *)(x[r] + k + 4 * nb) + 16 * b;
             isum[r] = _mm256_setzero_si256();
         }
-        q6x8_quarter(isum, g, xq, bs, 0, 0, R);
-        q6x8_quarter(isum, g, xq, bs, 0, 1, R);
-        q6x8_quarter(isum, g, xq, bs, 1, 0, R);
-        q6x8_quarter(isum, g, xq, bs, 1, 1, R);
+        q6x8_quarter(isum, g, xq, 0, 0, R);
+        q6x8_quarter(isum, g, xq, 0, 1, R);
+        q6x8_quarter(isum, g, xq, 1, 0, R);
+        q6x8_quarter(isum, g, xq, 1, 1, R);
+        __m256i sc2[8];
+        q6x8_scale_pairs(g, sc2);
         const __m256 dh = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
         for (int r = 0; r < R; r++) {
+            isum[r] = q6x8_offset(isum[r], sc2, bs[r]);
             const __m256 d = _mm256_mul_ps(dh, _mm256_set1_ps(((const float *)(x[r] + k))[b]));
             acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum[r]), acc[r]);
         }
