@@ -14,7 +14,7 @@
  * Threads take chunks of output rows, guided: long runs of consecutive chunks first, which the
  * hardware prefetcher streams, then single chunks, so a core slowed by another process does less;
  * each weight row is read from memory once per call: it meets up to 4 activation rows per
- * unpack, and the activation rows come in tiles that stay in L2 while the chunk's weights do.
+ * unpack (8 for the 32-value types where AVX-512 is), and the activation rows come in tiles that stay in L2 while the chunk's weights do.
  * A single activation row (a decode step) meets four weight rows a call, each read front to back,
  * ended by one 4-way horizontal add. A matrix may come as segments of different types (a layer's
  * q/k/v, T_SEGMENTS), swept in one call.
@@ -495,8 +495,8 @@ AI __m128 hsum4_ps(const __m256 a[4]) {
 AI void rows32(const int t, const uint8_t *w, const uint8_t *x, size_t xs, int64_t k, float *y,
                int64_t ys, const int nx) {
     const int64_t nb = k / 32;
-    __m256 acc[2][4];
-    __m128 acs[2][4];
+    __m256 acc[2][8];
+    __m128 acs[2][8];
     for (int a = 0; a < 2; a++)
         for (int j = 0; j < nx; j++) {
             acc[a][j] = _mm256_setzero_ps();
@@ -1026,14 +1026,43 @@ ROWS_N(1)
 ROWS_N(2)
 ROWS_N(3)
 ROWS_N(4)
+
+#ifdef __AVX512VL__
+/* Eight activation rows a weight-row visit for the 32-value types, whose 16 accumulators AVX-512's
+ * 32 vector registers hold: a block's weights are unpacked once for the eight. Each row's sums
+ * are those of rows32 at any nx above 1, so the outputs are the same bits as four a visit. */
+#define ROWS_PER_VISIT_32 8
+static void rows32_8(int t, const uint8_t *w, const uint8_t *x, size_t xs, int64_t k, float *y,
+                     int64_t ys) {
+    switch (t) {
+    case T_Q4_0: rows32(T_Q4_0, w, x, xs, k, y, ys, 8); break;
+    case T_Q4_1: rows32(T_Q4_1, w, x, xs, k, y, ys, 8); break;
+    case T_Q5_0: rows32(T_Q5_0, w, x, xs, k, y, ys, 8); break;
+    case T_Q5_1: rows32(T_Q5_1, w, x, xs, k, y, ys, 8); break;
+    case T_Q8_0: rows32(T_Q8_0, w, x, xs, k, y, ys, 8); break;
+    case T_IQ4_NL: rows32(T_IQ4_NL, w, x, xs, k, y, ys, 8); break;
+    }
+}
+#endif
 #endif /* LG_AVX2 */
 
-/* One weight row against nx <= 4 activation rows. */
+#ifndef ROWS_PER_VISIT_32
+#define ROWS_PER_VISIT_32 4
+#endif
+
+/* How many activation rows one weight row of qtype meets a visit of the quantized path: 8 for
+ * the 32-value types with AVX-512, else 4. */
+static int rows_per_visit(int qtype) { return block_values(qtype) == 32 ? ROWS_PER_VISIT_32 : 4; }
+
+/* One weight row against nx activation rows: up to 4, or rows_per_visit(t). */
 static void rows(int t, const uint8_t *w, const uint8_t *x, size_t xs, int64_t k, float *y,
                  int64_t ys, int nx, int scalar) {
 #ifdef LG_AVX2
     if (!scalar) {
         switch (nx) {
+#if ROWS_PER_VISIT_32 == 8
+        case 8: rows32_8(t, w, x, xs, k, y, ys); return;
+#endif
         case 1: rows_avx2_1(t, w, x, xs, k, y, ys); return;
         case 2: rows_avx2_2(t, w, x, xs, k, y, ys); return;
         case 3: rows_avx2_3(t, w, x, xs, k, y, ys); return;
@@ -1171,6 +1200,7 @@ static void sweep(int qtype, const uint8_t *w, int64_t w_stride, int64_t n, cons
         return;
     }
     const int64_t chunks = (n + n_chunk - 1) / n_chunk;
+    const int visit = rows_per_visit(qtype);
 #ifdef LG_AVX2
     const w4_fn w4 = m == 1 && !f32 && !scalar ? w4_kernel(qtype) : NULL;
 #endif
@@ -1185,12 +1215,12 @@ static void sweep(int qtype, const uint8_t *w, int64_t w_stride, int64_t n, cons
         for (int64_t i0 = 0; i0 < m; i0 += m_tile) {
             const int64_t i1 = i0 + m_tile < m ? i0 + m_tile : m;
             for (int64_t r = r4; r < r1; r++)
-                for (int64_t i = i0; i < i1; i += 4) {
-                    const int nx = (int)(i1 - i < 4 ? i1 - i : 4);
+                for (int64_t i = i0, nx; i < i1; i += nx) {
+                    nx = i1 - i < 4 ? i1 - i : i1 - i >= visit && !f32 && !scalar ? visit : 4;
                     if (f32) rowsf(qtype, w + r * w_stride, (const float *)(xa + i * xs), k,
-                                   y + i * ldy + r, ldy, nx, scalar);
+                                   y + i * ldy + r, ldy, (int)nx, scalar);
                     else rows(qtype, w + r * w_stride, xa + i * xs, xs, k, y + i * ldy + r, ldy,
-                              nx, scalar);
+                              (int)nx, scalar);
                 }
         }
     }
