@@ -194,18 +194,20 @@ def _thp_mode() -> str:
 
 
 @pytest.mark.skipif(_thp_mode() == "never", reason="no transparent huge pages here")
-def test_empty_rows_asks_for_huge_pages_from_a_huge_page_boundary(monkeypatch):
-    """A weight buffer of a few huge pages starts on a 2 MiB boundary and its mapping may take
-    transparent huge pages (smaps' THPeligible); with LOCALGEN_HUGE_PAGES=0 it is not advised."""
+def test_empty_rows_asks_for_huge_pages_when_told(monkeypatch):
+    """With LOCALGEN_HUGE_PAGES=1 a weight buffer of a few huge pages starts on a 2 MiB boundary
+    and its mapping may take transparent huge pages (smaps' THPeligible); by default it is not
+    advised."""
     from localgen.models import gguf_tensors
     from localgen.models.gguf_tensors import HUGE_PAGE_BYTES, empty_rows
 
+    monkeypatch.setenv(gguf_tensors.HUGE_PAGES_ENV, "1")
     buf = empty_rows(3 * HUGE_PAGE_BYTES // 4096, 4096)
     assert buf.data_ptr() % HUGE_PAGE_BYTES == 0
     fields = _mapping_fields(buf.data_ptr())
     assert fields.get("THPeligible") == "1", fields
     if _thp_mode() == "madvise":  # where every anonymous map is eligible, there is no contrast
-        monkeypatch.setenv(gguf_tensors.HUGE_PAGES_ENV, "0")
+        monkeypatch.delenv(gguf_tensors.HUGE_PAGES_ENV)
         plain = empty_rows(3 * HUGE_PAGE_BYTES // 4096, 4096)
         assert _mapping_fields(plain.data_ptr()).get("THPeligible") == "0"
 

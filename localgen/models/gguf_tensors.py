@@ -23,7 +23,7 @@ POPULATE_MIN_BYTES = 1 << 20  # smaller buffers come from the allocator's pool
 POPULATE_CHUNK_BYTES = 16 << 20  # the least one thread faults in (thread start-up stays small)
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14 (madvise(2))
 HUGE_PAGE_BYTES = 2 << 20  # x86-64's and arm64's (4 KiB granule) transparent huge page
-HUGE_PAGES_ENV = "LOCALGEN_HUGE_PAGES"  # "0": weight buffers in base pages only
+HUGE_PAGES_ENV = "LOCALGEN_HUGE_PAGES"  # "1": weight buffers ask for transparent huge pages
 
 
 def empty_rows(rows: int, width: int) -> torch.Tensor:
@@ -34,12 +34,14 @@ def empty_rows(rows: int, width: int) -> torch.Tensor:
     a time inside the copy leaves the other cores idle. The tensor keeps the map alive.
     Elsewhere (no anonymous maps) a plain ``torch.empty``.
 
-    A buffer of at least ``HUGE_PAGE_BYTES`` starts on a huge-page boundary and asks for
-    transparent huge pages (``madvise(MADV_HUGEPAGE)``, the kernel's
-    admin-guide/mm/transhuge), unless ``LOCALGEN_HUGE_PAGES`` is 0: a decode step streams every
-    weight once, and with 4 KiB pages each page costs a TLB miss and stops the hardware
-    prefetcher at its edge. Only whole 2 MiB spans inside the buffer become huge pages, so it
-    holds no memory beyond its bytes; the alignment slack in front is never touched."""
+    With ``LOCALGEN_HUGE_PAGES=1`` a buffer of at least ``HUGE_PAGE_BYTES`` starts on a
+    huge-page boundary and asks for transparent huge pages (``madvise(MADV_HUGEPAGE)``, the
+    kernel's admin-guide/mm/transhuge): a decode step streams every weight once, and with 4 KiB
+    pages each page costs a TLB miss and stops the hardware prefetcher at its edge. Only whole
+    2 MiB spans inside the buffer become huge pages, so it holds no memory beyond its bytes; the
+    alignment slack in front is never touched. It is off by default: where the kernel hands
+    freed 2 MiB blocks back to a hypervisor (free page reporting), every huge page is a fresh
+    host allocation and faulting them in costs more load time than the decode gains."""
     n = rows * width
     if n < POPULATE_MIN_BYTES or not hasattr(mmap, "MAP_ANONYMOUS"):
         return torch.empty(rows, width, dtype=torch.uint8)
@@ -55,11 +57,11 @@ def empty_rows(rows: int, width: int) -> torch.Tensor:
 
 def _huge_pages_wanted(n: int) -> bool:
     """Whether a buffer of n bytes asks for transparent huge pages: one fits in it, the platform
-    has the advice and ``LOCALGEN_HUGE_PAGES`` is not 0."""
+    has the advice and ``LOCALGEN_HUGE_PAGES`` is 1."""
     import os
 
     return (n >= HUGE_PAGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE")
-            and os.environ.get(HUGE_PAGES_ENV, "1") != "0")
+            and os.environ.get(HUGE_PAGES_ENV, "0") == "1")
 
 
 def _huge_aligned_start(mm: mmap.mmap, n: int) -> int:
