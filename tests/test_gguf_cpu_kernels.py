@@ -162,7 +162,7 @@ def check_one_row_bits(qtype, seed, monkeypatch) -> None:
     raw = random_blocks(qtype, N, k, rng)
     x = torch.from_numpy(rng.standard_normal((1, k), dtype=np.float32))
     want = gguf_cpu.matmul(x, raw, qtype, k)
-    monkeypatch.setattr(gguf_cpu, "CHUNKS_PER_THREAD", N)
+    monkeypatch.setattr(gguf_cpu, "W_CHUNK_BYTES", 1)
     assert gguf_cpu._plan(1, N, k, qtype, raw.shape[1], 1024)[2] == 1
     assert torch.equal(gguf_cpu.matmul(x, raw, qtype, k), want)
     check(qtype, 1, k, seed)

@@ -14,7 +14,8 @@
  * Threads take chunks of output rows, guided: long runs of consecutive chunks first, which the
  * hardware prefetcher streams, then single chunks, so a core slowed by another process does less;
  * each weight row is read from memory once per call: it meets up to 4 activation rows per
- * unpack (8 for the 32-value types where AVX-512 is), and the activation rows come in tiles that stay in L2 while the chunk's weights do.
+ * unpack (8 for the 32-value types where AVX-512 is), and the activation rows come in tiles
+ * that stay in L2 while the chunk's weights do.
  * A single activation row (a decode step) meets four weight rows a call, each read front to back,
  * ended by one 4-way horizontal add. A matrix may come as segments of different types (a layer's
  * q/k/v, T_SEGMENTS), swept in one call.
@@ -1189,8 +1190,8 @@ static void sweep_x8(int t, const uint8_t *w, int64_t ws, int64_t n, const uint8
 
 /* The shared work split, run inside a parallel region (its loop is an orphaned omp for, nowait:
  * the caller's region ends in a barrier, and consecutive sweeps write apart): threads take
- * chunks of n_chunk output rows, guided; within a chunk, activation rows go m_tile at a time, 4 per
- * weight-row visit. Activation row i is at xa + i * xs bytes: quantized rows for rows(), float32
+ * chunks of n_chunk output rows, guided; within a chunk, activation rows go m_tile at a time, 4
+ * (rows_per_visit) per weight-row visit. Activation row i is at xa + i * xs bytes: quantized rows for rows(), float32
  * rows (xs = 4 k) for rowsf() when f32. Output row i starts at y + i * ldy. */
 static void sweep(int qtype, const uint8_t *w, int64_t w_stride, int64_t n, const uint8_t *xa,
                   size_t xs, int64_t m, int64_t k, float *y, int64_t ldy, int64_t m_tile,
