@@ -1201,7 +1201,7 @@ static void sweep(int qtype, const uint8_t *w, int64_t w_stride, int64_t n, cons
         return;
     }
     const int64_t chunks = (n + n_chunk - 1) / n_chunk;
-    const int visit = rows_per_visit(qtype);
+    const int visit = f32 || scalar ? 4 : rows_per_visit(qtype);
 #ifdef LG_AVX2
     const w4_fn w4 = m == 1 && !f32 && !scalar ? w4_kernel(qtype) : NULL;
 #endif
@@ -1217,7 +1217,7 @@ static void sweep(int qtype, const uint8_t *w, int64_t w_stride, int64_t n, cons
             const int64_t i1 = i0 + m_tile < m ? i0 + m_tile : m;
             for (int64_t r = r4; r < r1; r++)
                 for (int64_t i = i0, nx; i < i1; i += nx) {
-                    nx = i1 - i < 4 ? i1 - i : i1 - i >= visit && !f32 && !scalar ? visit : 4;
+                    nx = i1 - i >= visit ? visit : i1 - i < 4 ? i1 - i : 4;
                     if (f32) rowsf(qtype, w + r * w_stride, (const float *)(xa + i * xs), k,
                                    y + i * ldy + r, ldy, (int)nx, scalar);
                     else rows(qtype, w + r * w_stride, xa + i * xs, xs, k, y + i * ldy + r, ldy,

@@ -150,18 +150,5 @@ AI void q4x8_rows_r(const uint8_t *w, const uint8_t *const x[4], int64_t k, floa
     for (int r = 0; r < R; r++) _mm256_storeu_ps(y[r], _mm256_sub_ps(acc[r], accm[r]));
 }
 
-static void q4x8_rows1(const uint8_t *w, const uint8_t *const x[4], int64_t k, float *const y[4]) {
-    q4x8_rows_r(w, x, k, y, 1);
-}
-
-static void q4x8_rows2(const uint8_t *w, const uint8_t *const x[4], int64_t k, float *const y[4]) {
-    q4x8_rows_r(w, x, k, y, 2);
-}
-
-#ifdef __AVX512VL__
-/* Four rows a visit: 16 accumulators, which only AVX-512's 32 vector registers hold. */
-static void q4x8_rows4(const uint8_t *w, const uint8_t *const x[4], int64_t k, float *const y[4]) {
-    q4x8_rows_r(w, x, k, y, 4);
-}
-#endif
+X8_ENTRIES(q4x8)
 #endif

@@ -160,18 +160,5 @@ AI void q6x8_rows_r(const uint8_t *w, const uint8_t *const x[4], int64_t k, floa
     for (int r = 0; r < R; r++) _mm256_storeu_ps(y[r], acc[r]);
 }
 
-static void q6x8_rows1(const uint8_t *w, const uint8_t *const x[4], int64_t k, float *const y[4]) {
-    q6x8_rows_r(w, x, k, y, 1);
-}
-
-static void q6x8_rows2(const uint8_t *w, const uint8_t *const x[4], int64_t k, float *const y[4]) {
-    q6x8_rows_r(w, x, k, y, 2);
-}
-
-#ifdef __AVX512VL__
-/* Four rows a visit: 16 dot-product accumulators, which only AVX-512's 32 vector registers hold. */
-static void q6x8_rows4(const uint8_t *w, const uint8_t *const x[4], int64_t k, float *const y[4]) {
-    q6x8_rows_r(w, x, k, y, 4);
-}
-#endif
+X8_ENTRIES(q6x8)
 #endif

@@ -10,6 +10,19 @@
 /* Longest row a repacked matrix may have (the slow paths unpack a row into a stack buffer). */
 #define X8_MAX_ROW_BYTES (64 * 1024)
 
+/* A type's entry points NAME_rows1, NAME_rows2 and, where AVX-512's 32 vector registers hold
+ * their 16 accumulators, NAME_rows4: one compiled body each of its NAME_rows_r (R rows a visit),
+ * the signature of x8_rows_fn. */
+#define X8_ROWS_FN(NAME, R)                                                                       \
+    static void NAME##_rows##R(const uint8_t *w, const uint8_t *const x[4], int64_t k,           \
+                               float *const y[4]) { NAME##_rows_r(w, x, k, y, R); }
+#ifdef __AVX512VL__
+#define X8_ROWS4_FN(NAME) X8_ROWS_FN(NAME, 4)
+#else
+#define X8_ROWS4_FN(NAME)
+#endif
+#define X8_ENTRIES(NAME) X8_ROWS_FN(NAME, 1) X8_ROWS_FN(NAME, 2) X8_ROWS4_FN(NAME)
+
 #include "gguf_q4k_x8.h"
 #include "gguf_q6k_x8.h"
 
@@ -39,7 +52,7 @@ static void x8_unpack_row(int t, const uint8_t *w, int64_t ws, int64_t r, int64_
 }
 
 #ifdef LG_AVX2
-/* 8 repacked rows (group row w) against one quantized activation row x: y[0..7]. */
+/* 8 repacked rows (group row w) against R quantized activation rows x[0..R-1]: y[r][0..7]. */
 typedef void (*x8_rows_fn)(const uint8_t *w, const uint8_t *const x[4], int64_t k, float *const y[4]);
 
 /* Type t's kernel for R activation rows a visit (each output the same bits at every R), or NULL
@@ -66,10 +79,12 @@ static void x8_group_rows(int t, const uint8_t *wg, const uint8_t *xa, size_t xs
         const x8_rows_fn fn = x8_kernel(t, R);
         for (; fn && i + R <= i1; i += R) {
             const uint8_t *x[4] = {NULL, NULL, NULL, NULL};
-            float out[4][X8_ROWS], *yr[4] = {out[0], out[1], out[2], out[3]};
-            for (int r = 0; r < R; r++) x[r] = xa + (i + r) * xs;
+            float *yr[4] = {NULL, NULL, NULL, NULL};
+            for (int r = 0; r < R; r++) {
+                x[r] = xa + (i + r) * xs;
+                yr[r] = y + (i + r) * ldy;
+            }
             fn(wg, x, k, yr);
-            for (int r = 0; r < R; r++) memcpy(y + (i + r) * ldy, out[r], sizeof out[r]);
         }
     }
 }
